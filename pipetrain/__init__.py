@@ -1,0 +1,14 @@
+"""pipetrain: pipeline-parallel training for PyTorch.
+
+``pipetrain.wrap(model, example_inputs, stages=..., schedule=...)`` splits a model into
+balanced stages and trains it with GPipe, 1F1B, interleaved 1F1B or asynchronous 1F1B
+(with PipeDream weight stashing or SpecTrain weight prediction), in one process or one
+process per stage under torchrun.
+"""
+from pipetrain.api import wrap
+from pipetrain.metrics import StepResult
+from pipetrain.options import PipelineOptions
+from pipetrain.pipeline import Pipeline
+
+__all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult"]
+__version__ = "0.1.0"

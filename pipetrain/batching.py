@@ -1,0 +1,68 @@
+"""Splitting mini-batches into micro-batches and merging outputs back.
+
+Inputs may be a tensor, a tuple/list of model inputs or a dict of keyword inputs;
+every tensor leaf is split along dim 0, non-tensor leaves are passed to every
+micro-batch unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def batch_size(batch: Any) -> int:
+    """Size of dim 0 of the first tensor in ``batch``."""
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    raise TypeError(
+        "the mini-batch holds no tensor with a batch dimension; pass a tensor, or a tuple/dict "
+        "of tensors whose dim 0 is the batch")
+
+
+def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
+    """Split every tensor leaf of ``batch`` into ``micro_batches`` pieces along dim 0.
+
+    Pieces differ in size by at most one sample (``torch.tensor_split``), so an uneven
+    mini-batch still gives exactly ``micro_batches`` micro-batches.
+    """
+    size = batch_size(batch)
+    if size < micro_batches:
+        raise ValueError(
+            f"the mini-batch has {size} samples but micro_batches={micro_batches}; "
+            f"use micro_batches <= {size} or a larger batch")
+    leaves, spec = pytree.tree_flatten(batch)
+    pieces = [
+        torch.tensor_split(leaf, micro_batches, dim=0)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size
+        else [leaf] * micro_batches
+        for leaf in leaves
+    ]
+    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(micro_batches)]
+
+
+def merge_micro_batches(outputs: list[Any]) -> Any:
+    """Concatenate per-micro-batch outputs along dim 0 (tensor leaves only)."""
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    merged = []
+    for i, first in enumerate(flat[0][0]):
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            merged.append(torch.cat([f[0][i] for f in flat], dim=0))
+        else:
+            merged.append(first)
+    return pytree.tree_unflatten(merged, spec)
+
+
+def as_positional(inputs: Any, names: list[str]) -> tuple:
+    """Model inputs as the positional arguments of stage 0 (a dict is matched by name)."""
+    if isinstance(inputs, dict):
+        missing = [n for n in names if n not in inputs]
+        if missing:
+            raise ValueError(f"the input dict lacks the model inputs {missing}; it has {sorted(inputs)}")
+        return tuple(inputs[n] for n in names)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs)
+    return (inputs,)

@@ -1,0 +1,181 @@
+"""The executor: one loop that runs a device's action list, dispatching on the action kind.
+
+It is a generator: it yields ``BLOCKED`` while a message it needs has not arrived and
+``DONE`` after each action. The local engine interleaves the generators of all devices
+in one process; the distributed engine drives the one of its rank (its transport waits
+instead of blocking the generator). Both execute the same lists ``schedules`` builds.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pipetrain.feed import Feed
+from pipetrain.stage import StageRuntime, takes_grad
+from pipetrain.topology import Topology
+from pipetrain.transport import ACT, GRAD
+from schedules import Action, ActionKind
+
+BLOCKED, DONE = "blocked", "done"
+
+
+class DeviceExecutor:
+    """Executes the actions of one pipeline device (all its chunks / virtual stages)."""
+
+    def __init__(self, device: int, stages: dict[int, StageRuntime], topology: Topology, transport: Any,
+                 feed: Feed, step: Callable[[int], Iterator[str]], reduce: Callable[[int], None] | None = None,
+                 send_dtype: torch.dtype | None = None, train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0):
+        self.device = device
+        self.stages = stages  # chunk -> runtime
+        self.topology = topology
+        self.transport = transport
+        self.feed = feed
+        self.step = step
+        self.reduce = reduce
+        self.send_dtype = send_dtype
+        self.train = train
+        self.loss_scale = loss_scale
+        self.outputs: dict[tuple[int, int], Any] = {}       # (stage, micro-batch) -> forward outputs to send
+        self.input_grads: dict[tuple[int, int], list] = {}  # (stage, micro-batch) -> gradients to send back
+        self.float_leaves: dict[tuple[int, int], dict[str, int]] = {}  # gradients expected per output
+        self.predictions: dict[int, Any] = {}
+        self.steps_done: list[int] = []
+        self.busy_seconds = 0.0
+        self._handlers = {
+            ActionKind.FORWARD: self._forward,
+            ActionKind.BACKWARD: self._backward,
+            ActionKind.SEND_ACT: self._send_act,
+            ActionKind.RECV_ACT: self._recv_act,
+            ActionKind.SEND_GRAD: self._send_grad,
+            ActionKind.RECV_GRAD: self._recv_grad,
+            ActionKind.STEP: self._step,
+            ActionKind.REDUCE: self._reduce,
+        }
+
+    def run(self, actions: Iterable[Action]) -> Iterator[str]:
+        for action in actions:
+            handler = self._handlers.get(action.kind)
+            if handler is None:
+                raise ValueError(f"the runtime cannot execute action {action} ({action.kind.name}); "
+                                 "use gpipe, 1f1b, interleaved-1f1b or async-1f1b")
+            yield from handler(action)
+            yield DONE
+
+    def _stage(self, action: Action) -> StageRuntime:
+        return self.stages[action.chunk]
+
+    def _cast(self, values: Any) -> Any:
+        if self.send_dtype is None:
+            return values
+        return pytree.tree_map(
+            lambda v: v.to(self.send_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, values)
+
+    def _wait(self, links, kind: str, micro_batch: int) -> Iterator[str]:
+        for link in links:
+            while not self.transport.ready(link, kind, micro_batch):
+                yield BLOCKED
+
+    def _forward(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        g = a.micro_batch
+        if stage.index == 0:
+            inputs = self.feed.inputs(g)
+            inputs = tuple(v.to(stage.device) if isinstance(v, torch.Tensor) else v for v in inputs)
+        else:
+            links = self.topology.into[stage.index]
+            yield from self._wait(links, ACT, g)
+            inputs = self.topology.assemble(stage.index, {l.index: self.transport.take(l, ACT, g) for l in links})
+        target = None
+        if stage.is_last and self.train:
+            target = pytree.tree_map(lambda v: v.to(stage.device) if isinstance(v, torch.Tensor) else v,
+                                     self.feed.target(g))
+        start = time.perf_counter()
+        out = stage.forward(g, inputs, target, self.feed.weight(g), grad=self.train)
+        self.busy_seconds += time.perf_counter() - start
+        if stage.is_last:
+            if not self.train:
+                self.predictions[g] = out
+        else:
+            values = dict(zip(self.topology.outputs[stage.index], _as_tuple(out)))
+            self.outputs[(stage.index, g)] = values
+            if self.train:
+                self.float_leaves[(stage.index, g)] = {n: _count_float(v) for n, v in values.items()}
+
+    def _send_act(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        values = self.outputs.pop((stage.index, a.micro_batch))
+        for link in self.topology.out_of[stage.index]:
+            self.transport.send(link, ACT, a.micro_batch, self._cast([values[n] for n in link.names]),
+                                shape_key=self.feed.size(a.micro_batch))
+        return iter(())
+
+    def _recv_act(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        for link in self.topology.into[stage.index]:
+            self.transport.post(link, ACT, a.micro_batch, shape_key=self.feed.size(a.micro_batch))
+        return iter(())
+
+    def _backward(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        g = a.micro_batch
+        grads = None
+        if not stage.is_last:
+            links = self.topology.out_of[stage.index]
+            yield from self._wait(links, GRAD, g)
+            by_link = {l.index: self.transport.take(l, GRAD, g) for l in links}
+            grads = self._output_grads(stage, g, links, by_link)
+        start = time.perf_counter()
+        input_grads = stage.backward(g, grads, loss_scale=self.loss_scale())
+        self.busy_seconds += time.perf_counter() - start
+        if stage.index > 0:
+            self.input_grads[(stage.index, g)] = input_grads
+
+    def _output_grads(self, stage: StageRuntime, g: int, links, by_link: dict[int, list]) -> list:
+        """Sum the gradients every consumer sent for each floating output, in output order.
+
+        An output read by several later stages (a skip connection and the next stage)
+        receives one gradient per consumer; their sum is its gradient.
+        """
+        counts = self.float_leaves.pop((stage.index, g))
+        sums: dict[str, list] = {}
+        for link in links:
+            it = iter(by_link[link.index])
+            for name in link.names:
+                grads = [next(it) for _ in range(counts[name])]
+                sums[name] = [a + b for a, b in zip(sums[name], grads)] if name in sums else grads
+        return [t for n in self.topology.outputs[stage.index] for t in sums.get(n, [])]
+
+    def _send_grad(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        grads = self.input_grads.pop((stage.index, a.micro_batch))
+        position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
+        for link in self.topology.into[stage.index]:
+            message = [t for n in link.names for t in grads[position[n]]]
+            self.transport.send(link, GRAD, a.micro_batch, self._cast(message), shape_key=self.feed.size(a.micro_batch))
+        return iter(())
+
+    def _recv_grad(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        for link in self.topology.out_of[stage.index]:
+            self.transport.post(link, GRAD, a.micro_batch, shape_key=self.feed.size(a.micro_batch))
+        return iter(())
+
+    def _step(self, a: Action) -> Iterator[str]:
+        yield from self.step(a.micro_batch)
+        self.steps_done.append(a.micro_batch)
+
+    def _reduce(self, a: Action) -> Iterator[str]:
+        if self.reduce is not None:
+            self.reduce(a.micro_batch)
+        return iter(())
+
+
+def _count_float(value: Any) -> int:
+    return sum(1 for v in pytree.tree_leaves(value) if takes_grad(v))
+
+
+def _as_tuple(out: Any) -> tuple:
+    return out if isinstance(out, tuple) else (out,)

@@ -1,0 +1,98 @@
+"""The options of ``pipetrain.wrap`` and their validation (one clear error per bad value)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "async-1f1b")
+SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+STALENESS = ("none", "vanilla", "stash", "spectrain")
+PARTITIONERS = ("graph", "time", "params", "uniform")
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+ENGINES = ("auto", "local", "distributed")
+SPECTRAIN_VARIANTS = ("paper", "forward-only")
+
+
+def _default_optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+@dataclass
+class PipelineOptions:
+    """Everything ``wrap`` accepts besides the model and its example inputs."""
+
+    stages: int = 4
+    micro_batches: int = 8
+    schedule: str = "1f1b"
+    staleness: str = "none"
+    partitioner: str | list[str] = "graph"
+    loss_fn: Callable | None = torch.nn.functional.cross_entropy
+    optimizer: Callable = _default_optimizer
+    precision: str = "fp32"
+    data_parallel: int = 1
+    engine: str = "auto"
+    logdir: str | None = None
+    # Beyond the contract: tuning knobs with safe defaults.
+    chunks: int = 2                    # virtual stages per device for interleaved-1f1b
+    spectrain_variant: str = "paper"
+    devices: list[torch.device] | None = None  # local engine: device per stage
+    seed: int = 0
+    profile: bool = True
+    bandwidth: float | None = None     # bytes/s between stages, for the graph partitioner
+    memory_limit: float | None = None  # bytes per stage, for the graph partitioner
+    dynamic_shapes: bool = False
+
+    def validate(self) -> None:
+        def choose(name: str, value: Any, valid) -> None:
+            if value not in valid:
+                raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(str, valid))}")
+
+        if not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"stages must be a positive integer, got {self.stages!r}")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
+            raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}")
+        choose("schedule", self.schedule, SCHEDULES)
+        choose("staleness", self.staleness, STALENESS)
+        choose("precision", self.precision, PRECISIONS)
+        choose("engine", self.engine, ENGINES)
+        choose("spectrain_variant", self.spectrain_variant, SPECTRAIN_VARIANTS)
+        if not isinstance(self.partitioner, (list, tuple)):
+            choose("partitioner", self.partitioner, PARTITIONERS)
+        if self.schedule in SYNC_SCHEDULES and self.staleness != "none":
+            raise ValueError(
+                f"staleness={self.staleness!r} only applies to schedule='async-1f1b'; the {self.schedule} "
+                "schedule flushes the pipeline, so weights are never stale: use staleness='none'")
+        if self.schedule == "async-1f1b" and self.staleness == "none":
+            raise ValueError("schedule='async-1f1b' needs a staleness policy: staleness='vanilla', 'stash' "
+                             "(PipeDream weight stashing) or 'spectrain' (weight prediction)")
+        if self.schedule == "async-1f1b" and self.precision == "fp16":
+            raise ValueError("fp16 loss scaling needs every stage to agree on skipped steps, which a "
+                             "never-flushed async-1f1b pipeline cannot do without stalling: use "
+                             "precision='bf16' (no loss scaling) or a synchronous schedule")
+        if self.schedule == "async-1f1b" and self.precision != "fp32" and self.staleness in ("vanilla", "spectrain"):
+            raise ValueError(
+                f"staleness={self.staleness!r} with precision={self.precision!r}: autocast saves low-precision "
+                "copies of the weights for the backward, so the backward could not see the latest/predicted "
+                "weights; use precision='fp32' or staleness='stash'")
+        if self.schedule == "interleaved-1f1b" and self.chunks < 2:
+            raise ValueError(f"interleaved-1f1b needs chunks >= 2 virtual stages per device, got {self.chunks}")
+        if self.loss_fn is None:
+            raise ValueError("loss_fn is required: a callable (output, target) -> scalar loss")
+
+    @property
+    def chunks_per_device(self) -> int:
+        return self.chunks if self.schedule == "interleaved-1f1b" else 1
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks_per_device
+
+    @property
+    def policy_name(self) -> str:
+        if self.staleness == "spectrain" and self.spectrain_variant == "forward-only":
+            return "spectrain-forward"
+        return self.staleness

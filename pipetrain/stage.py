@@ -1,0 +1,190 @@
+"""One virtual stage at run time: its module, optimizer, staleness policy and in-flight micro-batches."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from pipetrain.staleness import StalenessPolicy
+
+
+@dataclass
+class InFlight:
+    """What a forward leaves for its backward."""
+
+    outputs: list[torch.Tensor]          # floating outputs, in send order (the scaled loss on the last stage)
+    input_leaves: list[list[torch.Tensor]]  # per input: leaves for its floating tensors (they take gradients)
+    update: int                          # optimizer updates the stage had taken at forward time
+    activation_bytes: int
+
+
+def tensor_leaves(values: Any) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
+
+
+def takes_grad(t: Any) -> bool:
+    """Boundary tensors that carry a gradient back: floating point ones."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _is_inplace(module: nn.Module, node: torch.fx.Node) -> bool:
+    if node.kwargs.get("inplace", False):
+        return True
+    if node.op == "call_module":
+        return bool(getattr(module.get_submodule(node.target), "inplace", False))
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if getattr(node.target, "__module__", "") in ("_operator", "operator"):
+            return name.startswith("i") and name not in ("is_", "is_not", "index", "invert")
+        return name.endswith("_") and not name.endswith("__")
+    return False
+
+
+def mutated_inputs(module: nn.Module) -> set[int] | None:
+    """Positions of inputs an fx stage module modifies in place (None: unknown, assume all).
+
+    Such an input cannot be an autograd leaf, so the runtime feeds it a clone.
+    """
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return None
+    index = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+    return {index[n.args[0]] for n in graph.nodes
+            if n.args and isinstance(n.args[0], torch.fx.Node) and n.args[0] in index
+            and _is_inplace(module, n)}
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes autograd keeps for a backward (activations, not weights)."""
+
+    def __init__(self, weights: set[int]):
+        self.total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in weights:
+                self.total += t.numel() * t.element_size()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+@dataclass
+class StageRuntime:
+    """Runs the forwards and backwards of one virtual stage."""
+
+    index: int
+    num_stages: int
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    policy: StalenessPolicy
+    device: torch.device
+    loss_fn: Callable | None = None
+    autocast_dtype: torch.dtype | None = None
+    seed: int = 0
+    in_flight: dict[int, InFlight] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.clone_inputs = mutated_inputs(self.module)
+        self.busy_seconds = 0.0
+        self.peak_in_flight = 0
+        self.peak_activation_bytes = 0
+        self.version_lags: list[int] = []
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _rng(self, micro_batch: int):
+        """Seed dropout & co. per (update, stage, micro-batch) so every engine draws the same numbers."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        ctx = torch.random.fork_rng(devices=devices)
+        seed = hash((self.seed, self.policy.updates, self.index, micro_batch)) % (2 ** 63)
+        return ctx, seed
+
+    def forward(self, micro_batch: int, inputs: tuple, target: Any = None, weight: float = 1.0,
+                grad: bool = True) -> Any:
+        """Forward ``micro_batch``; returns the outputs to send (or the loss on the last stage)."""
+        leaves: list[list[torch.Tensor]] = []
+        args = []
+        for i, value in enumerate(inputs):
+            if grad and self.index > 0:
+                value, value_leaves = self._as_leaves(value, clone=self.clone_inputs is None or i in self.clone_inputs)
+                leaves.append(value_leaves)
+            else:
+                leaves.append([])
+            args.append(value)
+        weights = self.policy.forward_weights(micro_batch) if grad else None
+        param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        if weights is not None:
+            param_ptrs |= {w.untyped_storage().data_ptr() for w in weights.values()}
+        counter = SavedBytes(param_ptrs)
+        rng, seed = self._rng(micro_batch)
+        with rng, counter, torch.set_grad_enabled(grad), self._autocast():
+            torch.manual_seed(seed)
+            if weights is None:
+                out = self.module(*args)
+            else:
+                out = functional_call(self.module, weights, tuple(args))
+            if self.is_last and target is not None:
+                loss = self.loss_fn(out, target)
+                to_differentiate = [loss * weight]
+        if not grad:
+            return out
+        if self.is_last:
+            self.losses[micro_batch] = loss.detach()
+        else:
+            to_differentiate = [t for t in tensor_leaves(out) if takes_grad(t)]
+        self.in_flight[micro_batch] = InFlight(to_differentiate, leaves, self.policy.updates, counter.total)
+        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes())
+        if self.is_last:
+            return loss.detach()
+        return out
+
+    @staticmethod
+    def _as_leaves(value: Any, clone: bool) -> tuple[Any, list[torch.Tensor]]:
+        """Make every floating tensor in a received value an autograd leaf (cloned when the
+        module modifies it in place) so its gradient can be sent back."""
+        created: list[torch.Tensor] = []
+
+        def leaf(v):
+            if not takes_grad(v):
+                return v
+            t = v.detach().requires_grad_()
+            created.append(t)
+            return t.clone() if clone else t
+
+        return pytree.tree_map(leaf, value), created
+
+    def backward(self, micro_batch: int, output_grads: list[torch.Tensor] | None,
+                 loss_scale: float = 1.0) -> list[list[torch.Tensor]]:
+        """Backward ``micro_batch`` given the gradients of its floating outputs (in output order);
+        returns, per input, the gradients of its floating tensors (zeros where unused)."""
+        saved = self.in_flight.pop(micro_batch)
+        self.policy.before_backward(micro_batch)
+        self.version_lags.append(self.policy.updates - saved.update)
+        if self.is_last:
+            tensors = [saved.outputs[0] * loss_scale] if loss_scale != 1.0 else saved.outputs
+            torch.autograd.backward(tensors)
+        else:
+            pairs = [(t, g) for t, g in zip(saved.outputs, output_grads) if t.requires_grad and g is not None]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
+        self.policy.after_backward(micro_batch)
+        return [[l.grad if l.grad is not None else torch.zeros_like(l) for l in ls] for ls in saved.input_leaves]
+
+    def activation_bytes(self) -> int:
+        return sum(f.activation_bytes for f in self.in_flight.values())

@@ -1,0 +1,203 @@
+"""Moving boundary values between stages: in one process, or over torch.distributed.
+
+Both transports offer the same four calls, which the executor uses for every engine:
+``send`` (non-blocking), ``post`` (announce a receive), ``ready`` (is it there? the
+distributed transport waits until it is) and ``take``. A message is the list of values
+on one link for one micro-batch: activations src -> dst, gradients dst -> src.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from pipetrain.topology import Link, Topology
+
+ACT, GRAD = "act", "grad"
+HEADER_BYTES = 1 << 16
+
+
+class LocalTransport:
+    """All stages in one process: a message is handed over as tensors moved to the receiver's device."""
+
+    def __init__(self, devices: list[torch.device]):
+        self.devices = devices  # per virtual stage
+        self.messages: dict[tuple, list] = {}
+        self.bytes_sent = [0] * len(devices)
+
+    def send(self, link: Link, kind: str, micro_batch: int, values: list, shape_key: Any = None) -> None:
+        src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
+        self.bytes_sent[src] += payload_bytes(values)
+        moved = pytree.tree_map(lambda v: v.detach().to(self.devices[dst]) if isinstance(v, torch.Tensor) else v, values)
+        self.messages[(link.index, kind, micro_batch)] = moved
+
+    def post(self, link: Link, kind: str, micro_batch: int, shape_key: Any = None) -> None:
+        pass
+
+    def ready(self, link: Link, kind: str, micro_batch: int) -> bool:
+        return (link.index, kind, micro_batch) in self.messages
+
+    def take(self, link: Link, kind: str, micro_batch: int) -> list:
+        return self.messages.pop((link.index, kind, micro_batch))
+
+    def flush(self) -> None:
+        pass
+
+
+def payload_bytes(values: Any) -> int:
+    return sum(v.numel() * v.element_size() for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor))
+
+
+def _describe(leaves: list) -> tuple:
+    """What the receiver needs to allocate buffers: shape/dtype per tensor, the value otherwise."""
+    return tuple(("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("v", v) for v in leaves)
+
+
+class DistributedTransport:
+    """Point-to-point over torch.distributed, one process group per link so that messages on
+    different links never match each other's receives (NCCL ignores tags; FIFO holds per group).
+
+    Shapes and dtypes are agreed once per (link, micro-batch size) with a header message and
+    re-agreed when the size changes (a shorter last batch); ``dynamic_shapes`` sends a header
+    with every message for models whose boundary shapes depend on the data.
+    """
+
+    def __init__(self, topology: Topology, rank_of: Callable[[int], int], groups: dict[int, Any],
+                 device: torch.device, dynamic_shapes: bool = False):
+        self.topology = topology
+        self.rank_of = rank_of
+        self.groups = groups
+        self.device = device
+        self.dynamic_shapes = dynamic_shapes
+        self.rank = dist.get_rank()
+        self.local = LocalTransport([device] * topology.num_stages)
+        self.meta_sent: dict[tuple, tuple] = {}
+        self.meta_received: dict[tuple, tuple] = {}
+        self.pending_sends: list[tuple[Any, list]] = []
+        self.posted: dict[tuple, tuple] = {}
+        self.bytes_sent = [0] * topology.num_stages
+
+    def _peer(self, link: Link, kind: str, sending: bool) -> int:
+        src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
+        return self.rank_of(dst if sending else src)
+
+    def _is_local(self, link: Link) -> bool:
+        return self.rank_of(link.src) == self.rank_of(link.dst)
+
+    def _shape_key(self, micro_batch: int, shape_key: Any) -> Any:
+        return ("micro-batch", micro_batch) if self.dynamic_shapes else shape_key
+
+    def send(self, link: Link, kind: str, micro_batch: int, values: list, shape_key: Any = None) -> None:
+        if self._is_local(link):
+            return self.local.send(link, kind, micro_batch, values)
+        shape_key = self._shape_key(micro_batch, shape_key)
+        src = link.src if kind == ACT else link.dst
+        peer = self._peer(link, kind, sending=True)
+        group = self.groups[link.index]
+        ops = []
+        if kind == ACT:
+            leaves, spec = pytree.tree_flatten(values)
+            meta = (_describe(leaves), pytree.treespec_dumps(spec))
+            key = (link.index, shape_key)
+            if self.dynamic_shapes or key not in self.meta_sent:
+                self.meta_sent[key] = meta
+                ops.append(dist.P2POp(dist.isend, _encode_header(meta).to(self.device), peer, group))
+            elif self.meta_sent[key] != meta:
+                raise RuntimeError(
+                    f"boundary values {link.names} from stage {link.src} to {link.dst} changed shape or "
+                    f"value for the same micro-batch size ({self.meta_sent[key][0]} -> {meta[0]}); "
+                    "models whose boundary shapes depend on the data need wrap(..., dynamic_shapes=True)")
+            tensors = [v.contiguous() for v in leaves if isinstance(v, torch.Tensor)]
+        else:
+            tensors = [g.contiguous() for g in values]
+        ops += [dist.P2POp(dist.isend, t, peer, group) for t in tensors]
+        self.bytes_sent[src] += sum(t.numel() * t.element_size() for t in tensors)
+        self.pending_sends.append((dist.batch_isend_irecv(ops), tensors))
+        self._prune()
+
+    def _prune(self) -> None:
+        if len(self.pending_sends) > 64:
+            self.pending_sends = [(w, t) for w, t in self.pending_sends if not all(x.is_completed() for x in w)]
+
+    def post(self, link: Link, kind: str, micro_batch: int, shape_key: Any = None) -> None:
+        if self._is_local(link):
+            return
+        key = (link.index, kind, micro_batch)
+        if key in self.posted:
+            return
+        shape_key = self._shape_key(micro_batch, shape_key)
+        peer = self._peer(link, kind, sending=False)
+        group = self.groups[link.index]
+        meta_key = (link.index, shape_key)
+        if kind == ACT and (self.dynamic_shapes or meta_key not in self.meta_received):
+            header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            work = dist.irecv(header, peer, group)
+            self.posted[key] = ("header", work, header, meta_key)
+            return
+        self.posted[key] = ("payload",) + self._post_payload(link, kind, meta_key, peer, group)
+
+    def _post_payload(self, link, kind, meta_key, peer, group) -> tuple:
+        # Gradients flow back along the link: the receiver of a gradient sent the activation.
+        described, spec = (self.meta_received if kind == ACT else self.meta_sent)[meta_key]
+        if kind == ACT:
+            buffers = [torch.empty(d[1], dtype=d[2], device=self.device) for d in described if d[0] == "t"]
+        else:
+            buffers = [torch.empty(d[1], dtype=d[2], device=self.device)
+                       for d in described if d[0] == "t" and d[2].is_floating_point]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer, group) for b in buffers]) if buffers else []
+        return works, buffers, (described, spec)
+
+    def ready(self, link: Link, kind: str, micro_batch: int) -> bool:
+        if self._is_local(link):
+            return self.local.ready(link, kind, micro_batch)
+        return True  # take() waits
+
+    def take(self, link: Link, kind: str, micro_batch: int) -> list:
+        if self._is_local(link):
+            return self.local.take(link, kind, micro_batch)
+        key = (link.index, kind, micro_batch)
+        if key not in self.posted:
+            raise RuntimeError(f"schedule error: {kind} of micro-batch {micro_batch} taken before it was received")
+        entry = self.posted.pop(key)
+        if entry[0] == "header":
+            _, work, header, meta_key = entry
+            work.wait()
+            self.meta_received[meta_key] = _decode_header(header.cpu())
+            peer = self._peer(link, kind, sending=False)
+            entry = ("payload",) + self._post_payload(link, kind, meta_key, peer, self.groups[link.index])
+        _, works, buffers, (described, spec) = entry
+        for w in works:
+            w.wait()
+        if kind == GRAD:
+            return buffers
+        it = iter(buffers)
+        leaves = [next(it) if d[0] == "t" else d[1] for d in described]
+        return pytree.tree_unflatten(leaves, pytree.treespec_loads(spec))
+
+    def flush(self) -> None:
+        """Wait until every send this rank posted has completed."""
+        for works, _ in self.pending_sends:
+            for w in works:
+                w.wait()
+        self.pending_sends.clear()
+        if self.dynamic_shapes:  # per-micro-batch metadata is only needed within a step
+            self.meta_sent.clear()
+            self.meta_received.clear()
+
+
+def _encode_header(meta: tuple) -> torch.Tensor:
+    blob = pickle.dumps(meta)
+    if len(blob) + 8 > HEADER_BYTES:
+        raise ValueError(f"boundary metadata of {len(blob)} bytes is too large; send fewer, larger tensors")
+    out = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    out[:8] = torch.tensor(list(len(blob).to_bytes(8, "little")), dtype=torch.uint8)
+    out[8:8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return out
+
+
+def _decode_header(header: torch.Tensor) -> tuple:
+    n = int.from_bytes(bytes(header[:8].tolist()), "little")
+    return pickle.loads(bytes(header[8:8 + n].numpy()))

@@ -1,0 +1,88 @@
+"""The process layout of the distributed engine: ranks, devices and process groups.
+
+Rank r runs pipeline device ``r % stages`` of replica ``r // stages`` (each replica's
+pipeline occupies consecutive ranks, so with ``--nproc-per-node=stages`` a pipeline
+stays inside one machine and only the data-parallel reduction crosses machines).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.topology import Topology
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def ensure_process_group(timeout_seconds: float = 1800.0) -> None:
+    """Join the default process group torchrun described (gloo on CPU, NCCL on GPU)."""
+    if dist.is_initialized():
+        return
+    if not launched_by_torchrun():
+        raise RuntimeError("engine='distributed' needs torchrun (or an initialised torch.distributed process "
+                           "group); run `torchrun --nproc-per-node N script.py` or use engine='local'")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
+
+
+class World:
+    """This rank's place in the (replica x pipeline device) grid and the groups it talks over."""
+
+    def __init__(self, stages: int, data_parallel: int):
+        self.stages = stages
+        self.data_parallel = data_parallel
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        if self.size != stages * data_parallel:
+            raise ValueError(
+                f"the world has {self.size} processes but stages x data_parallel = {stages} x {data_parallel} "
+                f"= {stages * data_parallel}; launch with --nproc-per-node (x nodes) = {stages * data_parallel} "
+                "or change stages/data_parallel")
+        self.replica, self.pipeline_device = divmod(self.rank, stages)
+        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        # new_group must be called by every rank in the same order, so groups are built up front.
+        self.control = dist.new_group(list(range(self.size)))
+        self.data_parallel_group = None
+        for d in range(stages):
+            group = dist.new_group([r * stages + d for r in range(data_parallel)])
+            if d == self.pipeline_device:
+                self.data_parallel_group = group
+
+    def rank_of(self, device: int, replica: int | None = None) -> int:
+        return (self.replica if replica is None else replica) * self.stages + device
+
+    def link_groups(self, topology: Topology) -> dict[int, object]:
+        """One two-rank group per link between stages on different devices, for this replica."""
+        mine = {}
+        for replica in range(self.data_parallel):
+            for link in topology.links:
+                ranks = sorted({self.rank_of(topology.device_of(link.src), replica),
+                                self.rank_of(topology.device_of(link.dst), replica)})
+                if len(ranks) < 2:
+                    continue
+                group = dist.new_group(ranks)
+                if replica == self.replica:
+                    mine[link.index] = group
+        return mine
+
+    def tied_groups(self, topology: Topology, tied: list[list[tuple[int, str]]]) -> dict[int, object]:
+        """A group per tied parameter whose copies live on several devices, for this replica."""
+        mine = {}
+        for replica in range(self.data_parallel):
+            for i, copies in enumerate(tied):
+                ranks = sorted({self.rank_of(topology.device_of(stage), replica) for stage, _ in copies})
+                if len(ranks) < 2:
+                    continue
+                group = dist.new_group(ranks)
+                if replica == self.replica and self.rank in ranks:
+                    mine[i] = group
+        return mine
