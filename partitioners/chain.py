@@ -1,0 +1,112 @@
+"""A cost graph laid out along one topological order: the form every partitioner splits.
+
+A stage is a contiguous segment [i, j) of the order. Its cost model:
+  compute  = sum of forward + backward seconds of its nodes
+  received = bytes of every value produced before i and consumed in [i, j)
+  sent     = bytes of every value produced in [i, j) and consumed at or after j
+  memory   = parameter bytes + output-activation bytes of its nodes + received bytes
+  time     = max(compute + (received + sent) / bandwidth, allreduce) / replicas
+where allreduce = 4 (r - 1) / r * parameter bytes / allreduce_bandwidth for a stage
+with r > 1 replicas (a ring all-reduce, as in PipeDream's planner). get_attr values
+(parameters) are copied to every stage that uses them and never sent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from .errors import PartitionError
+from .graph import CostGraph
+
+DEFAULT_BANDWIDTH = 1e10  # bytes/s between stages when the caller gives none
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+
+
+@dataclass
+class Chain:
+    """Per-position arrays of a graph in a fixed topological order."""
+
+    names: list[str]
+    ops: list[str]
+    time: np.ndarray        # forward + backward seconds
+    params: np.ndarray      # parameter bytes (shared parameters counted once)
+    acts: np.ndarray        # output activation bytes
+    out_bytes: np.ndarray   # bytes sent when the node's value crosses a cut
+    consumers: list[np.ndarray]  # sorted positions of each node's users
+    last: np.ndarray        # position of the last user (own position when unused)
+    cuttable: np.ndarray    # cuttable[c]: a stage may start at position c (len n + 1)
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def from_graph(cls, graph: CostGraph | nx.DiGraph) -> "Chain":
+        """Lay out a CostGraph (fx order) or a plain DiGraph (topological order that keeps
+        node insertion / 'order' attribute order, so skip connections stay short)."""
+        if isinstance(graph, CostGraph):
+            g, names = graph.graph, graph.order
+        elif isinstance(graph, nx.DiGraph):
+            g = graph
+            if not nx.is_directed_acyclic_graph(g):
+                raise PartitionError("the graph has a cycle; fix: pass a DAG (a traced model)")
+            first = {n: i for i, n in enumerate(g.nodes)}
+            names = list(nx.lexicographical_topological_sort(
+                g, key=lambda n: (g.nodes[n].get("order", first[n]), first[n])))
+        else:
+            raise TypeError(f"graph must be a CostGraph or networkx.DiGraph, got {type(graph).__name__}")
+        pos = {n: i for i, n in enumerate(names)}
+        attr = [g.nodes[n] for n in names]
+        ops = [a.get("op", "call_function") for a in attr]
+        n = len(names)
+        out_bytes = np.zeros(n)
+        consumers, last = [], np.arange(n)
+        for i, name in enumerate(names):
+            users = sorted(pos[u] for u in g.successors(name))
+            consumers.append(np.array(users, dtype=np.int64))
+            if users:
+                last[i] = users[-1]
+            if ops[i] != "get_attr":
+                out_bytes[i] = max((g.edges[name, u].get("bytes", 0) for u in g.successors(name)),
+                                   default=0)
+        # A tuple of tensors (e.g. nn.LSTM's output) is not cut through: stages exchange
+        # tensors, so cuts wait until its getitem users have unpacked it.
+        blocked = np.zeros(n + 2)
+        for i, a in enumerate(attr):
+            if a.get("kind") == "container" and last[i] > i:
+                blocked[i + 1] += 1
+                blocked[last[i] + 1] -= 1
+        cuttable = np.cumsum(blocked)[: n + 1] == 0
+        cuttable[0] = cuttable[n] = True
+        return cls(
+            names=names, ops=ops,
+            time=np.array([a.get("fwd_time", 0.0) + a.get("bwd_time", 0.0) for a in attr], float),
+            params=np.array([a.get("param_bytes", 0) for a in attr], float),
+            acts=np.array([a.get("act_bytes", 0) for a in attr], float),
+            out_bytes=out_bytes, consumers=consumers, last=last, cuttable=cuttable)
+
+    def segment(self, i: int, j: int) -> dict[str, float]:
+        """compute, received, sent, params, memory of the stage [i, j) (direct definition)."""
+        recv = sum(self.out_bytes[v] for v in range(i)
+                   if any(i <= q < j for q in self.consumers[v]))
+        sent = sum(self.out_bytes[v] for v in range(i, j) if self.last[v] >= j)
+        params = float(self.params[i:j].sum())
+        return {"compute": float(self.time[i:j].sum()), "received": float(recv),
+                "sent": float(sent), "params": params,
+                "memory": params + float(self.acts[i:j].sum()) + float(recv)}
+
+
+def stage_time(seg: dict[str, float], bandwidth: float, replicas: int = 1,
+               allreduce_bandwidth: float | None = None) -> float:
+    """Predicted seconds per micro-batch of one stage (see the module docstring)."""
+    busy = seg["compute"] + (seg["received"] + seg["sent"]) / bandwidth
+    return max(busy, allreduce_time(seg["params"], replicas, allreduce_bandwidth)) / replicas
+
+
+def allreduce_time(param_bytes: float, replicas: int, allreduce_bandwidth: float | None) -> float:
+    """Ring all-reduce seconds of a stage's gradients over `replicas` copies."""
+    if replicas <= 1 or allreduce_bandwidth is None:
+        return 0.0
+    return 4.0 * (replicas - 1) / replicas * param_bytes / allreduce_bandwidth

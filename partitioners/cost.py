@@ -1,0 +1,122 @@
+"""Per-node cost: measured forward/backward time, or a FLOP/byte estimate.
+
+Both take the node as a callable plus the example values of its arguments, so
+they work for modules, functions and methods alike.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+# Nominal device speeds for the estimate (profile=False). Only ratios between
+# nodes matter for partitioning, so round numbers are enough.
+PEAK_FLOPS = {"cpu": 1e11, "cuda": 1e13}
+MEMORY_BANDWIDTH = {"cpu": 2e10, "cuda": 5e11}
+
+
+def value_bytes(value: Any) -> int:
+    """Bytes of every tensor inside value (0 for ints, None, ...)."""
+    leaves, _ = tree_flatten(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _is_view(out: Any, inputs: Any) -> bool:
+    """True when every output tensor aliases an input (view, getitem, in-place): no data moved."""
+    outs = _tensors(out)
+    held = {_storage(t) for t in _tensors(inputs)}
+    return bool(outs) and all(_storage(t) in held for t in outs)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fresh(args: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Copies of the argument tensors; floating ones become grad leaves behind a clone
+    (the clone keeps in-place ops from touching the leaf)."""
+    leaves: list[torch.Tensor] = []
+
+    def copy(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        if v.is_floating_point():
+            leaf = v.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone()
+        return v.detach().clone()
+
+    return tree_map(copy, args), leaves
+
+
+def measure(fn: Callable[..., Any], args: tuple, kwargs: dict, params: list[torch.Tensor],
+            device: torch.device, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of fn(*args, **kwargs) over `repeats` runs."""
+    fwd: list[float] = []
+    out: Any = None
+    leaves: list[torch.Tensor] = []
+    for rep in range(repeats + 1):  # the first run warms up and is not counted
+        (a, k), leaves = _fresh((args, kwargs))
+        _sync(device)
+        start = time.perf_counter()
+        out = fn(*a, **k)
+        _sync(device)
+        if rep:
+            fwd.append(time.perf_counter() - start)
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    wrt = leaves + [p for p in params if p.requires_grad]
+    if not outs or not wrt:
+        return statistics.median(fwd), 0.0
+    grads = [torch.ones_like(t) for t in outs]
+    bwd: list[float] = []
+    for rep in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
+        _sync(device)
+        if rep:
+            bwd.append(time.perf_counter() - start)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _rnn_flops(module: torch.nn.Module, args: tuple) -> int:
+    """FLOPs of an nn.RNN/LSTM/GRU: every weight matrix multiplies once per time step
+    (FlopCounterMode does not see inside the fused CPU kernels)."""
+    x = args[0]
+    data = x.data if isinstance(x, torch.nn.utils.rnn.PackedSequence) else x
+    tokens = data.shape[:-1].numel()
+    weights = sum(p.numel() for n, p in module.named_parameters() if n.startswith("weight"))
+    return 2 * weights * tokens
+
+
+def estimate(fn: Callable[..., Any], args: tuple, kwargs: dict, module: torch.nn.Module | None,
+             out: Any, param_bytes: int, device: torch.device) -> tuple[float, float]:
+    """Forward and backward seconds from counted FLOPs and bytes moved (no timing)."""
+    if _is_view(out, (args, kwargs)) or not _tensors(out):
+        return 0.0, 0.0
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        (a, k), _ = _fresh((args, kwargs))
+        fn(*a, **k)
+    flops = counter.get_total_flops()
+    if isinstance(module, torch.nn.RNNBase):
+        flops = _rnn_flops(module, args)
+    moved = value_bytes((args, kwargs)) + value_bytes(out) + param_bytes
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    fwd = flops / PEAK_FLOPS[kind] + moved / MEMORY_BANDWIDTH[kind]
+    # Backward computes input and weight gradients: about twice the forward work.
+    needs_grad = any(t.requires_grad or t.is_floating_point() for t in _tensors(out))
+    return fwd, (2.0 * fwd if needs_grad else 0.0)

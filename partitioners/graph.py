@@ -1,0 +1,40 @@
+"""The cost graph: a traced model as a networkx DiGraph with per-node costs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch.fx as fx
+import torch.nn as nn
+
+
+@dataclass
+class CostGraph:
+    """A model traced by torch.fx, one networkx node per fx node.
+
+    Node attributes: op, target, order (fx position), fwd_time, bwd_time (seconds),
+    param_bytes (a parameter shared by several nodes counts once, at its first user),
+    act_bytes (output bytes), params (qualified names of the parameters the node uses),
+    tied (the node shares a parameter with another node), kind of value it outputs
+    ("tensor", "container" holding tensors, or "other"), scope (innermost module path).
+    Edge attribute: bytes (of the value the edge moves).
+    """
+
+    graph: nx.DiGraph
+    module: fx.GraphModule
+    model: nn.Module
+    auto_leaves: list[str] = field(default_factory=list)
+    tied_params: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def order(self) -> list[str]:
+        """Node names in fx (topological) order."""
+        return [n.name for n in self.module.graph.nodes]
+
+    def total_time(self) -> float:
+        """Sum of forward and backward seconds over all nodes."""
+        g = self.graph
+        return sum(g.nodes[n]["fwd_time"] + g.nodes[n]["bwd_time"] for n in g)
+
+    def __len__(self) -> int:
+        return self.graph.number_of_nodes()

@@ -1,0 +1,71 @@
+"""One stage of a plan as an fx.GraphModule.
+
+The stage graph copies the stage's fx nodes in order. Its placeholders are the values
+it receives (stage 0: the model's own placeholders, defaults included); it returns the
+values later stages need, as a tuple (the last stage returns the model's output as is).
+Values of any type (tensors, ints from x.size(0), tuples) pass through unchanged.
+Parameters read with get_attr are copied into every stage that reads them. A received
+value that the stage modifies in place (ReLU(inplace=True), `x += y`) is cloned first:
+the runtime hands stages autograd leaves, which must not be modified in place.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from .graph import CostGraph
+
+
+_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                      operator.imatmul, operator.setitem}
+
+
+def mutates_first_arg(node: fx.Node, owner: fx.GraphModule) -> bool:
+    """Whether `node` may modify its first argument in place."""
+    if node.op == "call_module":
+        return bool(getattr(owner.get_submodule(str(node.target)), "inplace", False))
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).startswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return (node.target in _INPLACE_FUNCTIONS or bool(node.kwargs.get("inplace"))
+                or (name.endswith("_") and not name.startswith("_")))
+    return False
+
+
+def stage_graph_module(cg: CostGraph, members: set[str], inputs: list[str],
+                       outputs: list[str] | None, name: str) -> fx.GraphModule:
+    """GraphModule of one stage, sharing (not copying) the traced model's submodules.
+
+    members: node names in the stage; inputs: values received (ignored for the stage that
+    holds the placeholders); outputs: values to return, or None for the last stage."""
+    src = cg.module.graph
+    nodes = {n.name: n for n in src.nodes}
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def lookup(n: fx.Node) -> fx.Node:
+        if n not in env and n.op == "get_attr":
+            env[n] = g.get_attr(n.target)  # parameters are replicated, never sent
+        return env[n]
+
+    if not any(nodes[m].op == "placeholder" for m in members):
+        for value in inputs:
+            src_node = nodes[value]
+            env[src_node] = g.placeholder(value)
+            if any(u.name in members and u.args and u.args[0] is src_node
+                   and mutates_first_arg(u, cg.module) for u in src_node.users):
+                env[src_node] = g.call_method("clone", (env[src_node],))
+    for n in src.nodes:
+        if n.name not in members or n.op == "get_attr":
+            continue
+        if n.op == "output":
+            g.output(fx.map_arg(n.args[0], lookup))
+        else:
+            env[n] = g.node_copy(n, lookup)
+    if outputs is not None:
+        g.output(tuple(lookup(nodes[v]) for v in outputs))
+    return fx.GraphModule(cg.module, g, name)
