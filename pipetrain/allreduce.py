@@ -308,6 +308,7 @@ class GradientReducer:
                 if not bucket.ready[k]:
                     bucket.fill(k, p.grad)
         self._launch_ready()
+        self._advance(block=False)  # put every bucket on the wire before blocking on the first
         self._advance(block=True)
         for bucket in self.buckets:
             for k, p in enumerate(bucket.params):
