@@ -191,7 +191,8 @@ class Pipeline:
                    for g, l in sorted(rt.losses.items()))
         for rt in self.runtimes.values():
             rt.losses.clear()
-        result = self._result(loss, feed.mini_batch_size(0), time.perf_counter() - start, executors, counters)
+        result = self._result(loss, range(m), feed.mini_batch_size(0), time.perf_counter() - start, executors,
+                              counters)
         self._finish(result)
         return result
 
@@ -221,10 +222,11 @@ class Pipeline:
             done = min(len(ex.steps_done) for ex in executors.values())
             while reported < done:
                 t = reported
+                own = range(t * o.micro_batches, (t + 1) * o.micro_batches)
                 loss_sum = sum(float(rt.losses.pop(g)) * feed.weight(g) for rt in self.runtimes.values()
-                               if rt.is_last for g in range(t * o.micro_batches, (t + 1) * o.micro_batches))
+                               if rt.is_last for g in own)
                 now = time.perf_counter()
-                result = self._result(loss_sum, feed.mini_batch_size(t), now - start, executors, counters)
+                result = self._result(loss_sum, own, feed.mini_batch_size(t), now - start, executors, counters)
                 start, counters = now, self._counters()
                 feed.release(t)
                 reported += 1
@@ -270,10 +272,10 @@ class Pipeline:
     # ----- results --------------------------------------------------------------------------
     def _counters(self) -> dict:
         """Where the cumulative per-stage counters stand, so a result reports only its own share."""
-        return {"lags": {v: len(rt.version_lags) for v, rt in self.runtimes.items()},
-                "sent": list(self.transport.bytes_sent)}
+        return {"sent": list(self.transport.bytes_sent)}
 
-    def _result(self, loss: float, samples: int, seconds: float, executors, counters) -> StepResult:
+    def _result(self, loss: float, micro_batches: range, samples: int, seconds: float, executors,
+                counters) -> StepResult:
         V = self.topology.num_stages
         busy = [0.0] * V
         lag = [0.0] * V
@@ -284,8 +286,8 @@ class Pipeline:
                 busy[v] = ex.busy_seconds / max(seconds, 1e-12) / len(self._stages_on(d))
             ex.busy_seconds = 0.0
         for v, rt in self.runtimes.items():
-            new = rt.version_lags[counters["lags"][v]:]
-            lag[v] = sum(new) / len(new) if new else 0.0
+            lags = [rt.version_lags.pop(g) for g in micro_batches if g in rt.version_lags]
+            lag[v] = sum(lags) / len(lags) if lags else 0.0
             weight_bytes[v] = rt.policy.extra_weight_bytes()
             act_bytes[v] = rt.peak_activation_bytes
             rt.peak_activation_bytes = rt.activation_bytes()

@@ -96,7 +96,7 @@ class StageRuntime:
         self.busy_seconds = 0.0
         self.peak_in_flight = 0
         self.peak_activation_bytes = 0
-        self.version_lags: list[int] = []
+        self.version_lags: dict[int, int] = {}  # micro-batch -> optimizer steps between its forward and backward
 
     @property
     def is_last(self) -> bool:
@@ -175,7 +175,7 @@ class StageRuntime:
         returns, per input, the gradients of its floating tensors (zeros where unused)."""
         saved = self.in_flight.pop(micro_batch)
         self.policy.before_backward(micro_batch)
-        self.version_lags.append(self.policy.updates - saved.update)
+        self.version_lags[micro_batch] = self.policy.updates - saved.update
         if self.is_last:
             tensors = [saved.outputs[0] * loss_scale] if loss_scale != 1.0 else saved.outputs
             torch.autograd.backward(tensors)

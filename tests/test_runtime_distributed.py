@@ -1,0 +1,57 @@
+"""The distributed engine (gloo on loopback) equals the local engine bit for bit."""
+import pytest
+import torch
+
+import pipetrain
+from dist_harness import run_world
+from runtime_models import data, loss_fn, make, reference_training, sgd
+
+# (model, schedule, staleness, micro_batches)
+WORLD2 = [
+    ("skip", "gpipe", "none", 4), ("skip", "1f1b", "none", 4), ("skip", "interleaved-1f1b", "none", 4),
+    ("skip", "async-1f1b", "vanilla", 1), ("skip", "async-1f1b", "stash", 1), ("skip", "async-1f1b", "spectrain", 1),
+    ("skip", "async-1f1b", "stash", 2),
+    ("convbn", "1f1b", "none", 4), ("tied", "1f1b", "none", 4), ("tied", "async-1f1b", "stash", 1),
+]
+WORLD4 = [("skip", "1f1b", "none", 4), ("mlp", "interleaved-1f1b", "none", 4),
+          ("skip", "async-1f1b", "spectrain", 1), ("tied", "gpipe", "none", 4)]
+
+
+def batches(name, steps=3, size=12):
+    x, y = data(name, steps * size)
+    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
+
+
+def train(engine, stages, name, schedule, staleness, micro_batches):
+    bs = batches(name)
+    pipe = pipetrain.wrap(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches, schedule=schedule,
+                          staleness=staleness, loss_fn=loss_fn(name), optimizer=sgd, partitioner="uniform",
+                          profile=False, engine=engine)
+    losses = [r.loss for r in pipe.train(bs)]
+    prediction = pipe.predict(data(name, 6, seed=9)[0])
+    return losses, pipe.state_dict(), prediction
+
+
+def scenarios(rank, world, cases):
+    return [train("distributed", world, *case) for case in cases]
+
+
+@pytest.mark.parametrize("world,cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
+def test_distributed_equals_local_exactly(tmp_path, world, cases):
+    torch.set_num_threads(1)  # the same kernels and thread count as the ranks, for bitwise equality
+    per_rank = run_world(world, "test_runtime_distributed", "scenarios", tmp_path, cases)
+    for i, case in enumerate(cases):
+        losses, expected, prediction = train("local", world, *case)
+        merged = {}
+        for rank in range(world):
+            rank_losses, state, rank_prediction = per_rank[rank][i]
+            assert rank_losses == losses, f"{case}: rank {rank} reports other losses"
+            assert torch.equal(rank_prediction, prediction), f"{case}: rank {rank} prediction differs"
+            merged.update(state)
+        assert set(merged) == set(expected), case
+        for key, value in expected.items():
+            assert torch.equal(merged[key], value), f"{case}: {key} differs"
+        if case[2] == "none":  # synchronous: also the unsplit model with gradient accumulation
+            ref = reference_training(case[0], batches(case[0]), case[3]).state_dict()
+            for key, value in ref.items():
+                torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0, msg=f"{case}: {key}")

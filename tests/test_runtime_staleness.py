@@ -1,0 +1,178 @@
+"""async-1f1b staleness policies checked against hand computations from PipeDream / SpecTrain theory.
+
+With one micro-batch per mini-batch, stage k of p runs the forward of mini-batch t after
+max(0, t - (p-k-1)) optimizer updates and its backward after t updates.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from runtime_models import data, make
+
+LR, MOMENTUM = 0.1, 0.9
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps, for every step, the gradient it applied and the weights/momentum after it."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=LR, momentum=MOMENTUM)
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        self.weights = [[p.detach().clone() for p in self.params]]  # weights after u updates
+        self.momenta = [None]
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.detach().clone() for p in self.params])
+        super().step(closure)
+        self.weights.append([p.detach().clone() for p in self.params])
+        self.momenta.append([self.state[p]["momentum_buffer"].clone() for p in self.params])
+
+
+def stream(steps, size=4):
+    x, y = data("mlp", steps * size, seed=3)
+    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
+
+
+def run_async(staleness, stages, steps=7, **kw):
+    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
+                          staleness=staleness, optimizer=RecordingSGD, partitioner="uniform", profile=False,
+                          engine="local", **kw)
+    results = list(pipe.train(stream(steps)))
+    return pipe, results
+
+
+def stage_names(pipe):
+    return {v: [n for n, _ in rt.module.named_parameters()] for v, rt in pipe.runtimes.items()}
+
+
+def hand_gradients(pipe, t, x, y, versions):
+    """Gradients of the unsplit model on (x, y) with stage k's weights taken after versions[k] updates."""
+    model = make("mlp")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for v, rt in pipe.runtimes.items():
+            for name, w in zip(stage_names(pipe)[v], rt.optimizer.weights[versions[v]]):
+                params[name].copy_(w)
+    nn.functional.cross_entropy(model(x), y).backward()
+    return {n: p.grad for n, p in params.items()}
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_stash_applies_the_gradient_of_the_forward_weight_version(stages):
+    steps = 7
+    pipe, _ = run_async("stash", stages, steps)
+    batches = stream(steps)
+    for t in range(steps):
+        versions = {v: max(0, t - (stages - v - 1)) for v in pipe.runtimes}
+        expected = hand_gradients(pipe, t, *batches[t], versions)
+        for v, rt in pipe.runtimes.items():
+            for name, g in zip(stage_names(pipe)[v], rt.optimizer.grads[t]):
+                torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=f"t={t} {name}")
+
+
+def test_vanilla_differs_from_the_stashed_gradient():
+    steps, stages = 7, 3
+    pipe, _ = run_async("vanilla", stages, steps)
+    batches = stream(steps)
+    worst = 0.0
+    for t in range(stages, steps):
+        versions = {v: max(0, t - (stages - v - 1)) for v in pipe.runtimes}
+        expected = hand_gradients(pipe, t, *batches[t], versions)
+        for name, g in zip(stage_names(pipe)[0], pipe.runtimes[0].optimizer.grads[t]):
+            worst = max(worst, (g - expected[name]).abs().max().item())
+    # Stage 0 backpropagates through stage 1's newer weights: a real, not rounding-sized, difference.
+    assert worst > 1e-4
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_stash_holds_p_minus_k_versions_spectrain_one(stages):
+    pipe, results = run_async("stash", stages, steps=2 * stages + 2)
+    assert [pipe.runtimes[v].policy.peak_versions for v in range(stages)] == [stages - k for k in range(stages)]
+    assert all(rt.policy.versions_held() == 0 for rt in pipe.runtimes.values())  # drained at the end
+    pipe, results = run_async("spectrain", stages, steps=stages + 2)
+    for v, rt in pipe.runtimes.items():
+        one_copy = sum(p.numel() * p.element_size() for p in rt.module.parameters())
+        assert rt.policy.versions_held() == 1 and results[-1].weight_version_bytes[v] == one_copy
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_version_lag_is_p_minus_k_minus_1(stages):
+    _, results = run_async("vanilla", stages, steps=3 * stages)
+    steady = results[stages:2 * stages]
+    for r in steady:
+        assert r.version_lag == [stages - k - 1 for k in range(stages)]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_spectrain_uses_predicted_weights_in_forward_and_backward(stages):
+    steps = 2 * stages + 1
+    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
+                          staleness="spectrain", optimizer=RecordingSGD, partitioner="uniform", profile=False,
+                          engine="local")
+    seen = {v: {"forward": [], "backward": []} for v in pipe.runtimes}
+    for v, rt in pipe.runtimes.items():
+        first = next(m for m in rt.module.modules() if isinstance(m, nn.Linear))
+        # The forward sees the weights functional_call put in place; the backward reads the scratch copy.
+        first.register_forward_hook(lambda m, i, o, v=v: seen[v]["forward"].append(m.weight.detach().clone()))
+        name = next(n for n, p in rt.module.named_parameters() if p is first.weight)
+        scratch = rt.policy.scratch[name]
+        scratch.register_hook(lambda g, v=v, s=scratch: seen[v]["backward"].append(s.detach().clone()))
+    list(pipe.train(stream(steps)))
+    for v, rt in pipe.runtimes.items():
+        k, opt = v, rt.optimizer
+        s_fwd, s_bwd = k // 2 + stages - k - 1, k // 2
+        name_index = 0  # the first Linear's weight is the stage's first parameter
+
+        def predicted(u, s):
+            w = opt.weights[u][name_index]
+            return w if u == 0 else w - s * LR * opt.momenta[u][name_index]
+
+        for t in range(steps):
+            torch.testing.assert_close(seen[v]["forward"][t], predicted(max(0, t - (stages - k - 1)), s_fwd),
+                                       atol=1e-7, rtol=0, msg=f"stage {k} forward t={t}")
+            torch.testing.assert_close(seen[v]["backward"][t], predicted(t, s_bwd),
+                                       atol=1e-7, rtol=0, msg=f"stage {k} backward t={t}")
+
+
+def test_spectrain_needs_a_smoothed_update():
+    with pytest.raises(TypeError, match="momentum"):
+        pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=2, micro_batches=1, schedule="async-1f1b",
+                       staleness="spectrain", optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                       partitioner="uniform", profile=False, engine="local")
+
+
+def test_async_stream_consumes_lazily_and_yields_every_mini_batch():
+    pulled = []
+
+    def source():
+        for i, b in enumerate(stream(9)):
+            pulled.append(i)
+            yield b
+
+    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=3, micro_batches=1, schedule="async-1f1b",
+                          staleness="stash", partitioner="uniform", profile=False, engine="local")
+    it = pipe.train(source())
+    first = next(it)
+    # Never reads far beyond what the pipeline holds (3 in flight at stage 0, plus one round of the local engine).
+    assert first.step == 1 and len(pulled) <= 2 * 3
+    assert len([first, *it]) == 9
+
+
+def test_async_with_several_micro_batches_accumulates_within_a_mini_batch():
+    # With micro_batches=m, each streamed mini-batch is one update of the mean gradient over its micro-batches.
+    pipe2 = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=2, micro_batches=2, schedule="async-1f1b",
+                           staleness="stash", optimizer=RecordingSGD, partitioner="uniform", profile=False,
+                           engine="local")
+    results2 = list(pipe2.train(stream(5)))
+    assert len(results2) == 5 and all(len(rt.optimizer.grads) == 5 for rt in pipe2.runtimes.values())
+    # The first mini-batch sees no staleness at all, so its update equals the synchronous one.
+    x, y = stream(5)[0]
+    model = make("mlp")
+    nn.functional.cross_entropy(model(x), y).backward()
+    for v, rt in pipe2.runtimes.items():
+        for name, g in zip(stage_names(pipe2)[v], rt.optimizer.grads[0]):
+            torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, atol=1e-6, rtol=1e-5)

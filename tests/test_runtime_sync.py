@@ -1,0 +1,100 @@
+"""Synchronous schedules on the local engine equal the unsplit model with gradient accumulation."""
+import pytest
+import torch
+
+import pipetrain
+from runtime_models import data, loss_fn, make, reference_training, sgd
+
+SCHEDULES = [("gpipe", 4), ("1f1b", 4), ("interleaved-1f1b", 4)]
+
+
+def batches(name, steps=3, size=12, seed=1):
+    x, y = data(name, steps * size, seed)
+    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
+
+
+def train_pipeline(name, stages, schedule, micro_batches, steps=3, **kw):
+    bs = batches(name, steps)
+    pipe = pipetrain.wrap(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches,
+                          schedule=schedule, loss_fn=loss_fn(name), optimizer=sgd, profile=False,
+                          engine="local", **kw)
+    losses = [pipe.step(x, y) for x, y in bs]
+    return pipe, losses, bs
+
+
+@pytest.mark.parametrize("name", ["mlp", "convbn", "skip", "tied"])
+@pytest.mark.parametrize("schedule,micro_batches", SCHEDULES)
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_sync_equals_gradient_accumulation(name, schedule, micro_batches, stages):
+    if schedule == "interleaved-1f1b" and micro_batches % stages:
+        micro_batches = stages * 2
+    pipe, losses, bs = train_pipeline(name, stages, schedule, micro_batches, partitioner="uniform")
+    ref = reference_training(name, bs, micro_batches)
+    ours = pipe.state_dict()
+    theirs = ref.state_dict()
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        # fp32 with the same operations in the same order: only summation grouping may differ.
+        torch.testing.assert_close(ours[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+def test_loss_is_sample_weighted_mean_with_uneven_micro_batches():
+    pipe, losses, bs = train_pipeline("mlp", 2, "1f1b", micro_batches=5, steps=1)
+    # 12 samples in 5 micro-batches: sizes 3,3,2,2,2; the mean over samples is the reference.
+    model = make("mlp")
+    x, y = bs[0]
+    expected = torch.nn.functional.cross_entropy(model(x), y).item()
+    assert losses[0] == pytest.approx(expected, abs=1e-6)
+    ref = reference_training("mlp", bs, 5)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[key], value, atol=1e-5, rtol=0)
+
+
+def test_shorter_last_batch_trains_like_the_reference():
+    x, y = data("mlp", 30)
+    bs = [(x[:12], y[:12]), (x[12:24], y[12:24]), (x[24:], y[24:])]
+    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=3, micro_batches=4, optimizer=sgd, profile=False,
+                          partitioner="uniform", engine="local")
+    for xb, yb in bs:
+        pipe.step(xb, yb)
+    ref = reference_training("mlp", bs, 4)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[key], value, atol=1e-5, rtol=0)
+
+
+def test_predict_equals_unsplit_model_in_eval_mode():
+    pipe, _, bs = train_pipeline("convbn", 3, "1f1b", 4, partitioner="uniform")
+    ref = reference_training("convbn", bs, 4).eval()
+    x = data("convbn", 10, seed=7)[0]
+    torch.testing.assert_close(pipe.predict(x), ref(x), atol=1e-6, rtol=0)
+    # predict() leaves the stages in training mode.
+    assert all(rt.module.training for rt in pipe.runtimes.values())
+
+
+def test_state_dict_keys_and_load_round_trip():
+    pipe, _, _ = train_pipeline("tied", 3, "gpipe", 3, partitioner="uniform")
+    original = make("tied").state_dict()
+    assert set(pipe.state_dict()) == set(original)
+    fresh = pipetrain.wrap(make("tied", seed=5), data("tied", 2)[0], stages=3, micro_batches=3, schedule="gpipe",
+                           loss_fn=loss_fn("tied"), profile=False, partitioner="uniform", engine="local")
+    fresh.load_state_dict(pipe.state_dict())
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value)
+
+
+def test_tied_copies_stay_equal_across_stages():
+    pipe, _, _ = train_pipeline("tied", 4, "1f1b", 4, partitioner="uniform")
+    sd = pipe.state_dict()
+    assert pipe.plan.tied_groups(), "the split should put embed and head on different stages"
+    assert torch.equal(sd["embed.weight"], sd["head.weight"])
+
+
+def test_step_result_reports_per_stage_numbers(tmp_path):
+    pipe, _, bs = train_pipeline("mlp", 2, "1f1b", 4, partitioner="uniform", logdir=str(tmp_path))
+    r = pipe.last_result
+    assert r.step == 3 and r.samples == 12 and r.samples_per_second > 0
+    assert len(r.busy_fraction) == 2 and all(0 < b <= 1 for b in r.busy_fraction)
+    assert r.bytes_sent[0] > 0 and r.bytes_sent[1] > 0  # activations forward, gradients back
+    assert all(a > 0 for a in r.activation_bytes)
+    pipe.close()
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
