@@ -1,0 +1,119 @@
+"""`simulate(schedule, costs)`: time a schedule with an event simulation.
+
+Bubble fraction = idle compute time / (stages x makespan), where a stage's
+compute time is the sum of its F, B and W durations (SEND, RECV, STEP and
+REDUCE take no time; communication delays the consumer). With forward = 1,
+backward = 1 (or 2) and free communication GPipe and 1F1B give
+(p-1)/(m+p-1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schedules.actions import ActionKind
+from schedules.costs import Costs
+from schedules.execution import execute
+from schedules.schedule import Schedule
+from schedules.validate import check_structure, raise_if_deadlocked
+
+F, B, W, STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP
+
+
+@dataclass
+class SimResult:
+    """What a simulated run of `schedule` looks like.
+
+    peak_in_flight[k]: most (micro-batch, chunk) units stage k holds
+    activations for at once (from F until B, or until W when the backward is
+    split). version_lag[k]: (micro_batch, lag) per backward, in execution
+    order; lag = optimizer steps stage k took between that micro-batch's
+    forward and its backward (0 for flushing schedules). start/end: time of
+    every action, shaped like schedule.actions.
+    """
+
+    schedule: Schedule
+    costs: Costs
+    makespan: float
+    bubble_fraction: float
+    utilisation: list[float]
+    peak_in_flight: list[int]
+    version_lag: list[list[tuple[int, int]]]
+    start: list[list[float]] = field(repr=False)
+    end: list[list[float]] = field(repr=False)
+
+    def summary(self) -> str:
+        """Human-readable table: makespan, bubble, and per stage utilisation, memory and lag."""
+        s, c = self.schedule, self.costs
+        shape = f"{s.stages} stages x {s.micro_batches} micro-batches"
+        if s.chunks > 1:
+            shape += f", {s.chunks} chunks per stage"
+        if s.mini_batches > 1:
+            shape += f", {s.mini_batches} mini-batches"
+        lines = [
+            f"schedule {s.kind}: {shape}",
+            f"costs: forward={c.forward} backward={c.backward} weight={c.weight} comm={c.comm}",
+            f"makespan {self.makespan:g}   bubble {100 * self.bubble_fraction:.2f}%",
+            f"{'stage':>5}  {'utilisation':>11}  {'peak in-flight':>14}  {'fwd->bwd lag':>12}",
+        ]
+        for k in range(s.stages):
+            lags = [lag for _, lag in self.version_lag[k]] or [0]
+            lag = f"{min(lags)}..{max(lags)}" if min(lags) != max(lags) else f"{lags[0]}"
+            lines.append(f"{k:>5}  {100 * self.utilisation[k]:>10.1f}%  "
+                         f"{self.peak_in_flight[k]:>14}  {lag:>12}")
+        return "\n".join(lines)
+
+    def to_chrome_trace(self, path: str) -> None:
+        """Write a Chrome trace (open in Perfetto or chrome://tracing)."""
+        from schedules.trace_export import write_chrome_trace
+        write_chrome_trace(self, path)
+
+    def to_png(self, path: str) -> None:
+        """Write a timeline picture (needs matplotlib)."""
+        from schedules.trace_export import write_png
+        write_png(self, path)
+
+
+def simulate(schedule: Schedule, costs: Costs) -> SimResult:
+    """Validate `schedule` (raises ScheduleError), then simulate it under `costs`."""
+    check_structure(schedule)
+    p = schedule.stages
+    split = any(a.kind is W for actions in schedule.actions for a in actions)
+    fwd, bwd, wgt = costs.compute(p)
+    per_device = [
+        {F: fwd[d] / schedule.chunks,
+         B: (bwd[d] if split else bwd[d] + wgt[d]) / schedule.chunks,
+         W: wgt[d] / schedule.chunks}
+        for d in range(p)
+    ]
+    timeline = execute(schedule, per_device, costs.latency(p, wraps=schedule.chunks > 1))
+    raise_if_deadlocked(schedule, timeline)
+    makespan = max((ends[-1] for ends in timeline.end if ends), default=0.0)
+    busy = []
+    for d, actions in enumerate(schedule.actions):
+        cost = per_device[d]
+        busy.append(sum(cost[a.kind] for a in actions if a.kind in cost))
+    utilisation = [b / makespan if makespan else 0.0 for b in busy]
+    bubble = 1.0 - sum(busy) / (p * makespan) if makespan else 0.0
+    peaks, lags = zip(*(_memory_and_lag(actions, split) for actions in schedule.actions))
+    return SimResult(schedule, costs, makespan, bubble, utilisation, list(peaks), list(lags),
+                     timeline.start, timeline.end)
+
+
+def _memory_and_lag(actions, split: bool) -> tuple[int, list[tuple[int, int]]]:
+    held = peak = steps = 0
+    version: dict[tuple[int, int], int] = {}
+    lags = []
+    for a in actions:
+        kind = a.kind
+        if kind is F:
+            held += 1
+            peak = max(peak, held)
+            version[(a.micro_batch, a.chunk)] = steps
+        elif kind is B:
+            lags.append((a.micro_batch, steps - version[(a.micro_batch, a.chunk)]))
+            held -= not split
+        elif kind is W:
+            held -= 1
+        elif kind is STEP:
+            steps += 1
+    return peak, lags
