@@ -63,7 +63,6 @@ class _Bucket:
         device = self.params[0].device
         self.buffer = torch.zeros(padded, dtype=spec.dtype, device=device)
         self.comm = self.buffer if compress is None else torch.zeros(padded, dtype=compress, device=device)
-        self.nbytes = spec.nbytes
         self.steps: list[Step] = []
         self.reset()
 
