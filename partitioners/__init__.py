@@ -2,9 +2,10 @@
 from .chain import DEFAULT_BANDWIDTH
 from .errors import PartitionError, TraceError
 from .graph import CostGraph
+from .hybrid import plan_hybrid
 from .partition import partition
 from .plan import Plan
 from .trace import trace
 
 __all__ = ["CostGraph", "DEFAULT_BANDWIDTH", "PartitionError", "Plan", "TraceError",
-           "partition", "trace"]
+           "partition", "plan_hybrid", "trace"]

@@ -33,7 +33,7 @@ def balanced_cuts(weights: np.ndarray, stages: int, cuttable: np.ndarray) -> lis
     return cuts + [n]
 
 
-class _Rows:
+class SegmentCosts:
     """Vectorised segment costs from one start i to every end in (i, jmax]."""
 
     def __init__(self, chain: Chain):
@@ -86,10 +86,16 @@ def optimal_cuts(chain: Chain, stages: int, *, bandwidth: float, replicas: list[
     """Cuts minimising the slowest stage's time (chain.py's cost model), exactly.
 
     Raises PartitionError when no split satisfies memory_limit."""
-    rows = _Rows(chain)
+    rows = SegmentCosts(chain)
     total = rows.compute[-1]
     lower = max(total / stages, float(chain.time.max(initial=0.0))) / max(replicas)
-    bound = 2.0 * lower if lower > 0 else 1.0
+    # A known split's bottleneck bounds every stage of the optimum: start the window there.
+    guess = balanced_cuts(chain.time, stages, chain.cuttable)
+    bound = max(_evaluate(rows, guess, bandwidth, replicas, allreduce_bandwidth, memory_limit),
+                lower)
+    if not np.isfinite(bound):
+        bound = 1.25 * lower
+    bound = bound if bound > 0 else 1.0
     while True:
         cuts, best = _dp(chain, rows, stages, bandwidth, replicas, allreduce_bandwidth,
                          memory_limit, bound)
@@ -108,7 +114,22 @@ def optimal_cuts(chain: Chain, stages: int, *, bandwidth: float, replicas: list[
         bound *= 2.0
 
 
-def _dp(chain: Chain, rows: _Rows, p: int, bandwidth: float, replicas: list[int],
+def _evaluate(rows: SegmentCosts, cuts: list[int], bandwidth: float, replicas: list[int],
+              allreduce_bandwidth: float | None, memory_limit: float | None) -> float:
+    """Bottleneck of one split under the DP's cost model (inf if it breaks memory_limit)."""
+    worst = 0.0
+    for k in range(len(cuts) - 1):
+        i, j = cuts[k], cuts[k + 1]
+        compute, moved, params, memory = (a[-1] for a in rows.costs(i, j))
+        if memory_limit is not None and memory > memory_limit:
+            return np.inf
+        r = replicas[k]
+        ring = 4.0 * (r - 1) / r * params / allreduce_bandwidth if allreduce_bandwidth else 0.0
+        worst = max(worst, max(compute + moved / bandwidth, ring) / r)
+    return worst
+
+
+def _dp(chain: Chain, rows: SegmentCosts, p: int, bandwidth: float, replicas: list[int],
         allreduce_bandwidth: float | None, memory_limit: float | None,
         bound: float) -> tuple[list[int], float]:
     """Min-max DP over segments whose compute fits the window; f[s, j] = best bottleneck
@@ -123,23 +144,25 @@ def _dp(chain: Chain, rows: _Rows, p: int, bandwidth: float, replicas: list[int]
     for i in range(n):
         if not chain.cuttable[i]:
             continue
-        done = f[:p, i]
-        if not np.isfinite(done).any():
+        live = np.flatnonzero(np.isfinite(f[:p, i]))
+        if not len(live):
             continue
+        lo, hi = int(live[0]), int(live[-1]) + 1  # only stage counts that can reach i
+        done = f[lo:hi, i]
         jmax = max(i + 1, min(n, int(np.searchsorted(rows.compute, rows.compute[i] + span,
                                                        side="right")) - 1))
         compute, moved, params, memory = rows.costs(i, jmax)
         busy = compute + moved / bandwidth
-        cost = np.maximum(busy[None, :], ring * params[None, :]) / r
+        cost = np.maximum(busy[None, :], ring[lo:hi] * params[None, :]) / r[lo:hi]
         bad = ~chain.cuttable[i + 1:jmax + 1]
         if memory_limit is not None:
             bad |= memory > memory_limit
         cost[:, bad] = np.inf
         cand = np.maximum(done[:, None], cost)
-        cur = f[1:, i + 1:jmax + 1]
+        cur = f[lo + 1:hi + 1, i + 1:jmax + 1]
         better = cand < cur
-        f[1:, i + 1:jmax + 1] = np.where(better, cand, cur)
-        parent[1:, i + 1:jmax + 1][better] = i
+        f[lo + 1:hi + 1, i + 1:jmax + 1] = np.where(better, cand, cur)
+        parent[lo + 1:hi + 1, i + 1:jmax + 1][better] = i
     best = float(f[p, n])
     if not np.isfinite(best):
         return [], best

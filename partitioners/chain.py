@@ -53,8 +53,10 @@ class Chain:
             if not nx.is_directed_acyclic_graph(g):
                 raise PartitionError("the graph has a cycle; fix: pass a DAG (a traced model)")
             first = {n: i for i, n in enumerate(g.nodes)}
-            names = list(nx.lexicographical_topological_sort(
-                g, key=lambda n: (g.nodes[n].get("order", first[n]), first[n])))
+            key = {n: (g.nodes[n].get("order", first[n]), first[n]) for n in g.nodes}
+            names = sorted(g.nodes, key=key.__getitem__)
+            if any(key[u] > key[v] for u, v in g.edges):  # that order is not topological
+                names = list(nx.lexicographical_topological_sort(g, key=key.__getitem__))
         else:
             raise TypeError(f"graph must be a CostGraph or networkx.DiGraph, got {type(graph).__name__}")
         pos = {n: i for i, n in enumerate(names)}
@@ -89,7 +91,7 @@ class Chain:
 
     def segment(self, i: int, j: int) -> dict[str, float]:
         """compute, received, sent, params, memory of the stage [i, j) (direct definition)."""
-        recv = sum(self.out_bytes[v] for v in range(i)
+        recv = sum(self.out_bytes[v] for v in np.flatnonzero(self.last[:i] >= i)
                    if any(i <= q < j for q in self.consumers[v]))
         sent = sum(self.out_bytes[v] for v in range(i, j) if self.last[v] >= j)
         params = float(self.params[i:j].sum())

@@ -101,7 +101,8 @@ def _symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[str]
 def _chain_trace(model: nn.Module) -> fx.GraphModule:
     """The model as the chain of its top-level children, each child one node."""
     graph = fx.Graph()
-    x = graph.placeholder("input")
+    first = next(iter(inspect.signature(model.forward).parameters), "x")
+    x = graph.placeholder(first)
     for name, _ in model.named_children():
         x = graph.call_module(name, (x,))
     graph.output(x)
