@@ -27,7 +27,8 @@ class DeviceExecutor:
 
     def __init__(self, device: int, stages: dict[int, StageRuntime], topology: Topology, transport: Any,
                  feed: Feed, step: Callable[[int], Iterator[str]], reduce: Callable[[int], None] | None = None,
-                 send_dtype: torch.dtype | None = None, train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0):
+                 before_backward: Callable[[bool], None] | None = None, send_dtype: torch.dtype | None = None,
+                 train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0):
         self.device = device
         self.stages = stages  # chunk -> runtime
         self.topology = topology
@@ -35,6 +36,7 @@ class DeviceExecutor:
         self.feed = feed
         self.step = step
         self.reduce = reduce
+        self.before_backward = before_backward
         self.send_dtype = send_dtype
         self.train = train
         self.loss_scale = loss_scale
@@ -43,7 +45,7 @@ class DeviceExecutor:
         self.float_leaves: dict[tuple[int, int], dict[str, int]] = {}  # gradients expected per output
         self.predictions: dict[int, Any] = {}
         self.steps_done: list[int] = []
-        self.busy_seconds = 0.0
+        self.busy_seconds = {stage.index: 0.0 for stage in stages.values()}
         self._handlers = {
             ActionKind.FORWARD: self._forward,
             ActionKind.BACKWARD: self._backward,
@@ -93,8 +95,8 @@ class DeviceExecutor:
             target = pytree.tree_map(lambda v: v.to(stage.device) if isinstance(v, torch.Tensor) else v,
                                      self.feed.target(g))
         start = time.perf_counter()
-        out = stage.forward(g, inputs, target, self.feed.weight(g), grad=self.train)
-        self.busy_seconds += time.perf_counter() - start
+        out = stage.forward(g, inputs, target, self.feed.grad_weight(g), grad=self.train)
+        self.busy_seconds[stage.index] += time.perf_counter() - start
         if stage.is_last:
             if not self.train:
                 self.predictions[g] = out
@@ -127,9 +129,12 @@ class DeviceExecutor:
             yield from self._wait(links, GRAD, g)
             by_link = {l.index: self.transport.take(l, GRAD, g) for l in links}
             grads = self._output_grads(stage, g, links, by_link)
+        if self.before_backward is not None:
+            # The last micro-batch of a mini-batch may start the data-parallel reduction during its backward.
+            self.before_backward((g + 1) % self.feed.micro_batches == 0)
         start = time.perf_counter()
         input_grads = stage.backward(g, grads, loss_scale=self.loss_scale())
-        self.busy_seconds += time.perf_counter() - start
+        self.busy_seconds[stage.index] += time.perf_counter() - start
         if stage.index > 0:
             self.input_grads[(stage.index, g)] = input_grads
 
@@ -179,3 +184,33 @@ def _count_float(value: Any) -> int:
 
 def _as_tuple(out: Any) -> tuple:
     return out if isinstance(out, tuple) else (out,)
+
+
+class DeadlockError(RuntimeError):
+    """Every device waits for a message no device will send."""
+
+
+def drive(runs: dict[int, Iterator[str]]) -> Iterator[None]:
+    """Advance every device's executor; yields after each round so callers can collect results.
+
+    Local engine: round-robin, each device runs until it waits for a message. Distributed:
+    the transport blocks, so this rank's executor never reports BLOCKED.
+    """
+    live = dict(runs)
+    while live:
+        progressed = False
+        for d in list(live):
+            while True:
+                try:
+                    state = next(live[d])
+                except StopIteration:
+                    del live[d]
+                    progressed = True
+                    break
+                if state == BLOCKED:
+                    break
+                progressed = True
+        if not progressed:
+            raise DeadlockError(f"devices {sorted(live)} wait for each other: the schedule cannot run "
+                                "with this plan (a stage waits for a message no stage will send)")
+        yield

@@ -3,6 +3,26 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+# What crosses the wire, by purpose: stage-to-stage activations and their gradients, gradient
+# sums of parameters tied across stages, and the data-parallel gradient reduction (payload bytes).
+COMM_KINDS = ("activations", "activation_grads", "tied_grads", "data_parallel")
+
+
+class CommCounter:
+    """Cumulative payload bytes by kind and stage; results report differences of snapshots."""
+
+    def __init__(self, stages: int):
+        self.bytes = {kind: [0] * stages for kind in COMM_KINDS}
+
+    def add(self, kind: str, stage: int, nbytes: int) -> None:
+        self.bytes[kind][stage] += nbytes
+
+    def snapshot(self) -> dict[str, list[int]]:
+        return {kind: list(v) for kind, v in self.bytes.items()}
+
+    def since(self, snapshot: dict[str, list[int]]) -> dict[str, list[int]]:
+        return {kind: [a - b for a, b in zip(v, snapshot[kind])] for kind, v in self.bytes.items()}
+
 
 @dataclass
 class StepResult:
@@ -16,8 +36,13 @@ class StepResult:
     version_lag: list[float] = field(default_factory=list)         # mean optimizer steps between forward and backward
     weight_version_bytes: list[int] = field(default_factory=list)  # bytes in stashed / predicted weight copies
     activation_bytes: list[int] = field(default_factory=list)      # peak bytes autograd held for in-flight micro-batches
-    bytes_sent: list[int] = field(default_factory=list)            # activation + gradient bytes sent this step
+    comm_bytes: dict[str, list[int]] = field(default_factory=dict)  # payload bytes per COMM_KINDS entry, per stage
     peak_allocated: list[int] | None = None                        # device allocator peak, where the device reports it
+
+    @property
+    def bytes_sent(self) -> list[int]:
+        """Bytes each stage sent this step, all kinds together."""
+        return [sum(kind[k] for kind in self.comm_bytes.values()) for k in range(len(self.busy_fraction))]
 
     @property
     def samples_per_second(self) -> float:
@@ -26,6 +51,7 @@ class StepResult:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["samples_per_second"] = self.samples_per_second
+        out["bytes_sent"] = self.bytes_sent
         return out
 
 
@@ -46,7 +72,8 @@ class TensorBoardLog:
             w.add_scalar(f"stage{k}/version_lag", result.version_lag[k], s)
             w.add_scalar(f"stage{k}/weight_version_bytes", result.weight_version_bytes[k], s)
             w.add_scalar(f"stage{k}/activation_bytes", result.activation_bytes[k], s)
-            w.add_scalar(f"stage{k}/bytes_sent", result.bytes_sent[k], s)
+            for kind, per_stage in result.comm_bytes.items():
+                w.add_scalar(f"stage{k}/bytes_{kind}", per_stage[k], s)
 
     def close(self) -> None:
         self.writer.close()

@@ -10,7 +10,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "async-1f1b")
 SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 STALENESS = ("none", "vanilla", "stash", "spectrain")
 PARTITIONERS = ("graph", "time", "params", "uniform")
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = ("fp32", "bf16", "fp16")
+ALLREDUCE = ("hybrid", "flat", "hierarchical", "per-tensor")
 ENGINES = ("auto", "local", "distributed")
 SPECTRAIN_VARIANTS = ("paper", "forward-only")
 
@@ -43,6 +44,12 @@ class PipelineOptions:
     bandwidth: float | None = None     # bytes/s between stages, for the graph partitioner
     memory_limit: float | None = None  # bytes per stage, for the graph partitioner
     dynamic_shapes: bool = False
+    # Hybrid mode: how each stage's gradients are averaged over its data-parallel replicas.
+    allreduce: str = "hybrid"
+    bucket_mb: float = 25.0
+    hierarchy: tuple[int, int] | None = None  # (nodes, replicas per node); None: from LOCAL_WORLD_SIZE
+    overlap: bool = True                      # reduce buckets during the last backward, not after it
+    compress: str | None = None               # "bf16" | "fp16": send gradients in low precision
 
     def validate(self) -> None:
         def choose(name: str, value: Any, valid) -> None:
@@ -60,6 +67,11 @@ class PipelineOptions:
         choose("precision", self.precision, PRECISIONS)
         choose("engine", self.engine, ENGINES)
         choose("spectrain_variant", self.spectrain_variant, SPECTRAIN_VARIANTS)
+        choose("allreduce", self.allreduce, ALLREDUCE)
+        choose("compress", self.compress, (None, "bf16", "fp16"))
+        if self.hierarchy is not None and (len(self.hierarchy) != 2 or self.hierarchy[0] * self.hierarchy[1] != self.data_parallel):
+            raise ValueError(f"hierarchy={self.hierarchy} must be (nodes, replicas per node) with "
+                             f"nodes x replicas per node = data_parallel = {self.data_parallel}")
         if not isinstance(self.partitioner, (list, tuple)):
             choose("partitioner", self.partitioner, PARTITIONERS)
         if self.schedule in SYNC_SCHEDULES and self.staleness != "none":

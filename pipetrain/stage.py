@@ -32,35 +32,6 @@ def takes_grad(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
-def _is_inplace(module: nn.Module, node: torch.fx.Node) -> bool:
-    if node.kwargs.get("inplace", False):
-        return True
-    if node.op == "call_module":
-        return bool(getattr(module.get_submodule(node.target), "inplace", False))
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        if getattr(node.target, "__module__", "") in ("_operator", "operator"):
-            return name.startswith("i") and name not in ("is_", "is_not", "index", "invert")
-        return name.endswith("_") and not name.endswith("__")
-    return False
-
-
-def mutated_inputs(module: nn.Module) -> set[int] | None:
-    """Positions of inputs an fx stage module modifies in place (None: unknown, assume all).
-
-    Such an input cannot be an autograd leaf, so the runtime feeds it a clone.
-    """
-    graph = getattr(module, "graph", None)
-    if graph is None:
-        return None
-    index = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
-    return {index[n.args[0]] for n in graph.nodes
-            if n.args and isinstance(n.args[0], torch.fx.Node) and n.args[0] in index
-            and _is_inplace(module, n)}
-
-
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """Counts the bytes autograd keeps for a backward (activations, not weights)."""
 
@@ -92,7 +63,6 @@ class StageRuntime:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.clone_inputs = mutated_inputs(self.module)
         self.busy_seconds = 0.0
         self.peak_in_flight = 0
         self.peak_activation_bytes = 0
@@ -119,9 +89,9 @@ class StageRuntime:
         """Forward ``micro_batch``; returns the outputs to send (or the loss on the last stage)."""
         leaves: list[list[torch.Tensor]] = []
         args = []
-        for i, value in enumerate(inputs):
+        for value in inputs:
             if grad and self.index > 0:
-                value, value_leaves = self._as_leaves(value, clone=self.clone_inputs is None or i in self.clone_inputs)
+                value, value_leaves = self._as_leaves(value)
                 leaves.append(value_leaves)
             else:
                 leaves.append([])
@@ -155,9 +125,9 @@ class StageRuntime:
         return out
 
     @staticmethod
-    def _as_leaves(value: Any, clone: bool) -> tuple[Any, list[torch.Tensor]]:
-        """Make every floating tensor in a received value an autograd leaf (cloned when the
-        module modifies it in place) so its gradient can be sent back."""
+    def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
+        """Make every floating tensor in a received value an autograd leaf so its gradient can be
+        sent back (stage modules clone the inputs they modify in place, so leaves stay untouched)."""
         created: list[torch.Tensor] = []
 
         def leaf(v):
@@ -165,7 +135,7 @@ class StageRuntime:
                 return v
             t = v.detach().requires_grad_()
             created.append(t)
-            return t.clone() if clone else t
+            return t
 
         return pytree.tree_map(leaf, value), created
 

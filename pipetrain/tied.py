@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.executor import BLOCKED
+from pipetrain.metrics import CommCounter
 from pipetrain.stage import StageRuntime
 
 
@@ -23,9 +24,10 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
 class LocalTiedSync:
     """All stages in one process: the step of a device waits until every copy's gradient is in."""
 
-    def __init__(self, tied: list[list[tuple[int, str]]], runtimes: dict[int, StageRuntime]):
+    def __init__(self, tied: list[list[tuple[int, str]]], runtimes: dict[int, StageRuntime], counter: CommCounter):
         self.tied = tied
         self.runtimes = runtimes
+        self.counter = counter
         self.deposits: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         self.totals: dict[tuple[int, int], list] = {}  # (group, step) -> [sum, copies not yet served]
 
@@ -36,6 +38,7 @@ class LocalTiedSync:
             box = self.deposits.setdefault((i, t), {})
             for s, name in copies:
                 box[s] = _grad(self.runtimes[s].module.get_parameter(name)).clone()
+                self.counter.add("tied_grads", s, box[s].numel() * box[s].element_size())
         for i, copies in mine:
             key = (i, t)
             while key not in self.totals and len(self.deposits[key]) < len(self.tied[i]):
@@ -55,10 +58,12 @@ class LocalTiedSync:
 class DistributedTiedSync:
     """Copies on several ranks: one all_reduce (sum) per tied parameter over its owners."""
 
-    def __init__(self, tied: list[list[tuple[int, str]]], runtimes: dict[int, StageRuntime], groups: dict[int, object]):
+    def __init__(self, tied: list[list[tuple[int, str]]], runtimes: dict[int, StageRuntime],
+                 groups: dict[int, object], counter: CommCounter):
         self.tied = tied
         self.runtimes = runtimes
         self.groups = groups
+        self.counter = counter
 
     def sync(self, stages: list[int], t: int) -> Iterator[str]:
         for i, copies in enumerate(self.tied):
@@ -69,6 +74,7 @@ class DistributedTiedSync:
             total = functools.reduce(operator.add, [_grad(p) for p in params]).clone()
             if i in self.groups:
                 dist.all_reduce(total, group=self.groups[i])
+                self.counter.add("tied_grads", local[0][0], total.numel() * total.element_size())
             for p in params:
                 p.grad = total.clone()
         return iter(())

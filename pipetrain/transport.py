@@ -14,23 +14,25 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from pipetrain.metrics import CommCounter
 from pipetrain.topology import Link, Topology
 
 ACT, GRAD = "act", "grad"
+COMM_KIND = {ACT: "activations", GRAD: "activation_grads"}
 HEADER_BYTES = 1 << 16
 
 
 class LocalTransport:
     """All stages in one process: a message is handed over as tensors moved to the receiver's device."""
 
-    def __init__(self, devices: list[torch.device]):
+    def __init__(self, devices: list[torch.device], counter: CommCounter):
         self.devices = devices  # per virtual stage
         self.messages: dict[tuple, list] = {}
-        self.bytes_sent = [0] * len(devices)
+        self.counter = counter
 
     def send(self, link: Link, kind: str, micro_batch: int, values: list, shape_key: Any = None) -> None:
         src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
-        self.bytes_sent[src] += payload_bytes(values)
+        self.counter.add(COMM_KIND[kind], src, payload_bytes(values))
         moved = pytree.tree_map(lambda v: v.detach().to(self.devices[dst]) if isinstance(v, torch.Tensor) else v, values)
         self.messages[(link.index, kind, micro_batch)] = moved
 
@@ -66,19 +68,19 @@ class DistributedTransport:
     """
 
     def __init__(self, topology: Topology, rank_of: Callable[[int], int], groups: dict[int, Any],
-                 device: torch.device, dynamic_shapes: bool = False):
+                 device: torch.device, counter: CommCounter, dynamic_shapes: bool = False):
         self.topology = topology
         self.rank_of = rank_of
         self.groups = groups
         self.device = device
         self.dynamic_shapes = dynamic_shapes
         self.rank = dist.get_rank()
-        self.local = LocalTransport([device] * topology.num_stages)
+        self.local = LocalTransport([device] * topology.num_stages, counter)
+        self.counter = counter
         self.meta_sent: dict[tuple, tuple] = {}
         self.meta_received: dict[tuple, tuple] = {}
         self.pending_sends: list[tuple[Any, list]] = []
         self.posted: dict[tuple, tuple] = {}
-        self.bytes_sent = [0] * topology.num_stages
 
     def _peer(self, link: Link, kind: str, sending: bool) -> int:
         src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
@@ -114,7 +116,7 @@ class DistributedTransport:
         else:
             tensors = [g.contiguous() for g in values]
         ops += [dist.P2POp(dist.isend, t, peer, group) for t in tensors]
-        self.bytes_sent[src] += sum(t.numel() * t.element_size() for t in tensors)
+        self.counter.add(COMM_KIND[kind], src, sum(t.numel() * t.element_size() for t in tensors))
         self.pending_sends.append((dist.batch_isend_irecv(ops), tensors))
         self._prune()
 

@@ -12,7 +12,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipetrain.hierarchy import build_hierarchy_groups
 from pipetrain.topology import Topology
+
+
+def _replicas_per_node(ranks: list[int]) -> tuple[int, int]:
+    """(nodes, replicas per node) of a data-parallel group from torchrun's LOCAL_WORLD_SIZE
+    (one node when unknown)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    nodes = len({r // local for r in ranks})
+    if len(ranks) % nodes:
+        raise ValueError(f"data-parallel ranks {ranks} spread unevenly over {nodes} nodes; "
+                         "use allreduce='flat' or a layout with the same processes on every node")
+    return nodes, len(ranks) // nodes
 
 
 def launched_by_torchrun() -> bool:
@@ -33,7 +45,8 @@ def ensure_process_group(timeout_seconds: float = 1800.0) -> None:
 class World:
     """This rank's place in the (replica x pipeline device) grid and the groups it talks over."""
 
-    def __init__(self, stages: int, data_parallel: int):
+    def __init__(self, stages: int, data_parallel: int, allreduce: str = "flat",
+                 hierarchy: tuple[int, int] | None = None):
         self.stages = stages
         self.data_parallel = data_parallel
         self.rank = dist.get_rank()
@@ -52,10 +65,17 @@ class World:
         # new_group must be called by every rank in the same order, so groups are built up front.
         self.control = dist.new_group(list(range(self.size)))
         self.data_parallel_group = None
+        self.hierarchy = None
         for d in range(stages):
-            group = dist.new_group([r * stages + d for r in range(data_parallel)])
+            ranks = [r * stages + d for r in range(data_parallel)]
+            group = dist.new_group(ranks)
             if d == self.pipeline_device:
                 self.data_parallel_group = group
+            if data_parallel > 1 and allreduce in ("hybrid", "hierarchical"):
+                nodes, per_node = hierarchy if hierarchy else _replicas_per_node(ranks)
+                found = build_hierarchy_groups(ranks, nodes, per_node)
+                if d == self.pipeline_device:
+                    self.hierarchy = found
 
     def rank_of(self, device: int, replica: int | None = None) -> int:
         return (self.replica if replica is None else replica) * self.stages + device

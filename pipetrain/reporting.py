@@ -1,0 +1,79 @@
+"""Turning per-stage counters into a StepResult; across ranks, summing them without stalling.
+
+The distributed engine sums every rank's numbers with one all_reduce on a dedicated group.
+For async-1f1b it is started without waiting (``async_op``), so the last stage never waits
+for the first one to finish a mini-batch before it can report.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.metrics import COMM_KINDS, CommCounter, StepResult
+from pipetrain.stage import StageRuntime
+
+
+class Reporter:
+    """Builds the result of each mini-batch from the stages this process runs."""
+
+    def __init__(self, runtimes: dict[int, StageRuntime], num_stages: int, counter: CommCounter,
+                 group: Any = None, replicas: int = 1):
+        self.runtimes = runtimes
+        self.num_stages = num_stages
+        self.counter = counter
+        self.group = group  # None: one process holds every stage
+        self.replicas = replicas
+        self.busy = {v: 0.0 for v in runtimes}
+        self._comm = counter.snapshot()
+
+    def local(self, loss: float, micro_batches: range, samples: int, seconds: float,
+              busy_seconds: dict[int, float]) -> StepResult:
+        """This process's view of one mini-batch (complete when it runs every stage)."""
+        V = self.num_stages
+        busy, lag, weight_bytes, act_bytes = [0.0] * V, [0.0] * V, [0] * V, [0] * V
+        for v, rt in self.runtimes.items():
+            busy[v] = busy_seconds.get(v, 0.0) / max(seconds, 1e-12)
+            lags = [rt.version_lags.pop(g) for g in micro_batches if g in rt.version_lags]
+            lag[v] = sum(lags) / len(lags) if lags else 0.0
+            weight_bytes[v] = rt.policy.extra_weight_bytes()
+            act_bytes[v] = rt.peak_activation_bytes
+            rt.peak_activation_bytes = rt.activation_bytes()
+        comm = self.counter.since(self._comm)
+        self._comm = self.counter.snapshot()
+        peak = None
+        if any(rt.device.type == "cuda" for rt in self.runtimes.values()):
+            peak = [0] * V
+            for v, rt in self.runtimes.items():
+                if rt.device.type == "cuda":
+                    peak[v] = torch.cuda.max_memory_allocated(rt.device)
+        return StepResult(0, loss, samples, seconds, busy, lag, weight_bytes, act_bytes, comm, peak)
+
+    def post(self, result: StepResult) -> tuple[StepResult, torch.Tensor, Any]:
+        """Start summing over ranks: loss weighted by samples on last stages, per-stage numbers."""
+        V = self.num_stages
+        is_last = any(rt.is_last for rt in self.runtimes.values())
+        per_stage = [result.busy_fraction, result.version_lag, result.weight_version_bytes,
+                     result.activation_bytes] + [result.comm_bytes[k] for k in COMM_KINDS]
+        mine = torch.zeros(2 + len(per_stage) * V, dtype=torch.float64)
+        if is_last:
+            mine[0], mine[1] = result.loss * result.samples, result.samples
+        for i, values in enumerate(per_stage):
+            for v in self.runtimes:
+                mine[2 + i * V + v] = values[v]
+        return result, mine, dist.all_reduce(mine, group=self.group, async_op=True)
+
+    def collect(self, result: StepResult, total: torch.Tensor, work: Any) -> StepResult:
+        """Finish ``post``: the global mean loss; per-stage numbers averaged over replicas (bytes summed)."""
+        work.wait()
+        V, D = self.num_stages, self.replicas
+        result.loss = float(total[0] / total[1])
+        result.samples = int(total[1])
+        part = lambda i: [float(x) for x in total[2 + i * V: 2 + (i + 1) * V]]  # noqa: E731
+        result.busy_fraction = [x / D for x in part(0)]
+        result.version_lag = [x / D for x in part(1)]
+        result.weight_version_bytes = [int(x / D) for x in part(2)]
+        result.activation_bytes = [int(x / D) for x in part(3)]
+        result.comm_bytes = {k: [int(x) for x in part(4 + i)] for i, k in enumerate(COMM_KINDS)}
+        return result

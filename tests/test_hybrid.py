@@ -1,0 +1,137 @@
+"""Hybrid mode (pipelines replicated for data parallelism) and mixed precision in the runtime."""
+import pytest
+import torch
+
+import pipetrain
+from dist_harness import run_world
+from runtime_models import data, loss_fn, make, reference_training, sgd
+
+
+def batches(name, steps=3, size=13):
+    # 13 samples: replica shards of 7 and 6, micro-batches of uneven sizes inside each.
+    x, y = data(name, steps * size)
+    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
+
+
+def hybrid_scenarios(rank, world):
+    out = {}
+    for key, kw in {
+        "1f1b-hybrid": dict(schedule="1f1b", allreduce="hybrid", hierarchy=(2, 1)),
+        "gpipe-flat-no-overlap": dict(schedule="gpipe", allreduce="flat", overlap=False),
+        "interleaved-hierarchical": dict(schedule="interleaved-1f1b", allreduce="hierarchical", hierarchy=(1, 2)),
+        "1f1b-per-tensor-bf16-compressed": dict(schedule="1f1b", allreduce="per-tensor", compress="bf16"),
+    }.items():
+        pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                              optimizer=sgd, partitioner="uniform", profile=False, engine="distributed", **kw)
+        losses = [r.loss for r in pipe.train(batches("convbn"))]
+        out[key] = (losses, pipe.state_dict(), pipe.last_result.comm_bytes)
+    # async-1f1b with stash, replicated: each update averages the replicas' stashed gradients.
+    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=1, data_parallel=2,
+                          schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
+                          profile=False, engine="distributed")
+    out["async-stash"] = ([r.loss for r in pipe.train(batches("mlp", steps=5))], pipe.state_dict(), None)
+    # fp16: an overflow injected on replica 1's last stage only must make every rank skip the same step.
+    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                          precision="fp16", optimizer=sgd, partitioner="uniform", profile=False,
+                          engine="distributed")
+    step = pipe.steppers[pipe.world.pipeline_device]
+    if rank == 3:
+        param = next(iter(pipe.runtimes[1].module.parameters()))
+        param.register_hook(lambda g: g * float("inf") if pipe.updates == 1 else g)
+    before = [p.detach().clone() for rt in pipe.runtimes.values() for p in rt.module.parameters()]
+    scales = []
+    for x, y in batches("mlp", steps=2):
+        pipe.step(x, y)
+        scales.append(step.scaler.scale_value)
+    after = [p.detach().clone() for rt in pipe.runtimes.values() for p in rt.module.parameters()]
+    out["fp16"] = (step.skipped, scales, [torch.equal(a, b) for a, b in zip(before, after)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return run_world(4, "test_hybrid", "hybrid_scenarios", tmp_path_factory.mktemp("hybrid"))
+
+
+@pytest.mark.parametrize("key", ["1f1b-hybrid", "gpipe-flat-no-overlap", "interleaved-hierarchical",
+                                 "1f1b-per-tensor-bf16-compressed"])
+def test_pipeline_x_data_parallel_equals_one_process_on_the_global_batch(hybrid, key):
+    bs = batches("convbn")
+    for replica in range(2):
+        merged = {}
+        for rank in (2 * replica, 2 * replica + 1):
+            merged.update(hybrid[rank][key][1])
+        losses = hybrid[2 * replica][key][0]
+        # The global mean of each replica's 2 micro-batches: the reference accumulates the same 4 shards.
+        ref = reference_global(bs)
+        tolerance = 5e-3 if "bf16" in key else 1e-5  # bf16 gradient transfer keeps 8 bits of mantissa
+        for name, value in ref.state_dict().items():
+            if name.endswith("running_mean") or name.endswith("running_var") or name.endswith("num_batches_tracked"):
+                continue  # batch statistics are per replica, as in DDP
+            torch.testing.assert_close(merged[name], value, atol=tolerance, rtol=0, msg=f"{key} {name}")
+        assert losses == hybrid[0][key][0]  # every rank reports the same global loss
+
+
+def reference_global(bs):
+    """One process, whole global batch, gradient accumulation over the replicas' micro-batches."""
+    model = make("convbn")
+    opt = sgd(model.parameters())
+    for x, y in bs:
+        opt.zero_grad()
+        for xr, yr in zip(x.tensor_split(2), y.tensor_split(2)):
+            for xb, yb in zip(xr.tensor_split(2), yr.tensor_split(2)):
+                (torch.nn.functional.cross_entropy(model(xb), yb) * len(xb) / len(x)).backward()
+        opt.step()
+    return model
+
+
+def test_replicas_stay_identical_and_reduction_is_counted(hybrid):
+    for key in ("1f1b-hybrid", "async-stash"):
+        for stage_rank in (0, 1):
+            a, b = hybrid[stage_rank][key][1], hybrid[stage_rank + 2][key][1]
+            assert all(torch.equal(a[k], b[k]) for k in a if "running" not in k and "num_batches" not in k), key
+    comm = hybrid[0]["1f1b-hybrid"][2]
+    assert all(b > 0 for b in comm["data_parallel"]) and all(b > 0 for b in comm["activations"][:1])
+
+
+def test_fp16_overflow_on_one_rank_skips_the_same_step_everywhere(hybrid):
+    for rank in range(4):
+        skipped, scales, unchanged = hybrid[rank]["fp16"]
+        assert skipped == [0] or skipped == [1]
+    assert len({tuple(hybrid[r]["fp16"][0]) for r in range(4)}) == 1
+    skipped_step = hybrid[0]["fp16"][0][0]
+    for rank in range(4):
+        scales = hybrid[rank]["fp16"][1]
+        assert scales[skipped_step] == 2.0 ** 15  # halved from 2**16 at the skipped step, on every rank
+
+
+def test_bf16_sends_half_the_bytes_and_trains():
+    x, y = data("convbn", 12)
+    sent = {}
+    for precision in ("fp32", "bf16"):
+        pipe = pipetrain.wrap(make("convbn"), x[:2], stages=2, micro_batches=3, precision=precision,
+                              optimizer=sgd, partitioner="uniform", profile=False, engine="local")
+        losses = [pipe.step(x, y) for _ in range(3)]
+        sent[precision] = pipe.last_result.comm_bytes
+        assert losses[-1] < losses[0]
+    assert sent["bf16"]["activations"][0] * 2 == sent["fp32"]["activations"][0]
+    assert sent["bf16"]["activation_grads"][1] * 2 == sent["fp32"]["activation_grads"][1]
+
+
+def test_fp16_local_engine_skips_overflowing_step_on_every_stage():
+    x, y = data("mlp", 8)
+    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=3, micro_batches=2, precision="fp16", optimizer=sgd,
+                          partitioner="uniform", profile=False, engine="local")
+    param = next(iter(pipe.runtimes[2].module.parameters()))
+    param.register_hook(lambda g: g * float("inf") if pipe.updates == 1 else g)
+    pipe.step(x, y)
+    before = pipe.state_dict()
+    pipe.step(x, y)  # overflow on the last stage only
+    after = pipe.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if "weight" in k or "bias" in k)
+    assert all(s.skipped == [1] and s.scaler.scale_value == 2.0 ** 15 for s in pipe.steppers.values())
+
+
+def test_local_engine_rejects_data_parallel_with_the_launch_command():
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 4"):
+        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, data_parallel=2, engine="local", profile=False)
