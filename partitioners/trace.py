@@ -202,7 +202,7 @@ def _trace(model: nn.Module, inputs: tuple, dev: torch.device, profile: bool, re
         auto: list[str] = []
     else:
         gm, auto = _symbolic_trace(model, len(inputs), leaves)
-    run_gm = gm if runner is model else fx.GraphModule(runner, gm.graph)
+    run_gm = gm if runner is model else fx.GraphModule(runner, copy.deepcopy(gm.graph))
     interp = fx.Interpreter(run_gm, garbage_collect_values=False)
     with torch.no_grad():
         got = interp.run(*dev_inputs)
