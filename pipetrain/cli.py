@@ -50,8 +50,71 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    import schedules.cluster
+
+    p = sub.add_parser("plan", help="rank pipeline x data-parallel layouts of a model on a cluster")
+    p.add_argument("model", help="a torchvision model name (resnet50, vgg16, ...) or a pipetrain.models name")
+    p.add_argument("--cluster", required=True,
+                   help=f"cluster JSON file or preset ({', '.join(schedules.cluster.PRESETS)})")
+    p.add_argument("--batch-size", type=int, required=True, help="global mini-batch size")
+    p.add_argument("--nodes", type=int, help="override the cluster's node count")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="tensor fusion bucket (0: per tensor)")
+    p.add_argument("--flat", action="store_true", help="flat ring all-reduce instead of hierarchical")
+    p.add_argument("--no-overlap", action="store_true", help="reduce only after the backward")
+    p.add_argument("--max-stages", type=int, help="largest pipeline depth to consider")
+    p.add_argument("--profile", action="store_true", help="time each node here instead of estimating")
+    p.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
+    return p
+
+
+def _plan_model(name: str):
+    """(model, one-sample example input) for a torchvision or pipetrain.models name."""
+    import torch
+    import torchvision
+
+    if name in torchvision.models.list_models(module=torchvision.models):
+        return torchvision.models.get_model(name, weights=None), torch.randn(2, 3, 224, 224)
+    from pipetrain.data import dataset_info
+    from pipetrain.models import DEFAULT_DATASET, MODELS, build_model
+
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: not a torchvision classification model nor one of "
+                         f"pipetrain.models {MODELS}")
+    info = dataset_info(DEFAULT_DATASET[name])
+    shape = (2, *info.input_shape)
+    x = torch.zeros(shape, dtype=torch.long) if info.kind == "text" else torch.randn(shape)
+    return build_model(name, num_classes=info.num_classes), x
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import partitioners
+    from partitioners.layout import format_ranking, search_layouts
+    from schedules.cluster import load_cluster
+    from schedules.collectives_cost import Reduction
+
+    cluster = load_cluster(args.cluster)
+    if args.nodes is not None:
+        cluster = dataclasses.replace(cluster, nodes=args.nodes)
+    model, x = _plan_model(args.model)
+    graph = partitioners.trace(model, x, profile=args.profile)
+    reduction = Reduction(bucket_bytes=args.bucket_mb * 1e6 if args.bucket_mb > 0 else None,
+                          hierarchical=not args.flat, overlap=not args.no_overlap)
+    layouts = search_layouts(graph, cluster, batch_size=args.batch_size, profiled_batch=x.shape[0],
+                             reduction=reduction, max_stages=args.max_stages)
+    how = "measured here" if args.profile else "estimated (profile=False)"
+    print(f"{args.model}, global batch {args.batch_size}, costs {how}; cluster {cluster.name}: "
+          f"{cluster.nodes} x {cluster.devices_per_node} devices, speed {cluster.speed:g}; "
+          f"reduction {reduction.label()}; best of {len(layouts)} shapes (stages x replicas x micro-batches x schedule)")
+    print(format_ranking(layouts, args.top))
+    return 0
+
+
 SUBCOMMANDS: dict[str, tuple[Callable, Callable[[argparse.Namespace], int]]] = {
     "simulate": (_add_simulate, _run_simulate),
+    "plan": (_add_plan, _run_plan),
 }
 
 

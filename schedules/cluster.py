@@ -1,0 +1,122 @@
+"""`Cluster`: the machines a layout runs on, as a small dataclass that reads and writes JSON.
+
+Links follow the alpha-beta model: a message of n bytes over a link takes
+latency + n / bandwidth seconds (bandwidth in bytes/s). `speed` is a device's
+compute speed relative to the device the cost graph was profiled on (compute
+times are divided by it). Ranks fill nodes in order: rank r is on node
+r // devices_per_node.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+GBIT = 1e9 / 8  # bytes/s in one Gb/s
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes of identical devices; one link type inside a node and one between nodes."""
+
+    nodes: int
+    devices_per_node: int
+    intra_bandwidth: float   # bytes/s between two devices of a node
+    intra_latency: float     # seconds per message inside a node
+    inter_bandwidth: float   # bytes/s of a node's network link
+    inter_latency: float     # seconds per message between nodes
+    speed: float = 1.0       # compute speed relative to the profiled device
+    memory: float | None = None  # bytes per device (None: unlimited)
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Cluster.{name} must be an integer >= 1, got {value!r}")
+        for name in ("intra_bandwidth", "inter_bandwidth", "speed"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"Cluster.{name} must be a number > 0, got {value!r}")
+        for name in ("intra_latency", "inter_latency"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Cluster.{name} must be a finite number >= 0 seconds, got {value!r}")
+        if self.memory is not None and not self.memory > 0:
+            raise ValueError(f"Cluster.memory must be > 0 bytes or None, got {self.memory!r}")
+
+    @property
+    def devices(self) -> int:
+        """Devices in the whole cluster."""
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        """Node that rank `rank` runs on."""
+        return rank // self.devices_per_node
+
+    def link(self, a: int, b: int) -> tuple[float, float]:
+        """(bandwidth, latency) of the link between ranks a and b."""
+        if self.node_of(a) == self.node_of(b):
+            return self.intra_bandwidth, self.intra_latency
+        return self.inter_bandwidth, self.inter_latency
+
+    def to_json(self) -> str:
+        """JSON text of every field (from_json reads it back)."""
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Cluster":
+        """A Cluster from JSON text; unknown keys are an error, not ignored."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("cluster JSON must be an object with keys " + ", ".join(_FIELDS))
+        unknown = sorted(set(data) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown cluster key(s) {unknown}; valid keys: {', '.join(_FIELDS)}")
+        missing = [f.name for f in fields(cls) if f.name in _REQUIRED and f.name not in data]
+        if missing:
+            raise ValueError(f"cluster JSON lacks {missing}; it needs {', '.join(_REQUIRED)}")
+        return cls(**data)
+
+
+_FIELDS = [f.name for f in fields(Cluster)]
+_REQUIRED = ("nodes", "devices_per_node", "intra_bandwidth", "intra_latency",
+             "inter_bandwidth", "inter_latency")
+
+# speed is relative to partitioners' profile=False estimate (a nominal 1e11 FLOP/s device), so
+# the presets give sensible absolute times for estimated cost graphs: fp32 peak FLOP/s / 1e11.
+# Latencies are per message (per ring step), typical NCCL-over-fabric figures.
+PRESETS: dict[str, Cluster] = {
+    # 8 NVLink GPUs per node (V100 class), nodes joined by 100 Gb/s.
+    "nvlink8-100g": Cluster(nodes=4, devices_per_node=8, intra_bandwidth=100e9, intra_latency=5e-6,
+                            inter_bandwidth=100 * GBIT, inter_latency=10e-6, speed=157.0,
+                            memory=32e9, name="nvlink8-100g"),
+    # Jia et al. 2018: 8 Tesla P40 per node over PCIe, 100 Gb/s InfiniBand, 1,024 GPUs.
+    "jia-p40": Cluster(nodes=128, devices_per_node=8, intra_bandwidth=10e9, intra_latency=5e-6,
+                       inter_bandwidth=100 * GBIT, inter_latency=10e-6, speed=120.0, memory=24e9,
+                       name="jia-p40"),
+    # PipeDream (Narayanan et al. 2019) cluster A: 4 V100 per server over PCIe, 10 Gb/s Ethernet.
+    "pipedream-a": Cluster(nodes=4, devices_per_node=4, intra_bandwidth=10e9, intra_latency=5e-6,
+                           inter_bandwidth=10 * GBIT, inter_latency=30e-6, speed=157.0, memory=16e9,
+                           name="pipedream-a"),
+    # PipeDream cluster B: 8 V100 per server with NVLink, 25 Gb/s between servers.
+    "pipedream-b": Cluster(nodes=4, devices_per_node=8, intra_bandwidth=100e9, intra_latency=5e-6,
+                           inter_bandwidth=25 * GBIT, inter_latency=20e-6, speed=157.0, memory=16e9,
+                           name="pipedream-b"),
+    # This kind of machine: CPU processes on one host talking gloo over loopback (measured
+    # by examples/benchmarks/bench_calibration.py: ~0.7 ms per message, ~1 GB/s).
+    "gloo-local4": Cluster(nodes=1, devices_per_node=4, intra_bandwidth=1e9, intra_latency=7e-4,
+                           inter_bandwidth=1e9, inter_latency=7e-4, speed=1.0, name="gloo-local4"),
+}
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset name (see PRESETS) or the path of a JSON file written by Cluster.to_json."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if not os.path.exists(spec):
+        raise ValueError(f"cluster {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an "
+                         "existing JSON file; fix: pass a preset name or a path")
+    with open(spec, encoding="utf-8") as f:
+        return Cluster.from_json(f.read())

@@ -1,0 +1,138 @@
+"""`simulate_hybrid`: one training step of `replicas` copies of a pipeline on a cluster.
+
+Each replica runs the pipeline schedule (simulated by `simulate`, messages
+between stages paying the cluster link they cross); then every stage reduces
+its gradients with the same stage of the other replicas (collectives_cost).
+A stage's gradients are final during its last backward: with overlap, tensor i
+is ready at that backward's start + ready_fraction[i] x its duration. Ranks
+follow the runtime's layout: replica r's stage k is rank r * stages + k, so a
+pipeline sits on consecutive ranks and mostly inside a node.
+
+Scaling efficiency compares with one device of the same speed running the
+whole model on the same samples (all micro-batches of all replicas), with no
+communication: efficiency = single-device time / (devices x step time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from schedules.actions import ActionKind
+from schedules.builders import build
+from schedules.cluster import Cluster
+from schedules.collectives_cost import Group, Reduction, reduction_finish
+from schedules.costs import Costs
+from schedules.simulate import SimResult, simulate
+
+HYBRID_KINDS = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One pipeline stage as measured on the profiled device, per micro-batch.
+
+    grad_bytes: bytes of each gradient tensor in the order the backward finishes them;
+    ready_fraction[i]: share of the stage's backward done when tensor i is final (default:
+    proportional to cumulative bytes). send_bytes: activation bytes sent to the next stage
+    (gradients of the same size come back). memory: parameter-related bytes the stage keeps
+    (weights, gradients, optimizer state); activation_memory: bytes held per in-flight
+    micro-batch.
+    """
+
+    forward: float
+    backward: float
+    grad_bytes: tuple[float, ...] = ()
+    ready_fraction: tuple[float, ...] | None = None
+    send_bytes: float = 0.0
+    memory: float = 0.0
+    activation_memory: float = 0.0
+
+    def ready(self) -> list[float]:
+        """ready_fraction, or the cumulative-bytes default."""
+        if self.ready_fraction is not None:
+            if len(self.ready_fraction) != len(self.grad_bytes):
+                raise ValueError(f"StageWork has {len(self.grad_bytes)} grad tensors but "
+                                 f"{len(self.ready_fraction)} ready fractions; give one each")
+            return list(self.ready_fraction)
+        total = sum(self.grad_bytes) or 1.0
+        out, acc = [], 0.0
+        for b in self.grad_bytes:
+            acc += b
+            out.append(acc / total)
+        return out
+
+
+@dataclass
+class HybridResult:
+    """Predicted step of a hybrid (pipeline x data-parallel) layout."""
+
+    stages: int
+    replicas: int
+    micro_batches: int
+    schedule: str
+    cluster: Cluster
+    step_time: float            # seconds per mini-batch (pipeline + exposed reduction)
+    pipeline_time: float        # makespan of the pipeline schedule alone
+    reduction_exposed: list[float]  # per stage: reduction time not hidden behind compute
+    single_device_time: float   # one device, all samples of the step, no communication
+    memory: list[float]         # predicted bytes per device of each stage
+    sim: SimResult = field(repr=False)
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.replicas
+
+    @property
+    def scaling_efficiency(self) -> float:
+        """Single-device time / (devices x step time): 1.0 is perfect scaling."""
+        return self.single_device_time / (self.devices * self.step_time) if self.step_time else 0.0
+
+    def throughput(self, samples_per_step: int) -> float:
+        """Samples per second for a global mini-batch of samples_per_step."""
+        return samples_per_step / self.step_time
+
+
+def _check(stages: int, replicas: int, micro_batches: int, kind: str, cluster: Cluster) -> None:
+    for name, value in (("replicas", replicas), ("micro_batches", micro_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if stages < 1:
+        raise ValueError("simulate_hybrid needs at least one StageWork")
+    if kind not in HYBRID_KINDS:
+        raise ValueError(f"simulate_hybrid supports schedules {HYBRID_KINDS}, not {kind!r}; "
+                         "fix: choose one of those (one flush per mini-batch)")
+    if stages * replicas > cluster.devices:
+        raise ValueError(f"{stages} stages x {replicas} replicas = {stages * replicas} devices but "
+                         f"cluster {cluster.name!r} has {cluster.devices}; fix: fewer stages or replicas")
+
+
+def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: int = 1,
+                    micro_batches: int = 1, schedule: str = "1f1b",
+                    reduction: Reduction = Reduction()) -> HybridResult:
+    """Predict one training step: the pipeline schedule of every replica, then each stage's
+    gradient all-reduce across replicas (overlapped with the last backward if asked)."""
+    p = len(work)
+    _check(p, replicas, micro_batches, schedule, cluster)
+    speed = cluster.speed
+    comm = []
+    for k in range(p - 1):
+        bandwidth, latency = cluster.link(k, k + 1)
+        comm.append(latency + work[k].send_bytes / bandwidth)
+    costs = Costs(forward=[w.forward / speed for w in work], backward=[w.backward / speed for w in work],
+                  comm=comm + [0.0])  # the unused wrap edge p-1 -> 0 (Costs.latency indexes it)
+    sim = simulate(build(schedule, p, micro_batches), costs)
+    exposed, ends = [], []
+    for k, w in enumerate(work):
+        last_b = max(i for i, a in enumerate(sim.schedule.actions[k]) if a.kind is ActionKind.BACKWARD)
+        b_start, b_end = sim.start[k][last_b], sim.end[k][last_b]
+        ready = [b_start + f * (b_end - b_start) for f in w.ready()]
+        group = Group.of_ranks([r * p + k for r in range(replicas)], cluster)
+        finish = reduction_finish(list(w.grad_bytes), ready, group, cluster, reduction)
+        stage_end = sim.end[k][-1] if sim.end[k] else 0.0
+        exposed.append(max(0.0, finish - stage_end))
+        ends.append(max(stage_end, finish))
+    single = replicas * micro_batches * sum(w.forward + w.backward for w in work) / speed
+    memory = [w.memory + peak * w.activation_memory for w, peak in zip(work, sim.peak_in_flight)]
+    return HybridResult(stages=p, replicas=replicas, micro_batches=micro_batches, schedule=schedule,
+                        cluster=cluster, step_time=max(ends), pipeline_time=sim.makespan,
+                        reduction_exposed=exposed, single_device_time=single, memory=memory, sim=sim)
