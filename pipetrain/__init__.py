@@ -6,9 +6,10 @@ balanced stages and trains it with GPipe, 1F1B, interleaved 1F1B or asynchronous
 process per stage under torchrun.
 """
 from pipetrain.api import wrap
+from pipetrain.checkpoint import export_state_dict
 from pipetrain.metrics import StepResult
 from pipetrain.options import PipelineOptions
 from pipetrain.pipeline import Pipeline
 
-__all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult"]
+__all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult", "export_state_dict"]
 __version__ = "0.1.0"

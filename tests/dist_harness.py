@@ -40,6 +40,7 @@ def _worker(rank: int, world: int, port: int, module: str, function: str, out: s
 
 def run_world(world: int, module: str, function: str, tmp_path: Path, *args) -> list:
     """Run ``module.function(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result."""
+    Path(tmp_path).mkdir(parents=True, exist_ok=True)
     mp.spawn(_worker, args=(world, _free_port(), module, function, str(tmp_path), args), nprocs=world)
     results = []
     for rank in range(world):
