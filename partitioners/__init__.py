@@ -3,9 +3,11 @@ from .chain import DEFAULT_BANDWIDTH
 from .errors import PartitionError, TraceError
 from .graph import CostGraph
 from .hybrid import plan_hybrid
+from .layout import Layout, evaluate_layout, format_ranking, plan_layout, search_layouts
 from .partition import partition
 from .plan import Plan
 from .trace import trace
 
-__all__ = ["CostGraph", "DEFAULT_BANDWIDTH", "PartitionError", "Plan", "TraceError",
-           "partition", "plan_hybrid", "trace"]
+__all__ = ["CostGraph", "DEFAULT_BANDWIDTH", "Layout", "PartitionError", "Plan", "TraceError",
+           "evaluate_layout", "format_ranking", "partition", "plan_hybrid", "plan_layout", "search_layouts",
+           "trace"]

@@ -69,7 +69,8 @@ class Costs:
             if any(x < 0 for x in edges):
                 raise ValueError(f"Costs.comm must be non-negative, got {edges}")
         table = [[0.0] * stages for _ in range(stages)]
-        for a in range(stages):
-            for b in ((a + 1) % stages, (a - 1) % stages):
-                table[a][b] = edges[min(a, b)] if abs(a - b) == 1 else edges[stages - 1]
+        for a in range(stages - 1):
+            table[a][a + 1] = table[a + 1][a] = edges[a]
+        if wraps and stages > 2:  # only interleaved schedules use the p-1 <-> 0 edge
+            table[stages - 1][0] = table[0][stages - 1] = edges[stages - 1]
         return table

@@ -119,7 +119,7 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
         bandwidth, latency = cluster.link(k, k + 1)
         comm.append(latency + work[k].send_bytes / bandwidth)
     costs = Costs(forward=[w.forward / speed for w in work], backward=[w.backward / speed for w in work],
-                  comm=comm + [0.0])  # the unused wrap edge p-1 -> 0 (Costs.latency indexes it)
+                  comm=comm)
     sim = simulate(build(schedule, p, micro_batches), costs)
     exposed, ends = [], []
     for k, w in enumerate(work):

@@ -160,3 +160,11 @@ def test_png_timeline(tmp_path):
     path = tmp_path / "timeline.png"
     simulate(build("zb-h1", 3, 4), Costs(1, 1, 1)).to_png(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_edge_comm_list_of_stages_minus_one_for_a_chain():
+    # A non-interleaved schedule has p-1 links; a list of that many costs must be accepted.
+    sched = build("1f1b", 4, 4)
+    free = simulate(sched, Costs(forward=1.0, backward=1.0))
+    slow = simulate(sched, Costs(forward=1.0, backward=1.0, comm=[0.0, 0.5, 0.0]))
+    assert slow.makespan > free.makespan
