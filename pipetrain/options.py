@@ -44,6 +44,7 @@ class PipelineOptions:
     bandwidth: float | None = None     # bytes/s between stages, for the graph partitioner
     memory_limit: float | None = None  # bytes per stage, for the graph partitioner
     dynamic_shapes: bool = False
+    timeout: float = 30.0              # seconds a rank waits for another before it stops with an error
     # Hybrid mode: how each stage's gradients are averaged over its data-parallel replicas.
     allreduce: str = "hybrid"
     bucket_mb: float = 25.0
@@ -68,6 +69,8 @@ class PipelineOptions:
         choose("engine", self.engine, ENGINES)
         choose("spectrain_variant", self.spectrain_variant, SPECTRAIN_VARIANTS)
         choose("allreduce", self.allreduce, ALLREDUCE)
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         choose("compress", self.compress, (None, "bf16", "fp16"))
         if self.hierarchy is not None and (len(self.hierarchy) != 2 or self.hierarchy[0] * self.hierarchy[1] != self.data_parallel):
             raise ValueError(f"hierarchy={self.hierarchy} must be (nodes, replicas per node) with "

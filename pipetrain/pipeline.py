@@ -35,11 +35,28 @@ from schedules import ActionKind
 FORWARD_ONLY = {ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT}
 
 
+def trace_model(model: nn.Module, example_inputs: Any, profile: bool):
+    """Trace with torch.fx; a forward fx cannot follow falls back to the model's top-level children as a
+    chain, which the tracer accepts only when running them in order reproduces the model's output."""
+    try:
+        return partitioners.trace(model, example_inputs, profile=profile)
+    except partitioners.TraceError as error:
+        try:
+            return partitioners.trace(model, example_inputs, profile=profile, chain=True)
+        except partitioners.TraceError as chain_error:
+            children = [name for name, _ in model.named_children()]
+            raise partitioners.TraceError(
+                f"{error}\n  pipetrain also tried the model as the chain of its top-level children {children}: "
+                f"{chain_error}\n  fix: make forward() traceable, or build the model so that its children run "
+                f"in order (nn.Sequential) and split it between them with partitioner=[<child names>]"
+            ) from error
+
+
 def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, world: World | None):
     """Trace and partition the model; under torchrun rank 0 decides and every rank follows its plan."""
     method = list(options.partitioner) if isinstance(options.partitioner, (list, tuple)) else options.partitioner
     decides = world is None or world.rank == 0
-    graph = partitioners.trace(model, example_inputs, profile=options.profile and decides)
+    graph = trace_model(model, example_inputs, profile=options.profile and decides)
     if decides:
         plan = partitioners.partition(graph, options.virtual_stages, method=method,
                                       bandwidth=options.bandwidth, memory_limit=options.memory_limit)
@@ -61,7 +78,7 @@ class Pipeline:
         self.world: World | None = None
         if self.distributed:
             ensure_process_group()
-            self.world = World(o.stages, o.data_parallel, o.allreduce, o.hierarchy)
+            self.world = World(o.stages, o.data_parallel, o.allreduce, o.hierarchy, o.timeout)
         elif o.data_parallel > 1:
             raise ValueError("data_parallel > 1 runs one process per stage and replica: launch with torchrun "
                              f"--nproc-per-node {o.stages * o.data_parallel} (engine='distributed' or 'auto')")
@@ -86,7 +103,7 @@ class Pipeline:
         if self.distributed:
             self.transport = DistributedTransport(
                 self.topology, lambda v: self.world.rank_of(self.topology.device_of(v)),
-                self.world.link_groups(self.topology), self.world.device, self.counter, o.dynamic_shapes)
+                self.world.link_groups(self.topology), self.world.device, self.counter, o.dynamic_shapes, o.timeout)
             self.tied = DistributedTiedSync(tied, self.runtimes, self.world.tied_groups(self.topology, tied),
                                             self.counter)
             agreement = DistributedOverflowAgreement()
@@ -394,7 +411,7 @@ class Pipeline:
 
     def _barrier(self) -> None:
         if self.world is not None:
-            dist.barrier(group=self.world.control)
+            dist.barrier(group=self.world.checkpoint)
 
     def close(self) -> None:
         if self._log is not None:

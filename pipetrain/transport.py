@@ -8,6 +8,7 @@ on one link for one micro-batch: activations src -> dst, gradients dst -> src.
 from __future__ import annotations
 
 import pickle
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -18,6 +19,12 @@ from pipetrain.metrics import CommCounter
 from pipetrain.topology import Link, Topology
 
 ACT, GRAD = "act", "grad"
+
+
+class PeerFailure(RuntimeError):
+    """Another rank of the pipeline died or stopped answering."""
+
+
 COMM_KIND = {ACT: "activations", GRAD: "activation_grads"}
 HEADER_BYTES = 1 << 16
 
@@ -68,12 +75,14 @@ class DistributedTransport:
     """
 
     def __init__(self, topology: Topology, rank_of: Callable[[int], int], groups: dict[int, Any],
-                 device: torch.device, counter: CommCounter, dynamic_shapes: bool = False):
+                 device: torch.device, counter: CommCounter, dynamic_shapes: bool = False,
+                 timeout: float = 30.0):
         self.topology = topology
         self.rank_of = rank_of
         self.groups = groups
         self.device = device
         self.dynamic_shapes = dynamic_shapes
+        self.timeout = timedelta(seconds=timeout)
         self.rank = dist.get_rank()
         self.local = LocalTransport([device] * topology.num_stages, counter)
         self.counter = counter
@@ -166,24 +175,41 @@ class DistributedTransport:
         entry = self.posted.pop(key)
         if entry[0] == "header":
             _, work, header, meta_key = entry
-            work.wait()
+            self._wait(work, link, kind, micro_batch)
             self.meta_received[meta_key] = _decode_header(header.cpu())
             peer = self._peer(link, kind, sending=False)
             entry = ("payload",) + self._post_payload(link, kind, meta_key, peer, self.groups[link.index])
         _, works, buffers, (described, spec) = entry
         for w in works:
-            w.wait()
+            self._wait(w, link, kind, micro_batch)
         if kind == GRAD:
             return buffers
         it = iter(buffers)
         leaves = [next(it) if d[0] == "t" else d[1] for d in described]
         return pytree.tree_unflatten(leaves, pytree.treespec_loads(spec))
 
+    def _wait(self, work: Any, link: Link, kind: str, micro_batch: int) -> None:
+        """Wait for a receive; a dead or hung peer becomes an error that names it, within the timeout."""
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
+            what = "activations" if kind == ACT else "gradients"
+            raise PeerFailure(
+                f"stage {dst} (rank {self.rank}) got no {what} of micro-batch {micro_batch} from stage {src} "
+                f"(rank {self.rank_of(src)}) within {self.timeout.total_seconds():g} s: rank {self.rank_of(src)} "
+                f"died or hangs; see its log (raise wrap(..., timeout=...) for very slow stages). "
+                f"Transport said: {error}") from error
+
     def flush(self) -> None:
         """Wait until every send this rank posted has completed."""
         for works, _ in self.pending_sends:
             for w in works:
-                w.wait()
+                try:
+                    w.wait(self.timeout)
+                except RuntimeError as error:
+                    raise PeerFailure(f"rank {self.rank}: a send to another stage did not complete within "
+                                      f"{self.timeout.total_seconds():g} s (the receiver died or hangs): {error}") from error
         self.pending_sends.clear()
         if self.dynamic_shapes:  # per-micro-batch metadata is only needed within a step
             self.meta_sent.clear()

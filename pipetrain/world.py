@@ -46,7 +46,7 @@ class World:
     """This rank's place in the (replica x pipeline device) grid and the groups it talks over."""
 
     def __init__(self, stages: int, data_parallel: int, allreduce: str = "flat",
-                 hierarchy: tuple[int, int] | None = None):
+                 hierarchy: tuple[int, int] | None = None, timeout: float = 30.0):
         self.stages = stages
         self.data_parallel = data_parallel
         self.rank = dist.get_rank()
@@ -57,18 +57,21 @@ class World:
                 f"= {stages * data_parallel}; launch with --nproc-per-node (x nodes) = {stages * data_parallel} "
                 "or change stages/data_parallel")
         self.replica, self.pipeline_device = divmod(self.rank, stages)
+        self.timeout = timedelta(seconds=timeout)
         if torch.cuda.is_available() and dist.get_backend() == "nccl":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
         # new_group must be called by every rank in the same order, so groups are built up front.
-        self.control = dist.new_group(list(range(self.size)))
+        self.control = self._group(list(range(self.size)))
+        # Checkpoint barriers wait for every rank's file writes, which may take long for big stages.
+        self.checkpoint = dist.new_group(list(range(self.size)))
         self.data_parallel_group = None
         self.hierarchy = None
         for d in range(stages):
             ranks = [r * stages + d for r in range(data_parallel)]
-            group = dist.new_group(ranks)
+            group = self._group(ranks)
             if d == self.pipeline_device:
                 self.data_parallel_group = group
             if data_parallel > 1 and allreduce in ("hybrid", "hierarchical"):
@@ -76,6 +79,10 @@ class World:
                 found = build_hierarchy_groups(ranks, nodes, per_node)
                 if d == self.pipeline_device:
                     self.hierarchy = found
+
+    def _group(self, ranks: list[int]):
+        # Collectives on our groups give up after the same bound as point-to-point waits.
+        return dist.new_group(ranks, timeout=self.timeout)
 
     def rank_of(self, device: int, replica: int | None = None) -> int:
         return (self.replica if replica is None else replica) * self.stages + device
@@ -89,7 +96,7 @@ class World:
                                 self.rank_of(topology.device_of(link.dst), replica)})
                 if len(ranks) < 2:
                     continue
-                group = dist.new_group(ranks)
+                group = self._group(ranks)
                 if replica == self.replica:
                     mine[link.index] = group
         return mine
@@ -102,7 +109,7 @@ class World:
                 ranks = sorted({self.rank_of(topology.device_of(stage), replica) for stage, _ in copies})
                 if len(ranks) < 2:
                     continue
-                group = dist.new_group(ranks)
+                group = self._group(ranks)
                 if replica == self.replica and self.rank in ranks:
                     mine[i] = group
         return mine

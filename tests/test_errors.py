@@ -1,0 +1,135 @@
+"""Bad input gets one clear error that names the cause and the fix; nothing is changed silently."""
+import pytest
+import torch
+from torch import nn
+
+import partitioners
+import pipetrain
+from dist_harness import run_world
+from runtime_models import data, make, sgd
+
+
+def wrap(model=None, example=None, **kw):
+    kw.setdefault("profile", False)
+    kw.setdefault("engine", "local")
+    kw.setdefault("stages", 2)
+    kw.setdefault("micro_batches", 2)
+    return pipetrain.wrap(model or make("mlp"), data("mlp", 2)[0] if example is None else example, **kw)
+
+
+class DataDependent(nn.Module):
+    """Python control flow on a tensor value: fx cannot trace it, and its children are no chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:
+            h = h * 2
+        return self.b(h) + x[:, :4]
+
+
+def test_untraceable_model_names_the_code_and_suggests_split_points():
+    with pytest.raises(partitioners.TraceError) as info:
+        wrap(DataDependent())
+    message = str(info.value)
+    assert "if h.sum() > 0" in message and "partitioner=[" in message
+
+
+def test_untraceable_sequential_like_model_falls_back_to_its_children():
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            for layer in (self.a, self.b, self.c):
+                x = layer(x)
+                if x.sum() > 1e9:  # data-dependent, but the children still run in order
+                    x = x / 2
+            return x
+
+    torch.manual_seed(0)
+    model = Chain()
+    x = data("mlp", 4)[0]
+    expected = model(x)
+    pipe = wrap(model, partitioner=["c"])
+    assert pipe.plan.num_stages == 2
+    torch.testing.assert_close(pipe.predict(x), expected, atol=1e-6, rtol=0)
+
+
+def test_more_stages_than_nodes():
+    with pytest.raises(partitioners.PartitionError, match="use at most"):
+        wrap(nn.Sequential(nn.Linear(8, 4)), stages=6)
+
+
+def test_micro_batches_larger_than_the_batch():
+    pipe = wrap(micro_batches=4)
+    x, y = data("mlp", 3)
+    with pytest.raises(ValueError, match="micro_batches=4"):
+        pipe.step(x, y)
+
+
+def test_example_inputs_of_the_wrong_shape():
+    with pytest.raises(ValueError, match="example_inputs do not fit"):
+        wrap(example=torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("option,value,valid", [
+    ("schedule", "pipedream", "gpipe, 1f1b, interleaved-1f1b, async-1f1b"),
+    ("staleness", "predict", "none, vanilla, stash, spectrain"),
+    ("partitioner", "balanced", "graph, time, params, uniform"),
+    ("precision", "fp8", "fp32, bf16, fp16"),
+    ("engine", "mpi", "auto, local, distributed"),
+])
+def test_unknown_names_list_the_valid_ones(option, value, valid):
+    with pytest.raises(ValueError, match=f"unknown {option}.*{valid}"):
+        wrap(**{option: value})
+
+
+def test_unknown_option_is_an_error_not_ignored():
+    with pytest.raises(TypeError, match="unknown option.*micro_batch"):
+        wrap(micro_batch=4)
+
+
+def test_staleness_with_a_synchronous_schedule():
+    with pytest.raises(ValueError, match="only applies to schedule='async-1f1b'"):
+        wrap(schedule="1f1b", staleness="stash")
+
+
+def test_async_without_a_staleness_policy():
+    with pytest.raises(ValueError, match="needs a staleness policy"):
+        wrap(schedule="async-1f1b")
+
+
+def test_spectrain_with_an_optimizer_without_momentum():
+    with pytest.raises(TypeError, match="momentum"):
+        wrap(schedule="async-1f1b", staleness="spectrain", micro_batches=1,
+             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_interleaved_micro_batches_not_divisible_by_stages():
+    with pytest.raises(ValueError, match="divisible"):
+        wrap(schedule="interleaved-1f1b", stages=2, micro_batches=3)
+
+
+def test_optimizer_that_is_not_a_factory():
+    with pytest.raises(TypeError, match="factory"):
+        wrap(optimizer=lambda p: "sgd")
+
+
+def wrong_world(rank, world):
+    try:
+        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=3, micro_batches=2, profile=False,
+                       engine="distributed", optimizer=sgd)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_world_size_must_equal_stages_times_data_parallel(tmp_path):
+    messages = run_world(2, "test_errors", "wrong_world", tmp_path)
+    assert all("2 processes but stages x data_parallel = 3 x 1" in m for m in messages)

@@ -1,0 +1,76 @@
+"""A rank that dies or hangs stops every other rank within the timeout, with an error naming it."""
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pipetrain
+from runtime_models import data, make, sgd
+
+WORLD, VICTIM, TIMEOUT = 4, 2, 8.0
+
+
+def _rank(rank, port, out, mode):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    x, y = data("mlp", 8)
+    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=WORLD, micro_batches=4, optimizer=sgd, partitioner="uniform",
+                          profile=False, engine="distributed", timeout=TIMEOUT)
+    pipe.step(x, y)
+    if rank == VICTIM:
+        def fail(module, inputs):  # mid-step: after the first micro-batch's forward on this stage
+            if fail.calls == 1:
+                Path(out, "t0").write_text(str(time.time()))
+                if mode == "die":
+                    os._exit(17)
+                time.sleep(120)  # hang
+            fail.calls += 1
+        fail.calls = 0
+        pipe.runtimes[VICTIM].module.register_forward_pre_hook(fail)
+    try:
+        pipe.step(x, y)
+        Path(out, f"rank{rank}").write_text("finished")
+    except Exception as error:  # noqa: BLE001  (the test reads what each rank reported)
+        Path(out, f"rank{rank}").write_text(f"{time.time()}\n{type(error).__name__}: {error}")
+        os._exit(1)
+    os._exit(0)
+
+
+def _run(tmp_path, mode):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_rank, args=(port, str(tmp_path), mode), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.time() + 120
+    for r, p in enumerate(ctx.processes):
+        if r != VICTIM:  # a hanging victim never ends by itself
+            p.join(max(1, deadline - time.time()))
+    codes = [p.exitcode for p in ctx.processes]
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return codes
+
+
+@pytest.mark.parametrize("mode", ["die", "hang"])
+def test_other_ranks_stop_within_the_timeout_naming_the_rank(tmp_path, mode):
+    codes = _run(tmp_path, mode)
+    t0 = float((tmp_path / "t0").read_text())
+    survivors = [r for r in range(WORLD) if r != VICTIM]
+    for r in survivors:
+        assert codes[r] == 1, f"rank {r} exit code {codes[r]}"
+        stamp, message = (tmp_path / f"rank{r}").read_text().split("\n", 1)
+        # Each survivor stops within the timeout (plus a chain of neighbours failing in turn and slack).
+        assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s"
+        assert "PeerFailure" in message and "rank" in message
+    # The victim's neighbours name it.
+    for r in (VICTIM - 1, VICTIM + 1):
+        assert f"rank {VICTIM}" in (tmp_path / f"rank{r}").read_text()
