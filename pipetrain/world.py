@@ -39,7 +39,18 @@ def ensure_process_group(timeout_seconds: float = 1800.0) -> None:
         raise RuntimeError("engine='distributed' needs torchrun (or an initialised torch.distributed process "
                            "group); run `torchrun --nproc-per-node N script.py` or use engine='local'")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
+    timeout = timedelta(seconds=timeout_seconds)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's store outlives a restart (--max-restarts); without a per-attempt namespace the
+        # restarted workers read the dead workers' addresses and fail to connect their groups.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"pipetrain/attempt-{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 class World:
