@@ -15,19 +15,19 @@ SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
 SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
 
 
-def forward_block(stage: int, micro_batch: int, chunk: int, v: int, last: int) -> list[Action]:
-    """RECV_ACT (unless first virtual stage), F, SEND_ACT (unless last)."""
-    block = [Action(stage, RECV_ACT, micro_batch, chunk)] if v > 0 else []
-    block.append(Action(stage, F, micro_batch, chunk))
+def forward_block(forward: Action, v: int, last: int) -> list[Action]:
+    """RECV_ACT (unless first virtual stage), `forward` (an F at virtual stage v), SEND_ACT (unless last)."""
+    stage, micro_batch, chunk = forward.stage, forward.micro_batch, forward.chunk
+    block = [Action(stage, RECV_ACT, micro_batch, chunk), forward] if v > 0 else [forward]
     if v < last:
         block.append(Action(stage, SEND_ACT, micro_batch, chunk))
     return block
 
 
-def backward_block(stage: int, micro_batch: int, chunk: int, v: int, last: int) -> list[Action]:
-    """RECV_GRAD (unless last virtual stage), B, SEND_GRAD (unless first)."""
-    block = [Action(stage, RECV_GRAD, micro_batch, chunk)] if v < last else []
-    block.append(Action(stage, B, micro_batch, chunk))
+def backward_block(backward: Action, v: int, last: int) -> list[Action]:
+    """RECV_GRAD (unless last virtual stage), `backward` (a B at virtual stage v), SEND_GRAD (unless first)."""
+    stage, micro_batch, chunk = backward.stage, backward.micro_batch, backward.chunk
+    block = [Action(stage, RECV_GRAD, micro_batch, chunk), backward] if v < last else [backward]
     if v > 0:
         block.append(Action(stage, SEND_GRAD, micro_batch, chunk))
     return block
@@ -39,18 +39,19 @@ def attach_comms(compute: list[list[Action]], stages: int, chunks: int) -> list[
     A RECV sits directly before its consumer and a SEND directly after its
     producer. That keeps each peer's messages in FIFO order as long as every
     device consumes them in the order its peer produces them, which all the
-    builders here do (validate() checks it).
+    builders here do (validate() checks it). The compute actions themselves
+    are reused, not copied.
     """
     last = stages * chunks - 1
     result = []
     for device, actions in enumerate(compute):
         out: list[Action] = []
         for a in actions:
-            v = a.chunk * stages + device
-            if a.kind is F:
-                out += forward_block(device, a.micro_batch, a.chunk, v, last)
-            elif a.kind is B:
-                out += backward_block(device, a.micro_batch, a.chunk, v, last)
+            kind = a.kind
+            if kind is F:
+                out += forward_block(a, a.chunk * stages + device, last)
+            elif kind is B:
+                out += backward_block(a, a.chunk * stages + device, last)
             else:
                 out.append(a)
         result.append(out)

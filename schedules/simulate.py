@@ -9,14 +9,17 @@ backward = 1 (or 2) and free communication GPipe and 1F1B give
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from schedules.actions import ActionKind
 from schedules.costs import Costs
 from schedules.execution import execute
+from schedules.gc_pause import gc_paused
 from schedules.schedule import Schedule
 from schedules.validate import check_structure, raise_if_deadlocked
 
 F, B, W, STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP
+_kind = attrgetter("kind")
 
 
 @dataclass
@@ -73,11 +76,12 @@ class SimResult:
         write_png(self, path)
 
 
+@gc_paused()
 def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     """Validate `schedule` (raises ScheduleError), then simulate it under `costs`."""
     check_structure(schedule)
     p = schedule.stages
-    split = any(a.kind is W for actions in schedule.actions for a in actions)
+    split = any(W in map(_kind, actions) for actions in schedule.actions)
     fwd, bwd, wgt = costs.compute(p)
     per_device = [
         {F: fwd[d] / schedule.chunks,
@@ -88,10 +92,7 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     timeline = execute(schedule, per_device, costs.latency(p, wraps=schedule.chunks > 1))
     raise_if_deadlocked(schedule, timeline)
     makespan = max((ends[-1] for ends in timeline.end if ends), default=0.0)
-    busy = []
-    for d, actions in enumerate(schedule.actions):
-        cost = per_device[d]
-        busy.append(sum(cost[a.kind] for a in actions if a.kind in cost))
+    busy = timeline.busy
     utilisation = [b / makespan if makespan else 0.0 for b in busy]
     bubble = 1.0 - sum(busy) / (p * makespan) if makespan else 0.0
     peaks, lags = zip(*(_memory_and_lag(actions, split) for actions in schedule.actions))
@@ -107,7 +108,8 @@ def _memory_and_lag(actions, split: bool) -> tuple[int, list[tuple[int, int]]]:
         kind = a.kind
         if kind is F:
             held += 1
-            peak = max(peak, held)
+            if held > peak:
+                peak = held
             version[(a.micro_batch, a.chunk)] = steps
         elif kind is B:
             lags.append((a.micro_batch, steps - version[(a.micro_batch, a.chunk)]))

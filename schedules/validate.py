@@ -12,21 +12,27 @@ forever (deadlock).
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import attrgetter
 
-from schedules.actions import Action, ActionKind, COMM_KINDS
+from schedules.actions import Action, ActionKind
 from schedules.execution import Timeline, execute
+from schedules.gc_pause import gc_paused
 from schedules.schedule import Schedule, ScheduleError
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
 SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
 STEP, REDUCE = ActionKind.STEP, ActionKind.REDUCE
+# communication kind -> (carries a gradient, is a send, virtual stage of the peer minus own)
+_MESSAGE_ROLE = {SEND_ACT: (False, True, 1), RECV_ACT: (False, False, -1),
+                 SEND_GRAD: (True, True, -1), RECV_GRAD: (True, False, 1)}
 
 
 def _where(stage: int, index: int, action: Action) -> str:
     return f"stage {stage} action {index} '{action}'"
 
 
+@gc_paused()
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError naming the first offending action; return None if the schedule is sound."""
     check_structure(schedule)
@@ -48,103 +54,123 @@ def _message_text(is_grad: bool, send: bool, micro_batch: int, chunk: int) -> st
 
 
 def _check_fields_and_messages(s: Schedule) -> None:
-    p, virtual, micro_total = s.stages, s.virtual_stages, s.micro_batches * s.mini_batches
-    # (sender, receiver) -> [(action index, (is_grad, micro_batch, receiving virtual stage))]
-    sends: dict[tuple[int, int], list] = defaultdict(list)
-    recvs: dict[tuple[int, int], list] = defaultdict(list)
+    p, chunks, virtual = s.stages, s.chunks, s.virtual_stages
+    micro_total, mini_batches = s.micro_batches * s.mini_batches, s.mini_batches
+    # per ordered pair (sender, receiver): its messages in posting order, each as
+    # (is_grad, micro_batch, receiving virtual stage), and their indices in the stage's list
+    sent: dict[tuple[int, int], tuple[list, list[int]]] = defaultdict(lambda: ([], []))
+    received: dict[tuple[int, int], tuple[list, list[int]]] = defaultdict(lambda: ([], []))
     for stage, actions in enumerate(s.actions):
         for i, a in enumerate(actions):
             if type(a) is not Action or not isinstance(a.kind, ActionKind):
                 raise ScheduleError(f"stage {stage} action {i} {a!r}: not an Action; build actions "
                                     "with schedules.Action or Action.parse")
-            kind, chunk = a.kind, a.chunk
+            kind, micro, chunk = a.kind, a.micro_batch, a.chunk
             if a.stage != stage:
                 raise ScheduleError(f"{_where(stage, i, a)}: belongs to stage {a.stage} but sits in "
                                     f"stage {stage}'s list")
-            if not 0 <= chunk < s.chunks:
+            if not 0 <= chunk < chunks:
                 raise ScheduleError(f"{_where(stage, i, a)}: chunk {chunk} out of range, the "
-                                    f"schedule has {s.chunks} chunk(s) per stage")
+                                    f"schedule has {chunks} chunk(s) per stage")
             whole_stage = kind is STEP or kind is REDUCE
-            limit = s.mini_batches if whole_stage else micro_total
-            if not 0 <= a.micro_batch < limit:
+            limit = mini_batches if whole_stage else micro_total
+            if not 0 <= micro < limit:
                 what = "mini-batch" if whole_stage else "micro-batch"
-                raise ScheduleError(f"{_where(stage, i, a)}: {what} {a.micro_batch} out of range "
+                raise ScheduleError(f"{_where(stage, i, a)}: {what} {micro} out of range "
                                     f"0..{limit - 1} ({s.micro_batches} micro-batches x "
-                                    f"{s.mini_batches} mini-batches)")
+                                    f"{mini_batches} mini-batches)")
             if whole_stage and chunk:
                 raise ScheduleError(f"{_where(stage, i, a)}: {kind.name} applies to the whole "
                                     "stage; drop the chunk suffix")
-            if kind in COMM_KINDS:
+            role = _MESSAGE_ROLE.get(kind)
+            if role is not None:
+                is_grad, is_send, step = role
                 v = chunk * p + stage
-                is_grad = kind is SEND_GRAD or kind is RECV_GRAD
-                is_send = kind is SEND_ACT or kind is SEND_GRAD
-                other_v = v - 1 if is_grad == is_send else v + 1
+                other_v = v + step
                 if not 0 <= other_v < virtual:
                     edge = "first" if other_v < 0 else "last"
                     raise ScheduleError(f"{_where(stage, i, a)}: the {edge} virtual stage has no "
                                         f"peer for {kind.name}; remove it")
                 if is_send:
-                    sends[(stage, other_v % p)].append((i, (is_grad, a.micro_batch, other_v)))
+                    messages, at = sent[(stage, other_v % p)]
+                    messages.append((is_grad, micro, other_v))
                 else:
-                    recvs[(other_v % p, stage)].append((i, (is_grad, a.micro_batch, v)))
-    for pair in sorted(set(sends) | set(recvs)):
-        src, dst = pair
-        out, inc = sends.get(pair, []), recvs.get(pair, [])
-        for j in range(max(len(out), len(inc))):
-            if j >= len(inc):
-                i, (is_grad, micro, v) = out[j]
-                raise ScheduleError(f"{_where(src, i, s.actions[src][i])}: send has no matching "
-                                    f"receive ({_message_text(is_grad, False, micro, v // p)} on "
-                                    f"stage {dst})")
-            if j >= len(out):
-                i, (is_grad, micro, v) = inc[j]
-                src_v = v + 1 if is_grad else v - 1
-                raise ScheduleError(f"{_where(dst, i, s.actions[dst][i])}: receive has no matching "
-                                    f"send ({_message_text(is_grad, True, micro, src_v // p)} on "
-                                    f"stage {src})")
-            if out[j][1] != inc[j][1]:
-                si, ri = out[j][0], inc[j][0]
-                raise ScheduleError(
-                    f"{_where(dst, ri, s.actions[dst][ri])}: receives out of order: message {j} "
-                    f"from stage {src} is '{s.actions[src][si]}' (action {si}); post receives "
-                    "from one stage in the order it sends")
+                    messages, at = received[(other_v % p, stage)]
+                    messages.append((is_grad, micro, v))
+                at.append(i)
+    no_messages: tuple[list, list[int]] = ([], [])
+    for pair in sorted(set(sent) | set(received)):
+        (out, out_at), (inc, inc_at) = sent.get(pair, no_messages), received.get(pair, no_messages)
+        if out != inc:
+            _raise_message_mismatch(s, pair, out, out_at, inc, inc_at)
+
+
+def _raise_message_mismatch(s: Schedule, pair: tuple[int, int], out: list, out_at: list[int],
+                            inc: list, inc_at: list[int]) -> None:
+    """Name the first message of `pair` whose send and receive do not match one to one."""
+    p, (src, dst) = s.stages, pair
+    j = next((j for j, (sent, received) in enumerate(zip(out, inc)) if sent != received),
+             min(len(out), len(inc)))
+    if j >= len(inc):
+        i, (is_grad, micro, v) = out_at[j], out[j]
+        raise ScheduleError(f"{_where(src, i, s.actions[src][i])}: send has no matching "
+                            f"receive ({_message_text(is_grad, False, micro, v // p)} on "
+                            f"stage {dst})")
+    if j >= len(out):
+        i, (is_grad, micro, v) = inc_at[j], inc[j]
+        src_v = v + 1 if is_grad else v - 1
+        raise ScheduleError(f"{_where(dst, i, s.actions[dst][i])}: receive has no matching "
+                            f"send ({_message_text(is_grad, True, micro, src_v // p)} on "
+                            f"stage {src})")
+    si, ri = out_at[j], inc_at[j]
+    raise ScheduleError(
+        f"{_where(dst, ri, s.actions[dst][ri])}: receives out of order: message {j} "
+        f"from stage {src} is '{s.actions[src][si]}' (action {si}); post receives "
+        "from one stage in the order it sends")
 
 
 def _check_stage(s: Schedule, stage: int) -> None:
     actions = s.actions[stage]
-    last = s.virtual_stages - 1
-    split = any(a.kind is W for a in actions)
-    seen: dict[ActionKind, dict[tuple[int, int], int]] = defaultdict(dict)
+    p, last = s.stages, s.virtual_stages - 1
+    kinds = set(map(attrgetter("kind"), actions))
+    split, uses_reduce = W in kinds, REDUCE in kinds
+    # kind -> {(micro_batch, chunk): index of that action}
+    seen: dict[ActionKind, dict[tuple[int, int], int]] = {kind: {} for kind in ActionKind}
+    forwards, backwards = seen[F], seen[B]
+    received_act, received_grad = seen[RECV_ACT], seen[RECV_GRAD]
     stepped: set[int] = set()
     reduced: set[int] = set()
-    uses_reduce = any(a.kind is REDUCE for a in actions)
 
     def fail(i: int, a: Action, why: str) -> None:
         raise ScheduleError(f"{_where(stage, i, a)}: {why}")
 
     for i, a in enumerate(actions):
-        key = (a.micro_batch, a.chunk)
-        kind, v = a.kind, a.chunk * s.stages + stage
-        if key in seen[kind]:
-            fail(i, a, f"duplicate of action {seen[kind][key]}")
-        seen[kind][key] = i
-        mini = a.micro_batch if kind in (STEP, REDUCE) else a.micro_batch // s.micro_batches
+        kind, micro, chunk = a.kind, a.micro_batch, a.chunk
+        key = (micro, chunk)
+        done = seen[kind]
+        if key in done:
+            fail(i, a, f"duplicate of action {done[key]}")
+        done[key] = i
         if kind is F:
-            if v > 0 and key not in seen[RECV_ACT]:
-                fail(i, a, f"forward without a posted RECV_ACT{a.micro_batch} before it")
-        elif kind is B or kind is W:
-            if kind is B and key not in seen[F]:
+            if key not in received_act and chunk * p + stage > 0:
+                fail(i, a, f"forward without a posted RECV_ACT{micro} before it")
+        elif kind is B:
+            if key not in forwards:
                 fail(i, a, "backward before its forward")
-            if kind is W and key not in seen[B]:
+            if key not in received_grad and chunk * p + stage < last:
+                fail(i, a, f"backward without a posted RECV_GRAD{micro} before it")
+        elif kind is W:
+            if key not in backwards:
                 fail(i, a, "weight-gradient before its backward (B)")
-            if kind is B and v < last and key not in seen[RECV_GRAD]:
-                fail(i, a, f"backward without a posted RECV_GRAD{a.micro_batch} before it")
-        elif kind is SEND_ACT and key not in seen[F]:
-            fail(i, a, f"sends an activation before its forward F{a.micro_batch}")
-        elif kind is SEND_GRAD and key not in seen[B]:
-            fail(i, a, f"sends a gradient before its backward B{a.micro_batch}")
+        elif kind is SEND_ACT:
+            if key not in forwards:
+                fail(i, a, f"sends an activation before its forward F{micro}")
+        elif kind is SEND_GRAD:
+            if key not in backwards:
+                fail(i, a, f"sends a gradient before its backward B{micro}")
         elif kind is STEP or kind is REDUCE:
-            missing = _missing(s, seen[W if split else B], mini)
+            mini = micro  # STEP and REDUCE carry the mini-batch index
+            missing = _missing(s, seen[W] if split else backwards, mini)
             if missing:
                 what = "optimizer step" if kind is STEP else "reduction"
                 fail(i, a, f"{what} misses the gradient of {missing}")
@@ -153,11 +179,12 @@ def _check_stage(s: Schedule, stage: int) -> None:
             if kind is STEP and uses_reduce and mini not in reduced:
                 fail(i, a, f"STEP{mini} before REDUCE{mini}; reduce gradients before the step")
             (stepped if kind is STEP else reduced).add(mini)
-    for kind, follow in ((F, B), (B, W if split else None)):
-        for key, i in seen[kind].items():
-            if follow is not None and key not in seen[follow]:
-                fail(i, actions[i], f"never gets its {'backward' if follow is B else 'weight-gradient'}"
-                                    f" ({follow.value}{key[0]})")
+    for earlier, later in ((F, B), (B, W)) if split else ((F, B),):
+        never = seen[earlier].keys() - seen[later].keys()
+        if never:
+            i = min(seen[earlier][key] for key in never)
+            fail(i, actions[i], f"never gets its {'backward' if later is B else 'weight-gradient'}"
+                                f" ({later.value}{actions[i].micro_batch})")
     for mini in range(s.mini_batches):
         if mini not in stepped:
             raise ScheduleError(f"stage {stage}: no STEP{mini} (every stage steps once per "

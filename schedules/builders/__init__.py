@@ -10,6 +10,7 @@ from schedules.builders.gpipe import gpipe
 from schedules.builders.interleaved import interleaved_1f1b
 from schedules.builders.one_f_one_b import one_f_one_b
 from schedules.builders.zero_bubble import zb_h1
+from schedules.gc_pause import gc_paused
 from schedules.schedule import Schedule
 
 BUILDERS: dict[str, Callable[..., Schedule]] = {
@@ -21,6 +22,7 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
 }
 
 
+@gc_paused()
 def build(kind: str, stages: int, micro_batches: int, **options: object) -> Schedule:
     """Build the action lists of every stage for schedule `kind`.
 

@@ -14,6 +14,8 @@ from schedules.builders.common import check_count, step_tail
 from schedules.comms import backward_block, forward_block
 from schedules.schedule import Schedule
 
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+
 
 def async_1f1b_actions(stage: int, stages: int, micro_batches: int,
                        has_mini_batch: Callable[[int], bool], *,
@@ -49,15 +51,15 @@ def async_1f1b_actions(stage: int, stages: int, micro_batches: int,
     warmup = stages - stage - 1
     forwards = backwards = 0
     while forwards < warmup and exists(forwards):
-        yield from forward_block(stage, forwards, 0, stage, last)
+        yield from forward_block(Action(stage, F, forwards), stage, last)
         forwards += 1
     while True:
         if exists(forwards):
-            yield from forward_block(stage, forwards, 0, stage, last)
+            yield from forward_block(Action(stage, F, forwards), stage, last)
             forwards += 1
         if backwards == forwards:
             return
-        yield from backward_block(stage, backwards, 0, stage, last)
+        yield from backward_block(Action(stage, B, backwards), stage, last)
         backwards += 1
         if backwards % micro_batches == 0:
             yield from step_tail(stage, backwards // micro_batches - 1, data_parallel)
