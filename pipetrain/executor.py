@@ -19,7 +19,7 @@ from pipetrain.topology import Topology
 from pipetrain.transport import ACT, GRAD
 from schedules import Action, ActionKind
 
-BLOCKED, DONE = "blocked", "done"
+BLOCKED, DONE, STEPPED = "blocked", "done", "stepped"
 
 
 class DeviceExecutor:
@@ -58,13 +58,13 @@ class DeviceExecutor:
         }
 
     def run(self, actions: Iterable[Action]) -> Iterator[str]:
-        for action in actions:
+        for action in hoist_receives(actions):
             handler = self._handlers.get(action.kind)
             if handler is None:
                 raise ValueError(f"the runtime cannot execute action {action} ({action.kind.name}); "
                                  "use gpipe, 1f1b, interleaved-1f1b or async-1f1b")
             yield from handler(action)
-            yield DONE
+            yield STEPPED if action.kind == ActionKind.STEP else DONE
 
     def _stage(self, action: Action) -> StageRuntime:
         return self.stages[action.chunk]
@@ -178,6 +178,32 @@ class DeviceExecutor:
         return iter(())
 
 
+RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
+COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+
+
+def hoist_receives(actions: Iterable[Action]) -> Iterator[Action]:
+    """Post each receive before the compute action that precedes it (unless that one computes the
+    same micro-batch), so the transfer runs during that compute instead of after it.
+
+    gloo moves a message only once its receive is posted; schedules post a receive right
+    before the action that needs it, which leaves every transfer on the critical path.
+    Lazy, reading at most one compute action ahead, so streamed async-1f1b keeps its pace.
+    """
+    held: list[Action] = []  # the last compute action and the non-receive actions after it
+    for a in actions:
+        if a.kind in RECEIVES and held and (held[0].micro_batch, held[0].chunk) != (a.micro_batch, a.chunk):
+            yield a
+        elif a.kind in COMPUTE:
+            yield from held
+            held = [a]
+        elif held:
+            held.append(a)
+        else:
+            yield a
+    yield from held
+
+
 def _count_float(value: Any) -> int:
     return sum(1 for v in pytree.tree_leaves(value) if takes_grad(v))
 
@@ -210,6 +236,8 @@ def drive(runs: dict[int, Iterator[str]]) -> Iterator[None]:
                 if state == BLOCKED:
                     break
                 progressed = True
+                if state == STEPPED:  # let the caller report the finished mini-batch now, not at the end
+                    break
         if not progressed:
             raise DeadlockError(f"devices {sorted(live)} wait for each other: the schedule cannot run "
                                 "with this plan (a stage waits for a message no stage will send)")

@@ -143,13 +143,15 @@ def require_smoothed_update(optimizer: torch.optim.Optimizer | None) -> None:
             smoothed_update(optimizer, p)
 
 
-def predicted_weight(optimizer: torch.optim.Optimizer, p: nn.Parameter, steps: int) -> torch.Tensor:
-    """SpecTrain's prediction W - steps * lr * v of ``p``; W itself before the first step."""
-    v = smoothed_update(optimizer, p)
-    if v is None or steps == 0:
-        return p.detach()
+def predicted_weight(optimizer: torch.optim.Optimizer, p: nn.Parameter, steps: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """SpecTrain's prediction W - steps * lr * v of ``p``; W itself before the first step.
+    With ``out`` it is written there (no temporary) and ``out`` is returned."""
+    v = smoothed_update(optimizer, p) if steps else None
+    if v is None:
+        return p.detach() if out is None else out.copy_(p.detach())
     lr = next(g["lr"] for g in optimizer.param_groups if any(q is p for q in g["params"]))
-    return p.detach() - (steps * lr) * v
+    return torch.add(p.detach(), v, alpha=-(steps * lr), out=out)
 
 
 def spectrain_steps(stage: int, stages: int, forward_only: bool = False) -> tuple[int, int]:
@@ -177,20 +179,26 @@ class SpecTrainPolicy(StalenessPolicy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.s_fwd, self.s_bwd = spectrain_steps(self.stage, self.stages)
-        self.scratch = {n: torch.empty_like(p).requires_grad_() for n, p in self.params}
         require_smoothed_update(self.optimizer)
+        # Predicting 0 updates ahead in both passes (the last stage) means W as it is at forward and
+        # at backward time: aliases of the live weights (as in vanilla) give exactly that, copy-free.
+        self.predicts = (self.s_fwd, self.s_bwd) != (0, 0)
+        self.scratch = ({n: torch.empty_like(p).requires_grad_() for n, p in self.params} if self.predicts
+                        else {n: p.data.requires_grad_() for n, p in self.params})
 
     def _load(self, weights: WeightSet, steps: int) -> None:
         with torch.no_grad():
             for name, p in self.params:
-                weights[name].data.copy_(predicted_weight(self.optimizer, p, steps))
+                predicted_weight(self.optimizer, p, steps, out=weights[name].data)
 
     def forward_weights(self, micro_batch: int) -> WeightSet:
-        self._load(self.scratch, self.s_fwd)
+        if self.predicts:
+            self._load(self.scratch, self.s_fwd)
         return self.scratch
 
     def before_backward(self, micro_batch: int) -> None:
-        self._load(self.scratch, self.s_bwd)
+        if self.predicts:
+            self._load(self.scratch, self.s_bwd)
 
     def after_backward(self, micro_batch: int) -> None:
         _accumulate(self.params, self.scratch)

@@ -90,6 +90,9 @@ class DistributedTransport:
         self.meta_received: dict[tuple, tuple] = {}
         self.pending_sends: list[tuple[Any, list]] = []
         self.posted: dict[tuple, tuple] = {}
+        # Activation receives posted while a header on their link is still on its way: posted now,
+        # they would match the payload that follows that header, so they wait until it is read.
+        self.behind_header: dict[int, list[tuple[tuple, Any]]] = {}
 
     def _peer(self, link: Link, kind: str, sending: bool) -> int:
         src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
@@ -140,6 +143,13 @@ class DistributedTransport:
         if key in self.posted:
             return
         shape_key = self._shape_key(micro_batch, shape_key)
+        if kind == ACT and link.index in self.behind_header:
+            self.posted[key] = ("deferred",)
+            self.behind_header[link.index].append((key, shape_key))
+            return
+        self._post_now(link, kind, key, shape_key)
+
+    def _post_now(self, link: Link, kind: str, key: tuple, shape_key: Any) -> None:
         peer = self._peer(link, kind, sending=False)
         group = self.groups[link.index]
         meta_key = (link.index, shape_key)
@@ -147,6 +157,7 @@ class DistributedTransport:
             header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
             work = dist.irecv(header, peer, group)
             self.posted[key] = ("header", work, header, meta_key)
+            self.behind_header[link.index] = []
             return
         self.posted[key] = ("payload",) + self._post_payload(link, kind, meta_key, peer, group)
 
@@ -173,12 +184,21 @@ class DistributedTransport:
         if key not in self.posted:
             raise RuntimeError(f"schedule error: {kind} of micro-batch {micro_batch} taken before it was received")
         entry = self.posted.pop(key)
+        if entry[0] == "deferred":
+            raise RuntimeError(f"schedule error: {kind} of micro-batch {micro_batch} taken before the activation "
+                               f"received earlier on link {link.src}->{link.dst}; take messages in receive order")
         if entry[0] == "header":
             _, work, header, meta_key = entry
             self._wait(work, link, kind, micro_batch)
             self.meta_received[meta_key] = _decode_header(header.cpu())
             peer = self._peer(link, kind, sending=False)
             entry = ("payload",) + self._post_payload(link, kind, meta_key, peer, self.groups[link.index])
+            waiting = self.behind_header.pop(link.index)
+            for i, (later, later_shape) in enumerate(waiting):  # in posting order, before any newer receive
+                self._post_now(link, ACT, later, later_shape)
+                if link.index in self.behind_header:  # it needs a header too: the rest wait behind that one
+                    self.behind_header[link.index] = waiting[i + 1:]
+                    break
         _, works, buffers, (described, spec) = entry
         for w in works:
             self._wait(w, link, kind, micro_batch)
