@@ -38,6 +38,20 @@ def _worker(rank: int, world: int, port: int, module: str, function: str, out: s
         dist.destroy_process_group()
 
 
+def run_checks(checks: dict) -> dict[str, str]:
+    """Run named checks on this rank: "ok" or the traceback for each, with a barrier after each
+    so one failing check does not desynchronise the collectives of the next."""
+    results = {}
+    for name, check in checks.items():
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001  (reported per check by the test)
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    return results
+
+
 def run_world(world: int, module: str, function: str, tmp_path: Path, *args) -> list:
     """Run ``module.function(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result."""
     Path(tmp_path).mkdir(parents=True, exist_ok=True)

@@ -5,16 +5,12 @@ is the expensive part); each check records its outcome and the test functions
 below report them one by one.
 """
 
-import os
-import socket
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dist_harness import run_checks, run_world
 from pipetrain.allreduce import GradientReducer
 from pipetrain.buckets import assign_buckets
 from pipetrain.hierarchy import build_hierarchy_groups
@@ -172,9 +168,7 @@ def _check_missing_grad(rank):
     _assert_grads(params, expected)
 
 
-def _worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def checks_on_rank(rank, world):
     # every rank builds every group in the same order: hierarchy (2 nodes x 2) of the world,
     # then two data-parallel groups of 2 like a 2-stage pipeline with 2 replicas
     world_h = build_hierarchy_groups(range(WORLD), nodes=2, per_node=2)
@@ -201,16 +195,7 @@ def _worker(rank, port, out_dir):
         "compress_fp16_hierarchical": lambda: _check_compressed(rank, torch.float16, "hierarchical", hierarchy=world_h),
         "missing_grad_contributes_zeros": lambda: _check_missing_grad(rank),
     }
-    results = {}
-    for name, check in checks.items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:  # recorded per check so one failure does not hide the others
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return run_checks(checks)
 
 
 def _check_hybrid(rank, hierarchy):
@@ -229,13 +214,8 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def results():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(port, out_dir), nprocs=WORLD)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+def results(tmp_path_factory):
+    return run_world(WORLD, "test_allreduce", "checks_on_rank", tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.mark.parametrize("name", CHECKS)

@@ -1,15 +1,11 @@
 """Precision policies and the cross-rank dynamic loss scaler (4 gloo ranks = 2 stages x 2 replicas)."""
 
-import os
-import socket
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dist_harness import run_checks, run_world
 from pipetrain.precision import DynamicLossScaler, precision_policy
 
 WORLD = 4
@@ -63,9 +59,7 @@ def _check_one_group_is_not_enough(rank, pipe):
     assert log[OVERFLOW_STEP]["found_inf"] == (rank in (2, 3))
 
 
-def _worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def checks_on_rank(rank, world):
     pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # stages of replica 0 / replica 1
     dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # replicas of stage 0 / stage 1
     pipe, dp = pipes[rank // 2], dps[rank % 2]
@@ -74,26 +68,12 @@ def _worker(rank, port, out_dir):
         "agreement_default_group": lambda: _check_default_group(rank),
         "single_group_only_reaches_its_members": lambda: _check_one_group_is_not_enough(rank, pipe),
     }
-    results = {}
-    for name, check in checks.items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return run_checks(checks)
 
 
 @pytest.fixture(scope="module")
-def results():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(port, out_dir), nprocs=WORLD)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+def results(tmp_path_factory):
+    return run_world(WORLD, "test_precision", "checks_on_rank", tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.mark.parametrize(
