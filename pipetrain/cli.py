@@ -112,9 +112,41 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_compare(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from pipetrain.compare import add_arguments_compare
+
+    p = sub.add_parser("compare", help="train one model with data parallelism, sync 1f1b and async "
+                                       "vanilla/stash/spectrain; TensorBoard runs, PNG and table")
+    add_arguments_compare(p)
+    return p
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from pipetrain.compare import run_compare
+
+    run_compare(args)
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from pipetrain.demo import add_arguments
+
+    p = sub.add_parser("demo", help="`pipetrain compare` on the offline digits set in a few minutes (make demo)")
+    add_arguments(p)
+    return p
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from pipetrain.demo import run_demo
+
+    return run_demo(args)
+
+
 SUBCOMMANDS: dict[str, tuple[Callable, Callable[[argparse.Namespace], int]]] = {
     "simulate": (_add_simulate, _run_simulate),
     "plan": (_add_plan, _run_plan),
+    "compare": (_add_compare, _run_compare),
+    "demo": (_add_demo, _run_demo),
 }
 
 

@@ -1,0 +1,11 @@
+"""Compare data parallelism, sync 1F1B and async 1F1B with vanilla / stash / spectrain weights
+on one model, data and seed (the same as `pipetrain compare`).
+
+    python examples/compare_staleness.py --model vgg --stages 4 --epochs 10 --logdir runs/vgg
+    torchrun --standalone --nproc-per-node 4 examples/compare_staleness.py --model lstm --stages 4
+    tensorboard --logdir runs/vgg
+"""
+from pipetrain.compare import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

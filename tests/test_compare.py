@@ -1,0 +1,75 @@
+"""`pipetrain compare`: one TensorBoard run per method with the expected tags, a PNG, the table;
+and how each method is configured."""
+from __future__ import annotations
+
+import pytest
+
+from _example_runs import scalars, one_thread  # noqa: F401 (one_thread: fixture)
+from pipetrain.cli import main
+from pipetrain.compare import METHODS, format_table, method_config
+from pipetrain.training import RunConfig
+
+TINY = ["--model", "vgg", "--width", "4", "--stages", "2", "--micro-batches", "2", "--train-samples", "64",
+        "--val-samples", "24", "--batch-size", "16", "--epochs", "2", "--partitioner", "params", "--no-progress"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see _example_runs.one_thread
+
+
+def test_compare_writes_runs_png_and_table(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert main(["compare", *TINY, "--logdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for method in METHODS:
+        acc = EventAccumulator(str(tmp_path / method), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags = set(acc.Tags()["scalars"])
+        stages = 1 if method == "data-parallel" else 2
+        expected = {"train/loss", "train/samples_per_second", "val/loss", "val/accuracy"}
+        expected |= {f"stage{k}/{name}" for k in range(stages) for name in ("version_lag", "weight_version_bytes")}
+        assert expected <= tags, (method, expected - tags)
+        assert len(scalars(tmp_path / method, "train/loss")) == 2 * 64 // 16
+        assert len(scalars(tmp_path / method, "val/accuracy")) == 2
+        assert f"| {method} |" in out
+    # Weight stashing keeps older versions and SpecTrain a predicted copy; vanilla keeps none.
+    assert max(scalars(tmp_path / "stash", "stage0/weight_version_bytes")) > 0
+    assert max(scalars(tmp_path / "spectrain", "stage1/weight_version_bytes")) > 0
+    assert max(scalars(tmp_path / "vanilla", "stage0/weight_version_bytes")) == 0
+    # Stage 0 of 2 runs one update behind once the stream is full; the last stage never lags.
+    assert max(scalars(tmp_path / "stash", "stage0/version_lag")) == 1
+    assert max(scalars(tmp_path / "stash", "stage1/version_lag")) == 0
+    png = tmp_path / "compare.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"tensorboard --logdir {tmp_path}" in out
+    # A second comparison into the same directory would mix curves in TensorBoard.
+    with pytest.raises(SystemExit, match="already holds runs"):
+        main(["compare", *TINY, "--logdir", str(tmp_path), "--methods", "1f1b"])
+
+
+def test_method_configs():
+    base = RunConfig(stages=4, micro_batches=8, lr=0.1)
+    dp = method_config(base, "data-parallel", world=4)
+    assert (dp.stages, dp.micro_batches, dp.data_parallel, dp.schedule) == (1, 1, 4, "1f1b")
+    assert method_config(base, "data-parallel").data_parallel == 1
+    sync = method_config(base, "1f1b")
+    assert (sync.stages, sync.micro_batches, sync.schedule, sync.staleness) == (4, 8, "1f1b", "none")
+    for method in ("vanilla", "stash", "spectrain"):
+        c = method_config(base, method)
+        assert (c.stages, c.micro_batches, c.schedule, c.staleness, c.lr) == (4, 1, "async-1f1b", method, 0.1)
+    with pytest.raises(ValueError, match="unknown method"):
+        method_config(base, "gpipe")
+
+
+def test_unknown_method_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="unknown method"):
+        main(["compare", *TINY, "--logdir", str(tmp_path), "--methods", "1f1b,pipedream"])
+
+
+def test_table_has_one_row_per_method():
+    from pipetrain.training import EpochRecord, RunSummary
+
+    s = RunSummary(RunConfig(model="vgg", dataset="digits"), steps=2, samples=100, train_seconds=2.0, bytes_sent=3000)
+    s.epochs = [EpochRecord(1, 1, 0.9, 0.8, 0.5, 50.0, 0), EpochRecord(2, 2, 0.7, 0.85, 0.6, 50.0, 0)]
+    table = format_table({"stash": s})
+    row = table.splitlines()[2]
+    assert row.startswith("| stash | 1f1b 4 stages x 4 micro-batches | 0.7000 | 0.8000 | 60.00% | 50 | 1.5 KB |")

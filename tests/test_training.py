@@ -1,0 +1,65 @@
+"""The example scripts (local engine) and the shared training loop: loss goes down, validation,
+TensorBoard scalars, and resuming equals not stopping."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _example_runs import CASES, COMMON, decreased, run_example, scalars, one_thread  # noqa: F401 (one_thread: fixture)
+from pipetrain.training import RunConfig, evaluate, run
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see _example_runs.one_thread
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_trains_locally(name, tmp_path, capsys):
+    run_example(name, [*COMMON, *CASES[name], "--logdir", str(tmp_path)])
+    losses = scalars(tmp_path, "train/loss")
+    assert len(losses) == 2 * (192 // 16)
+    assert decreased(losses), losses
+    assert len(scalars(tmp_path, "val/accuracy")) == 2
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "2 epochs (24 steps)" in summary and "max val accuracy" in summary
+
+
+def tiny(**kw) -> RunConfig:
+    base = dict(model="vgg", width=4, stages=2, micro_batches=1, schedule="async-1f1b", staleness="stash",
+                partitioner="params", train_samples=96, val_samples=40, batch_size=16, epochs=2, lr=0.05,
+                progress=False, engine="local")
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def test_resume_continues_the_same_data_order(tmp_path):
+    whole = run(tiny())
+    first = run(tiny(epochs=1, checkpoint_dir=str(tmp_path)))
+    resumed = run(tiny(checkpoint_dir=str(tmp_path), resume="auto"))
+    assert first.step_losses == whole.step_losses[:6]
+    assert [e.epoch for e in resumed.epochs] == [2]
+    assert resumed.step_losses == pytest.approx(whole.step_losses[6:], abs=1e-6)
+    assert resumed.epochs[0].val_accuracy == pytest.approx(whole.epochs[1].val_accuracy)
+
+
+def test_resume_needs_a_checkpoint_dir():
+    with pytest.raises(ValueError, match="checkpoint-dir"):
+        run(tiny(resume="auto"))
+
+
+class _Fixed:
+    """A stand-in pipeline whose predictions are given logits."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def predict(self, x):
+        return self.logits[x]
+
+
+def test_evaluate_against_hand_computation():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0], [0.0, 0.5], [1.0, 0.0]])
+    y = torch.tensor([0, 0, 0, 1, 1])
+    data = torch.utils.data.TensorDataset(torch.arange(5), y)
+    loss, acc = evaluate(_Fixed(logits), data, batch_size=2)  # two full batches and a tail of one
+    expected = torch.nn.functional.cross_entropy(logits, y).item()
+    assert loss == pytest.approx(expected)
+    assert acc == pytest.approx(3 / 5)
