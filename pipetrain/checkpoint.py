@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are removed after a successful save
@@ -104,3 +105,93 @@ def export_state_dict(root: str | os.PathLike) -> dict[str, torch.Tensor]:
     for stage in read_stage_files(path, manifest):
         out.update(stage["module"])
     return out
+
+
+def save_pipeline(pipe: Any, path: str | os.PathLike) -> Path:
+    """Write ``pipe``'s checkpoint of its current step under ``path`` and publish it."""
+    if pipe.in_stream:
+        raise RuntimeError("save() was called while train() streams async-1f1b mini-batches; micro-batches "
+                           "are in flight then. Save between train() calls (the pipeline drains when the "
+                           "stream ends), e.g. train on an epoch, save, train on the next")
+    root = Path(path)
+    target = step_dir(root, pipe.updates)
+    target.mkdir(parents=True, exist_ok=True)
+    world = pipe.world
+    if world is None or world.replica == 0:  # replicas hold identical stages
+        for v in pipe.runtimes:
+            atomic_save(_stage_payload(pipe, v), target / f"stage{v}.pt")
+    _barrier(pipe)
+    if world is None or world.rank == 0:
+        atomic_write_text(json.dumps(_manifest(pipe), indent=1), target / "manifest.json")
+        publish(root, pipe.updates)
+    _barrier(pipe)
+    return target
+
+
+def load_pipeline(pipe: Any, path: str | os.PathLike) -> None:
+    """Load the newest checkpoint under ``path`` into ``pipe``, whatever stage layout saved it."""
+    source = latest(path) or Path(path)
+    if not (source / "manifest.json").exists():
+        raise FileNotFoundError(f"no checkpoint under {path}: expected {path}/latest or a manifest.json")
+    manifest = read_manifest(source)
+    same_layout = manifest["plan_layout"] == _plan_layout(pipe)
+    wanted = sorted(pipe.runtimes) if same_layout else range(manifest["stages"])
+    files = {v: torch.load(source / f"stage{v}.pt", weights_only=True, map_location="cpu") for v in wanted}
+    module_state = {k: t for f in files.values() for k, t in f["module"].items()}
+    optimizer_state = {k: st for f in files.values() for k, st in f["optimizer"]["state"].items()}
+    groups = next((f["optimizer"]["groups"] for f in files.values() if f["optimizer"]["groups"]), [])
+    for v, rt in pipe.runtimes.items():
+        own = rt.module.state_dict()
+        problems = [k for k in own if k not in module_state or module_state[k].shape != own[k].shape]
+        if problems:
+            k = problems[0]
+            found = tuple(module_state[k].shape) if k in module_state else "nothing"
+            raise ValueError(f"checkpoint {source} does not fit this model: {k} has shape {tuple(own[k].shape)} "
+                             f"here but {found} in the checkpoint ({len(problems)} mismatching entries); "
+                             "load a checkpoint of the same model")
+        rt.module.load_state_dict({k: module_state[k] for k in own})
+        load_optimizer_state(rt.optimizer, optimizer_state, groups, _param_names(rt.module))
+        rt.policy.updates = files[v]["updates"] if same_layout else manifest["step"]
+    scaler_state = next(iter(files.values()))["scaler"]
+    for stepper in pipe.steppers.values():
+        if stepper.scaler is not None and scaler_state:
+            stepper.scaler.load_state_dict(scaler_state)
+    if same_layout and pipe.runtimes:
+        torch.set_rng_state(files[min(pipe.runtimes)]["rng"])
+    pipe.updates = manifest["step"]
+
+
+def _param_names(module: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _stage_payload(pipe: Any, v: int) -> dict:
+    rt = pipe.runtimes[v]
+    scaler = pipe.steppers[pipe.topology.device_of(v)].scaler
+    return {"module": rt.module.state_dict(),
+            "optimizer": optimizer_state_by_name(rt.optimizer, _param_names(rt.module)),
+            "updates": rt.policy.updates, "scaler": scaler.state_dict() if scaler is not None else {},
+            "rng": torch.get_rng_state()}
+
+
+def _plan_layout(pipe: Any) -> list:
+    """What decides which parameters a stage file holds."""
+    plan = json.loads(pipe.plan.to_json())
+    return [plan["order"], plan["cuts"]]
+
+
+def _manifest(pipe: Any) -> dict:
+    from pipetrain import __version__
+
+    o = pipe.options
+    return {"format": FORMAT, "step": pipe.updates, "stages": pipe.topology.num_stages,
+            "devices": o.stages, "data_parallel": o.data_parallel, "plan_layout": _plan_layout(pipe),
+            "plan": pipe.plan.to_json(), "schedule": o.schedule, "staleness": o.staleness,
+            "micro_batches": o.micro_batches, "precision": o.precision,
+            "engine": "distributed" if pipe.distributed else "local",
+            "versions": {"pipetrain": __version__, "torch": torch.__version__}}
+
+
+def _barrier(pipe: Any) -> None:
+    if pipe.world is not None:
+        dist.barrier(group=pipe.world.checkpoint)

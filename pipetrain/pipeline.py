@@ -1,7 +1,6 @@
 """The Pipeline object ``wrap`` returns: plan, stage runtimes, engines, and the user-facing calls."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -132,7 +131,7 @@ class Pipeline:
             self._schedule(o.schedule, o.micro_batches)
         self._log = TensorBoardLog(o.logdir) if o.logdir and self._is_rank_zero else None
         self.last_result: StepResult | None = None
-        self._streaming = False
+        self.in_stream = False
 
     # ----- construction -------------------------------------------------------------------
     def _make_runtime(self, v: int) -> StageRuntime:
@@ -228,11 +227,11 @@ class Pipeline:
         yield from self._async_stream(batches)
 
     def _async_stream(self, batches: Iterable) -> Iterator[StepResult]:
-        self._streaming = True
+        self.in_stream = True
         try:
             yield from self._run_stream(batches)
         finally:
-            self._streaming = False
+            self.in_stream = False
 
     def _run_stream(self, batches: Iterable) -> Iterator[StepResult]:
         o = self.options
@@ -323,62 +322,16 @@ class Pipeline:
         if extra and strict and not self.distributed:
             raise KeyError(f"state dict has keys no stage holds: {extra[:5]}; is it from the same model?")
 
-    # ----- checkpoints ----------------------------------------------------------------------
+    # ----- checkpoints (pipetrain.checkpoint) -------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
-        """Checkpoint the current step under the directory ``path`` (see ``pipetrain.checkpoint``).
-
-        Every rank calls it; in hybrid mode replica 0 writes the stage files. Returns the step directory.
-        """
-        if self._streaming:
-            raise RuntimeError("save() was called while train() streams async-1f1b mini-batches; micro-batches "
-                               "are in flight then. Save between train() calls (the pipeline drains when the "
-                               "stream ends), e.g. train on an epoch, save, train on the next")
-        root = Path(path)
-        target = ckpt.step_dir(root, self.updates)
-        target.mkdir(parents=True, exist_ok=True)
-        if self.world is None or self.world.replica == 0:
-            for v, rt in self.runtimes.items():
-                ckpt.atomic_save(self._stage_payload(v), target / f"stage{v}.pt")
-        self._barrier()
-        if self._is_rank_zero:
-            ckpt.atomic_write_text(json.dumps(self._manifest(), indent=1), target / "manifest.json")
-            ckpt.publish(root, self.updates)
-        self._barrier()
-        return target
+        """Checkpoint the current step under the directory ``path``; every rank calls it.
+        Returns the step directory."""
+        return ckpt.save_pipeline(self, path)
 
     def load(self, path: str | os.PathLike) -> None:
-        """Resume from the newest checkpoint under ``path`` (or from a step directory), re-partitioning
+        """Resume from the newest checkpoint under ``path`` (or a step directory), re-partitioning
         parameters and optimizer state when it was saved with another stage count or engine."""
-        source = ckpt.latest(path) or Path(path)
-        if not (source / "manifest.json").exists():
-            raise FileNotFoundError(f"no checkpoint under {path}: expected {path}/latest or a manifest.json")
-        manifest = ckpt.read_manifest(source)
-        same_layout = manifest["plan_layout"] == self._plan_layout()
-        wanted = sorted(self.runtimes) if same_layout else range(manifest["stages"])
-        files = {v: torch.load(source / f"stage{v}.pt", weights_only=True, map_location="cpu") for v in wanted}
-        module_state = {k: t for f in files.values() for k, t in f["module"].items()}
-        optimizer_state = {k: st for f in files.values() for k, st in f["optimizer"]["state"].items()}
-        groups = next((f["optimizer"]["groups"] for f in files.values() if f["optimizer"]["groups"]), [])
-        for v, rt in self.runtimes.items():
-            own = rt.module.state_dict()
-            problems = [k for k in own if k not in module_state or module_state[k].shape != own[k].shape]
-            if problems:
-                k = problems[0]
-                found = tuple(module_state[k].shape) if k in module_state else "nothing"
-                raise ValueError(f"checkpoint {source} does not fit this model: {k} has shape {tuple(own[k].shape)} "
-                                 f"here but {found} in the checkpoint ({len(problems)} mismatching entries); "
-                                 "load a checkpoint of the same model")
-            rt.module.load_state_dict({k: module_state[k] for k in own})
-            names = {id(p): n for n, p in rt.module.named_parameters(remove_duplicate=False)}
-            ckpt.load_optimizer_state(rt.optimizer, optimizer_state, groups, names)
-            rt.policy.updates = files[v]["updates"] if same_layout else manifest["step"]
-        scaler_state = next(iter(files.values()))["scaler"]
-        for stepper in self.steppers.values():
-            if stepper.scaler is not None and scaler_state:
-                stepper.scaler.load_state_dict(scaler_state)
-        if same_layout and self.runtimes:
-            torch.set_rng_state(files[min(self.runtimes)]["rng"])
-        self.updates = manifest["step"]
+        ckpt.load_pipeline(self, path)
 
     def resume(self, path: str | os.PathLike) -> bool:
         """Load the newest checkpoint under ``path`` if there is one (``--resume auto``); True if it did."""
@@ -387,40 +340,9 @@ class Pipeline:
         self.load(path)
         return True
 
-    def _stage_payload(self, v: int) -> dict:
-        rt = self.runtimes[v]
-        names = {id(p): n for n, p in rt.module.named_parameters(remove_duplicate=False)}
-        scaler = self.steppers[self.topology.device_of(v)].scaler
-        return {"module": rt.module.state_dict(), "optimizer": ckpt.optimizer_state_by_name(rt.optimizer, names),
-                "updates": rt.policy.updates, "scaler": scaler.state_dict() if scaler is not None else {},
-                "rng": torch.get_rng_state()}
-
-    def _plan_layout(self) -> list:
-        """What decides which parameters a stage file holds."""
-        plan = json.loads(self.plan.to_json())
-        return [plan["order"], plan["cuts"]]
-
-    def _manifest(self) -> dict:
-        o = self.options
-        return {"format": ckpt.FORMAT, "step": self.updates, "stages": self.topology.num_stages,
-                "devices": o.stages, "data_parallel": o.data_parallel, "plan_layout": self._plan_layout(),
-                "plan": self.plan.to_json(), "schedule": o.schedule, "staleness": o.staleness,
-                "micro_batches": o.micro_batches, "precision": o.precision,
-                "engine": "distributed" if self.distributed else "local",
-                "versions": {"pipetrain": _version(), "torch": torch.__version__}}
-
-    def _barrier(self) -> None:
-        if self.world is not None:
-            dist.barrier(group=self.world.checkpoint)
-
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
-
-
-def _version() -> str:
-    from pipetrain import __version__
-    return __version__
 
 
 def _busy(executors: dict[int, DeviceExecutor]) -> dict[int, float]:

@@ -25,7 +25,6 @@ class Reporter:
         self.counter = counter
         self.group = group  # None: one process holds every stage
         self.replicas = replicas
-        self.busy = {v: 0.0 for v in runtimes}
         self._comm = counter.snapshot()
 
     def local(self, loss: float, micro_batches: range, samples: int, seconds: float,

@@ -72,7 +72,6 @@ class StageRuntime:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.busy_seconds = 0.0
         # Bytes autograd saves per forward, by input shapes: counting them takes a Python hook per
         # saved tensor (~5% of a small stage's forward+backward), so each shape is counted once.
         self.saved_bytes: dict[tuple, int] = {}

@@ -98,3 +98,10 @@ def test_step_result_reports_per_stage_numbers(tmp_path):
     assert all(a > 0 for a in r.activation_bytes)
     pipe.close()
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("schedule,expected", [("gpipe", [4, 4, 4]), ("1f1b", [3, 2, 1])])
+def test_runtime_holds_the_in_flight_micro_batches_the_schedule_documents(schedule, expected):
+    # gpipe keeps all m micro-batches in flight at every stage; 1f1b at most p-k at stage k.
+    pipe, _, _ = train_pipeline("mlp", 3, schedule, 4, steps=1, partitioner="uniform")
+    assert [pipe.runtimes[k].peak_in_flight for k in range(3)] == expected
