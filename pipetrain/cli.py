@@ -131,7 +131,8 @@ def _run_compare(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pipetrain.demo import add_arguments
 
-    p = sub.add_parser("demo", help="`pipetrain compare` on the offline digits set in a few minutes (make demo)")
+    p = sub.add_parser("demo", help="`pipetrain compare` on offline datasets (vgg, resnet, lstm) in a few "
+                                    "minutes (make demo)")
     add_arguments(p)
     return p
 

@@ -1,7 +1,7 @@
-"""`pipetrain demo` (what `make demo` runs): `pipetrain compare` on two offline datasets.
+"""`pipetrain demo` (what `make demo` runs): `pipetrain compare` on offline datasets.
 
-VGG-11 and ResNet-20 (width 8) on digits and a residual LSTM on MNIST-1D, each split into 4 stages, are
-trained by data parallelism (the sync baseline), sync 1F1B and async 1F1B with vanilla, stash
+VGG-11 and ResNet-20 (width 8) on digits and a residual LSTM on MNIST-1D, each split into 4
+stages, are trained by data parallelism (the sync baseline), sync 1F1B and async 1F1B with vanilla, stash
 (PipeDream) and spectrain weights, with the same data and seed: about 2-3 minutes on 2 CPU
 cores. It prints the paper-style tables, the PNGs and the TensorBoard command.
 """
