@@ -4,14 +4,17 @@ Links follow the alpha-beta model: a message of n bytes over a link takes
 latency + n / bandwidth seconds (bandwidth in bytes/s). `speed` is a device's
 compute speed relative to the device the cost graph was profiled on (compute
 times are divided by it). Ranks fill nodes in order: rank r is on node
-r // devices_per_node.
+r // devices_per_node. `overheads` are the runtime's own costs per action and per step
+(schedules.overheads; zero unless measured).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+
+from schedules.overheads import RuntimeOverheads
 
 GBIT = 1e9 / 8  # bytes/s in one Gb/s
 
@@ -29,6 +32,7 @@ class Cluster:
     speed: float = 1.0       # compute speed relative to the profiled device
     memory: float | None = None  # bytes per device (None: unlimited)
     name: str = "custom"
+    overheads: RuntimeOverheads = field(default_factory=RuntimeOverheads)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -45,6 +49,8 @@ class Cluster:
                 raise ValueError(f"Cluster.{name} must be a finite number >= 0 seconds, got {value!r}")
         if self.memory is not None and not self.memory > 0:
             raise ValueError(f"Cluster.memory must be > 0 bytes or None, got {self.memory!r}")
+        if not isinstance(self.overheads, RuntimeOverheads):
+            raise TypeError(f"Cluster.overheads must be a RuntimeOverheads, got {type(self.overheads).__name__}")
 
     @property
     def devices(self) -> int:
@@ -77,6 +83,8 @@ class Cluster:
         missing = [f.name for f in fields(cls) if f.name in _REQUIRED and f.name not in data]
         if missing:
             raise ValueError(f"cluster JSON lacks {missing}; it needs {', '.join(_REQUIRED)}")
+        if "overheads" in data:
+            data["overheads"] = RuntimeOverheads.from_dict(data["overheads"])
         return cls(**data)
 
 

@@ -19,6 +19,8 @@ Tensor fusion packs consecutive gradients into buckets of at least
 bucket_bytes so each message pays the latency once. Reductions run one after
 another on one channel; with overlap a bucket starts as soon as its last
 gradient is ready (during the backward), otherwise after the whole backward.
+Each bucket also pays the runtime's own cost cluster.overheads.reduce_call +
+bytes x reduce_byte (schedules.overheads).
 """
 from __future__ import annotations
 
@@ -146,5 +148,12 @@ def reduction_finish(tensor_bytes: Sequence[float], ready: Sequence[float], grou
     for members in buckets(tensor_bytes, reduction.bucket_bytes):
         start = max(ready[i] for i in members) if reduction.overlap else done
         size = sum(tensor_bytes[i] for i in members)
-        clock = max(clock, start) + allreduce_time(size, group, cluster, reduction.hierarchical)
+        clock = max(clock, start) + allreduce_time(size, group, cluster, reduction.hierarchical) + bucket_overhead(
+            size, cluster)
     return clock
+
+
+def bucket_overhead(nbytes: float, cluster: Cluster) -> float:
+    """The runtime's cost of reducing one bucket beyond the ring transfer (schedules.overheads)."""
+    extra = cluster.overheads
+    return extra.reduce_call + nbytes * extra.reduce_byte

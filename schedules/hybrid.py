@@ -8,6 +8,11 @@ is ready at that backward's start + ready_fraction[i] x its duration. Ranks
 follow the runtime's layout: replica r's stage k is rank r * stages + k, so a
 pipeline sits on consecutive ranks and mostly inside a node.
 
+The runtime's own costs (cluster.overheads) are added explicitly: `action` seconds
+to every F and B, and after the last stage finishes (its optimizer update,
+StageWork.update, included) the fixed `step` seconds plus the all_reduce of
+`report_bytes` over every rank that agrees on the loss.
+
 Scaling efficiency compares with one device of the same speed running the
 whole model on the same samples (all micro-batches of all replicas), with no
 communication: efficiency = single-device time / (devices x step time).
@@ -20,7 +25,7 @@ from typing import Sequence
 from schedules.actions import ActionKind
 from schedules.builders import build
 from schedules.cluster import Cluster
-from schedules.collectives_cost import Group, Reduction, reduction_finish
+from schedules.collectives_cost import Group, Reduction, allreduce_time, reduction_finish
 from schedules.costs import Costs
 from schedules.simulate import SimResult, simulate
 
@@ -46,6 +51,7 @@ class StageWork:
     send_bytes: float = 0.0
     memory: float = 0.0
     activation_memory: float = 0.0
+    update: float = 0.0
 
     def ready(self) -> list[float]:
         """ready_fraction, or the cumulative-bytes default."""
@@ -75,6 +81,7 @@ class HybridResult:
     pipeline_time: float        # makespan of the pipeline schedule alone
     reduction_exposed: list[float]  # per stage: reduction time not hidden behind compute
     single_device_time: float   # one device, all samples of the step, no communication
+    step_overhead: float        # fixed runtime cost per step: overheads.step + the report all_reduce
     memory: list[float]         # predicted bytes per device of each stage
     sim: SimResult = field(repr=False)
 
@@ -114,12 +121,13 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
     p = len(work)
     _check(p, replicas, micro_batches, schedule, cluster)
     speed = cluster.speed
+    extra = cluster.overheads
     comm = []
     for k in range(p - 1):
         bandwidth, latency = cluster.link(k, k + 1)
         comm.append(latency + work[k].send_bytes / bandwidth)
-    costs = Costs(forward=[w.forward / speed for w in work], backward=[w.backward / speed for w in work],
-                  comm=comm)
+    costs = Costs(forward=[w.forward / speed + extra.action for w in work],
+                  backward=[w.backward / speed + extra.action for w in work], comm=comm)
     sim = simulate(build(schedule, p, micro_batches), costs)
     exposed, ends = [], []
     for k, w in enumerate(work):
@@ -130,9 +138,14 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
         finish = reduction_finish(list(w.grad_bytes), ready, group, cluster, reduction)
         stage_end = sim.end[k][-1] if sim.end[k] else 0.0
         exposed.append(max(0.0, finish - stage_end))
-        ends.append(max(stage_end, finish))
-    single = replicas * micro_batches * sum(w.forward + w.backward for w in work) / speed
+        ends.append(max(stage_end, finish) + w.update / speed)
+    fixed = extra.step
+    if extra.report_bytes > 0:  # every rank of the job takes part, after the slowest stage is done
+        fixed += allreduce_time(extra.report_bytes, Group.of_ranks(range(p * replicas), cluster), cluster)
+    single = (replicas * micro_batches * sum(w.forward + w.backward for w in work)
+              + sum(w.update for w in work)) / speed
     memory = [w.memory + peak * w.activation_memory for w, peak in zip(work, sim.peak_in_flight)]
     return HybridResult(stages=p, replicas=replicas, micro_batches=micro_batches, schedule=schedule,
-                        cluster=cluster, step_time=max(ends), pipeline_time=sim.makespan,
-                        reduction_exposed=exposed, single_device_time=single, memory=memory, sim=sim)
+                        cluster=cluster, step_time=max(ends) + fixed, pipeline_time=sim.makespan,
+                        reduction_exposed=exposed, single_device_time=single, step_overhead=fixed,
+                        memory=memory, sim=sim)

@@ -1,13 +1,29 @@
 """Calibrate the hybrid cost model on this machine: predicted vs measured step times (gloo, CPU).
 
-    .venv/bin/python examples/benchmarks/bench_calibration.py [--steps 6]
+    .venv/bin/python examples/benchmarks/bench_calibration.py [--rounds 5]
 
-1. Times dist.all_reduce of several sizes on 2 and 4 gloo ranks and fits the ring
-   model's latency alpha and bandwidth beta (t = 2(p-1) alpha + 2(p-1)/p n / beta).
-2. Profiles an MLP once (partitioners.trace, one thread), runs pipetrain.wrap on 2 and 4
-   ranks (pipeline of 2 and 4 stages; hybrid 2 stages x data_parallel 2) and compares the
-   median step time with schedules.simulate_hybrid on a one-node Cluster built from the fit.
-   Ranks beyond the machine's cores share them, so the cluster's speed is cores / ranks then.
+Validation runs: an MLP (8 x Linear(512) + ReLU, batch 128, 4 micro-batches, 1f1b, SGD)
+trained by pipetrain.wrap on the distributed engine: world 2 = 2 stages, world 4 =
+4 stages, world 4 = 2 stages x data_parallel 2 (hybrid). Measured: median step time of
+rank 0 over rounds, after a barrier before every step.
+
+Prediction: schedules.simulate_hybrid from numbers measured by micro-benchmarks that
+never time a validation step. For each world size W, W gloo processes run, at the same
+time as each other (so they share the cores as the validation run's processes do):
+  * links: ping-pong of 4 B..1 MB between rank pairs (the runtime's batch_isend_irecv),
+    fitted to one alpha (seconds per message / ring step) and beta (bytes/s) for that W;
+  * gradient reduction: pipetrain's GradientReducer (flat, one fused bucket) on 4 B..4 MB
+    of gradients in groups of 2 (the hybrid's groups, all reducing at once); what it takes
+    beyond the 2-rank ring time of the link fit is fitted to reduce_call + bytes x reduce_byte;
+  * runtime overheads: each process trains a tiny MLP with wrap(engine="local", stages=1)
+    at 2 and 8 micro-batches: the slope is 2 x the per-action cost (one F and one B per
+    micro-batch), the intercept the fixed per-step cost;
+  * stage compute: each process profiles the stage module it would run (plan.build_stage
+    of the same split points) at the run's micro-batch size: forward, backward, and the
+    optimizer step, timed back to back. These are the contended times used for prediction;
+    the same profile in this one process alone gives the measured contention factor.
+All measurements take turns in every round (interleaved), and every number is a median
+over rounds, so background load drifts over all of them alike.
 """
 from __future__ import annotations
 
@@ -26,12 +42,19 @@ import torch.multiprocessing as mp
 
 import partitioners
 import pipetrain
-from partitioners.layout import evaluate_layout
+from pipetrain.allreduce import GradientReducer
 from schedules.cluster import Cluster
-from schedules.collectives_cost import Reduction
+from schedules.collectives_cost import Reduction, ring_allreduce_time
+from schedules.hybrid import StageWork, simulate_hybrid
+from schedules.overheads import RuntimeOverheads, contention
 
-SIZES = [4, 64 * 1024, 1 << 20, 4 << 20]
 WIDTH, DEPTH, BATCH, MICRO = 512, 8, 128, 4
+SPLITS = {2: ["8"], 4: ["4", "8", "12"]}   # module names that start stages 1.. (Sequential indices)
+RUNS = {2: [(2, 1)], 4: [(4, 1), (2, 2)]}  # world -> (stages, replicas) validated in it
+P2P_SIZES = [4, 64 * 1024, 1 << 20]
+ALLREDUCE_SIZES = [4, 64 * 1024, 1 << 20, 4 << 20]
+TINY_MICRO = (2, 8)
+REPORT_KINDS = 8  # per-stage lists the runtime's step report all-reduces (StepResult: 4 metrics + 4 byte kinds)
 
 
 def make_model() -> torch.nn.Module:
@@ -42,103 +65,277 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
 
 
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def make_plan(stages: int, micro: int) -> partitioners.Plan:
+    """The split the validation runs use (explicit split points, so no profiling decides it)."""
+    graph = partitioners.trace(make_model(), torch.randn(micro, WIDTH), profile=False)
+    return partitioners.partition(graph, stages, method=SPLITS[stages])
+
+
+class StageProfile:
+    """Times one stage module's forward, backward and optimizer step at one micro-batch size."""
+
+    def __init__(self, plan: partitioners.Plan, k: int, micro: int):
+        x, y = batch()
+        value: tuple = (x[:micro],)
+        with torch.no_grad():
+            for j in range(k):  # the stage's real inputs: the earlier stages' outputs
+                out = plan.build_stage(j)(*value)
+                value = out if isinstance(out, tuple) else (out,)
+        self.inputs, self.target = value, y[:micro]
+        self.module = plan.build_stage(k)
+        self.last = k == plan.num_stages - 1
+        self.optimizer = sgd(list(self.module.parameters()))
+        self.param_bytes = [p.numel() * p.element_size() for p in self.module.parameters()][::-1]
+        self.send_bytes = 0.0 if self.last else float(sum(t.numel() * t.element_size() for t in self(grad=False)))
+
+    def __call__(self, grad: bool = True) -> tuple:
+        with torch.set_grad_enabled(grad):
+            out = self.module(*[t.detach().requires_grad_(grad) for t in self.inputs])
+        return out if isinstance(out, tuple) else (out,)
+
+    def time(self) -> tuple[float, float, float]:
+        """(forward, backward, optimizer step) seconds of one micro-batch."""
+        t0 = time.perf_counter()
+        out = self()
+        if self.last:
+            out = (torch.nn.functional.cross_entropy(out[0], self.target),)
+        t1 = time.perf_counter()
+        torch.autograd.backward(out, [torch.ones_like(t) for t in out])
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, job: str, out: str, steps: int, dp: int) -> None:
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _ping_pong(rank: int, nbytes: int, repeats: int) -> float:
+    """One-way seconds of an nbytes message between rank pairs (0,1), (2,3), ..."""
+    peer = rank ^ 1
+    t = torch.zeros(max(1, nbytes // 4))
+
+    def once():
+        if rank % 2 == 0:
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer)]):
+                w.wait()
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer)]):
+                w.wait()
+        else:
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer)]):
+                w.wait()
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer)]):
+                w.wait()
+
+    once()
+    return _median_time(once, repeats) / 2
+
+
+def _tiny_step_time(micro: int, steps: int) -> float:
+    """Median step time of a tiny MLP trained by the local engine at `micro` micro-batches."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+    x, y = torch.randn(4 * micro, 16), torch.randint(0, 10, (4 * micro,))
+    pipe = pipetrain.wrap(model, x[:4], stages=1, micro_batches=micro, engine="local", profile=False,
+                          optimizer=sgd)
+    pipe.step(x, y)
+    return _median_time(lambda: pipe.step(x, y), steps)
+
+
+def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    result: object
-    try:
-        if job == "allreduce":
-            result = {}
-            for n in SIZES:
-                t = torch.zeros(max(1, n // 4))
-                times = []
-                for i in range(steps * 5 + 3):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    dist.all_reduce(t)
-                    if i >= 3:
-                        times.append(time.perf_counter() - t0)
-                result[n] = statistics.median(times)
-        else:
-            torch.manual_seed(1)
-            x, y = torch.randn(BATCH, WIDTH), torch.randint(0, 10, (BATCH,))
-            pipe = pipetrain.wrap(make_model(), x[: BATCH // (MICRO * dp)], stages=world // dp,
-                                  micro_batches=MICRO, schedule="1f1b", data_parallel=dp,
-                                  engine="distributed", partitioner="time")
+    # The hybrid's gradient groups: stage k of every replica (ranks k, k + stages).
+    half = world // 2
+    pairs = [dist.new_group([r, r + half]) for r in range(half)]
+    my_pair = pairs[rank % half]
+    reducers = {}
+    for n in ALLREDUCE_SIZES:
+        grads = [torch.zeros(max(1, n // 4), requires_grad=True)]
+        grads[0].grad = torch.ones_like(grads[0])
+        reducers[n] = GradientReducer(grads, my_pair, bucket_bytes=25 << 20, algorithm="flat")
+    x, y = batch()
+    pipes, profiles = {}, {}
+    for stages, dp in RUNS[world]:
+        micro = BATCH // (MICRO * dp)
+        pipes[(stages, dp)] = pipetrain.wrap(
+            make_model(), x[:micro], stages=stages, micro_batches=MICRO, schedule="1f1b", data_parallel=dp,
+            engine="distributed", partitioner=SPLITS[stages], profile=False, optimizer=sgd)
+        profiles[(stages, dp)] = StageProfile(make_plan(stages, micro), rank % stages, micro)
+        for _ in range(2):  # warm-up: shape headers, allocator
+            pipes[(stages, dp)].step(x, y)
+            profiles[(stages, dp)].time()
+    samples: dict[str, list] = {}
+
+    def add(key: str, value) -> None:
+        samples.setdefault(key, []).append(value)
+
+    for _ in range(rounds):
+        for n in P2P_SIZES:
+            dist.barrier()
+            add(f"p2p {n}", _ping_pong(rank, n, 5))
+        for n, reducer in reducers.items():
+            dist.barrier()
+            add(f"reduce {n}", _median_time(reducer.reduce_now, 5))
+        dist.barrier()
+        for m in TINY_MICRO:
+            add(f"tiny {m}", _tiny_step_time(m, 5))
+        for key, profile in profiles.items():
+            dist.barrier()
+            add(f"profile {key}", [statistics.median(v) for v in zip(*(profile.time() for _ in range(5)))])
+        for key, pipe in pipes.items():
             times = []
-            for i in range(steps + 2):
+            for _ in range(3):
                 dist.barrier()
                 t0 = time.perf_counter()
                 pipe.step(x, y)
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
-            result = {"seconds": statistics.median(times), "cuts": pipe.plan.cuts}
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-    except Exception as exc:  # report to the parent (e.g. data_parallel unsupported)
-        torch.save({"error": repr(exc)}, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+                times.append(time.perf_counter() - t0)
+            add(f"run {key}", statistics.median(times))
+    box: list = [None] * world
+    dist.all_gather_object(box, samples)
+    if rank == 0:
+        torch.save(box, Path(out) / "samples.pt")
+    dist.destroy_process_group()
 
 
-def run(world: int, job: str, steps: int, dp: int = 1) -> object:
+def measure_world(world: int, rounds: int) -> list[dict[str, list]]:
+    """Every rank's samples (key -> one value per round) from one spawn of `world` processes."""
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world, _port(), job, out, steps, dp), nprocs=world)
-        return torch.load(Path(out) / "rank0.pt", weights_only=False)
+        mp.spawn(_worker, args=(world, _port(), out, rounds), nprocs=world)
+        return torch.load(Path(out) / "samples.pt", weights_only=False)
 
 
-def fit_ring(samples: dict[int, dict[int, float]]) -> tuple[float, float]:
-    """Least-squares alpha, 1/beta of the ring model over every (world, size) sample."""
-    rows, times = [], []
-    for p, by_size in samples.items():
-        for n, t in by_size.items():
-            rows.append([2 * (p - 1), 2 * (p - 1) / p * n])
-            times.append(t)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
-    return max(float(alpha), 0.0), 1.0 / max(float(inv_beta), 1e-12)
+def fit_line(samples: dict[int, float]) -> tuple[float, float]:
+    """Least-squares t = c + n x s over (n, t) samples, weighted by 1/t (relative error); both >= 0."""
+    n = np.array(list(samples), dtype=float)
+    t = np.array(list(samples.values()))
+    rows = np.stack([np.ones_like(n), n], axis=1)
+    (c, s), *_ = np.linalg.lstsq(rows / t[:, None], np.ones_like(t), rcond=None)
+    return max(float(c), 0.0), max(float(s), 0.0)
+
+
+def fit_link(p2p: dict[int, float]) -> tuple[float, float]:
+    """alpha (s per message), beta (bytes/s) from one-way p2p times t = alpha + n / beta."""
+    alpha, inv_beta = fit_line(p2p)
+    return alpha, 1.0 / max(inv_beta, 1e-12)
+
+
+def solo_profiles(rounds: int) -> dict[tuple[int, int, int], list[float]]:
+    """(stages, replicas, stage) -> median (forward, backward, step) seconds in this process alone."""
+    torch.set_num_threads(1)
+    out = {}
+    for world, runs in RUNS.items():
+        for stages, dp in runs:
+            micro = BATCH // (MICRO * dp)
+            plan = make_plan(stages, micro)
+            for k in range(stages):
+                profile = StageProfile(plan, k, micro)
+                profile.time()
+                out[(stages, dp, k)] = [statistics.median(v) for v in zip(*(profile.time() for _ in range(5 * rounds)))]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    samples = {p: run(p, "allreduce", args.steps) for p in (2, 4)}
-    alpha, beta = fit_ring(samples)
-    print(f"gloo all_reduce on this machine ({cores} cores): fit alpha = {alpha * 1e3:.3f} ms per step, "
-          f"beta = {beta / 1e9:.3f} GB/s")
-    print(f"{'ranks':>5} {'bytes':>9} {'measured ms':>12} {'ring model ms':>14}")
-    for p, by_size in samples.items():
-        for n, t in by_size.items():
-            model = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / beta
-            print(f"{p:>5} {n:>9} {t * 1e3:>12.3f} {model * 1e3:>14.3f}")
+    print(f"machine: {cores} cores; load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    solo = solo_profiles(args.rounds)
+    measured = {w: measure_world(w, args.rounds) for w in RUNS}
+    solo_after = solo_profiles(args.rounds)
+    solo = {k: [statistics.median(v) for v in zip(solo[k], solo_after[k])] for k in solo}
+    print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
-    torch.set_num_threads(1)
-    x = torch.randn(BATCH // MICRO, WIDTH)
-    graph = partitioners.trace(make_model(), x, profile=True)
-    print(f"\nMLP {DEPTH} x Linear({WIDTH}), batch {BATCH}, {MICRO} micro-batches, 1f1b; compute "
-          f"profiled at micro-batch {BATCH // MICRO}: {graph.total_time() * 1e3:.2f} ms fwd+bwd")
-    print(f"{'run':<28} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
-    for world, dp in ((2, 1), (4, 1), (4, 2)):
-        label = f"world {world}: {world // dp} stages x {dp} replicas"
-        got = run(world, "pipeline", args.steps, dp)
-        if "error" in got:
-            print(f"{label:<28} not run: {got['error']}")
-            continue
-        cluster = Cluster(nodes=1, devices_per_node=world, intra_bandwidth=beta, intra_latency=alpha,
-                          inter_bandwidth=beta, inter_latency=alpha, speed=min(1.0, cores / world))
-        lay = evaluate_layout(graph, cluster, got["cuts"], replicas=dp, micro_batches=MICRO,
-                              schedule="1f1b", batch_size=BATCH, profiled_batch=BATCH // MICRO,
-                              reduction=Reduction(bucket_bytes=25e6))
-        err = lay.step_time / got["seconds"] - 1
-        print(f"{label:<28} {got['seconds'] * 1e3:>12.2f} {lay.step_time * 1e3:>13.2f} {100 * err:>+6.1f}%")
+    def med(world: int, key: str, rank: int | None = None):
+        ranks = [measured[world][rank]] if rank is not None else measured[world]
+        values = [v for r in ranks for v in r[key]]
+        if isinstance(values[0], list):
+            return [statistics.median(col) for col in zip(*values)]
+        return statistics.median(values)
+
+    rows = []
+    print("\nmicro-benchmarks (the fit; no validation step is timed here), medians over ranks x rounds:")
+    print(f"{'W':>2} {'alpha ms':>9} {'beta GB/s':>10} {'call ms':>8} {'ns/B':>6} {'action ms':>10} {'step ms':>8}"
+          "   samples: measured / fitted ms")
+    clusters = {}
+    for world in RUNS:
+        p2p = {n: med(world, f"p2p {n}") for n in P2P_SIZES}
+        reduce = {n: med(world, f"reduce {n}") for n in ALLREDUCE_SIZES}
+        alpha, beta = fit_link(p2p)
+        call, per_byte = fit_line({n: max(t - ring_allreduce_time(n, 2, beta, alpha), 1e-9) for n, t in reduce.items()})
+        t_lo, t_hi = med(world, f"tiny {TINY_MICRO[0]}"), med(world, f"tiny {TINY_MICRO[1]}")
+        action = max(0.0, (t_hi - t_lo) / (2 * (TINY_MICRO[1] - TINY_MICRO[0])))
+        step = max(0.0, t_lo - 2 * TINY_MICRO[0] * action)
+        links = [f"p2p {n}B {t * 1e3:.2f}/{(alpha + n / beta) * 1e3:.2f}" for n, t in p2p.items()]
+        links += [f"reduce {n}B {t * 1e3:.2f}/{(ring_allreduce_time(n, 2, beta, alpha) + call + n * per_byte) * 1e3:.2f}"
+                  for n, t in reduce.items()]
+        print(f"{world:>2} {alpha * 1e3:>9.3f} {beta / 1e9:>10.3f} {call * 1e3:>8.3f} {per_byte * 1e9:>6.2f} "
+              f"{action * 1e3:>10.3f} {step * 1e3:>8.3f}   " + ", ".join(links))
+        clusters[world] = (alpha, beta, action, step, call, per_byte)
+
+    print(f"\nstage compute (fwd+bwd+optimizer step, ms per micro-batch; optimizer once per step): profiled in W "
+          f"concurrent processes vs alone -> measured contention (fair sharing of {cores} cores predicts max(1, W/cores))")
+    print(f"{'run':<26} {'stage':>5} {'fwd':>7} {'bwd':>7} {'opt':>7} {'alone fwd+bwd':>14} {'contention':>10}")
+    for world, runs in RUNS.items():
+        for stages, dp in runs:
+            label = f"W{world} {stages} stages x {dp}"
+            work, factors = [], []
+            for k in range(stages):
+                f, b, u = med(world, f"profile {(stages, dp)}", rank=k)
+                factor = (f + b) / (solo[(stages, dp, k)][0] + solo[(stages, dp, k)][1])
+                factors.append(factor)
+                print(f"{label:<26} {k:>5} {f * 1e3:>7.2f} {b * 1e3:>7.2f} {u * 1e3:>7.2f} "
+                      f"{(solo[(stages, dp, k)][0] + solo[(stages, dp, k)][1]) * 1e3:>14.2f} {factor:>10.2f}")
+                profile = StageProfile(make_plan(stages, BATCH // (MICRO * dp)), k, BATCH // (MICRO * dp))
+                work.append(StageWork(forward=f, backward=b, grad_bytes=tuple(profile.param_bytes),
+                                      send_bytes=profile.send_bytes, update=u))
+            alpha, beta, action, step, call, per_byte = clusters[world]
+            overheads = RuntimeOverheads(action=action, step=step, report_bytes=8 * (2 + REPORT_KINDS * stages),
+                                         reduce_call=call, reduce_byte=per_byte)
+            cluster = Cluster(nodes=1, devices_per_node=world, intra_bandwidth=beta, intra_latency=alpha,
+                              inter_bandwidth=beta, inter_latency=alpha, name=f"this machine, {world} ranks",
+                              overheads=overheads)
+            # The runtime's hybrid default: fused 25 MB buckets, launched during the last backward.
+            pred = simulate_hybrid(work, cluster, replicas=dp, micro_batches=MICRO, schedule="1f1b",
+                                   reduction=Reduction(bucket_bytes=25e6, overlap=True))
+            bare = simulate_hybrid(work, Cluster(nodes=1, devices_per_node=world, intra_bandwidth=beta,
+                                                 intra_latency=alpha, inter_bandwidth=beta, inter_latency=alpha),
+                                   replicas=dp, micro_batches=MICRO, schedule="1f1b",
+                                   reduction=Reduction(bucket_bytes=25e6, overlap=True))
+            rows.append((label, med(world, f"run {(stages, dp)}", rank=0), pred.step_time, bare.step_time,
+                         statistics.mean(factors), contention(world, cores)))
+
+    print(f"\nvalidation: MLP {DEPTH} x Linear({WIDTH}), batch {BATCH}, {MICRO} micro-batches, 1f1b, gloo "
+          f"({args.rounds} rounds x 3 steps, median)")
+    print(f"{'run':<26} {'measured ms':>12} {'predicted ms':>13} {'error':>7} {'no-overhead ms':>15} "
+          f"{'error':>7} {'contention meas/ideal':>22}")
+    for label, got, pred, bare, factor, ideal in rows:
+        print(f"{label:<26} {got * 1e3:>12.2f} {pred * 1e3:>13.2f} {100 * (pred / got - 1):>+6.1f}% "
+              f"{bare * 1e3:>15.2f} {100 * (bare / got - 1):>+6.1f}% {factor:>13.2f}/{ideal:.2f}")
 
 
 if __name__ == "__main__":
