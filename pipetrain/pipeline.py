@@ -286,7 +286,8 @@ class Pipeline:
         merged = merge_micro_batches([out for _, out in outputs]) if outputs else None
         if self.distributed:
             box = [merged]
-            last = self.world.rank_of(self.topology.device_of(self.topology.num_stages - 1))
+            # One source for the whole control group: replica 0's last stage (every replica computes the same).
+            last = self.world.rank_of(self.topology.device_of(self.topology.num_stages - 1), replica=0)
             dist.broadcast_object_list(box, src=last, group=self.world.control)
             merged = box[0]
         return merged

@@ -24,12 +24,12 @@ def hybrid_scenarios(rank, world):
         pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                               optimizer=sgd, partitioner="uniform", profile=False, engine="distributed", **kw)
         losses = [r.loss for r in pipe.train(batches("convbn"))]
-        out[key] = (losses, pipe.state_dict(), pipe.last_result.comm_bytes)
+        out[key] = (losses, pipe.state_dict(), pipe.last_result.comm_bytes, pipe.predict(data("convbn", 6, seed=5)[0]))
     # async-1f1b with stash, replicated: each update averages the replicas' stashed gradients.
     pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=1, data_parallel=2,
                           schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
                           profile=False, engine="distributed")
-    out["async-stash"] = ([r.loss for r in pipe.train(batches("mlp", steps=5))], pipe.state_dict(), None)
+    out["async-stash"] = ([r.loss for r in pipe.train(batches("mlp", steps=5))], pipe.state_dict(), None, None)
     # fp16: an overflow injected on replica 1's last stage only must make every rank skip the same step.
     pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                           precision="fp16", optimizer=sgd, partitioner="uniform", profile=False,
@@ -91,6 +91,8 @@ def test_replicas_stay_identical_and_reduction_is_counted(hybrid):
             a, b = hybrid[stage_rank][key][1], hybrid[stage_rank + 2][key][1]
             assert all(torch.equal(a[k], b[k]) for k in a if "running" not in k and "num_batches" not in k), key
     comm = hybrid[0]["1f1b-hybrid"][2]
+    # predict() under data parallelism: every rank gets replica 0's output (eval mode: replicas agree).
+    assert all(torch.equal(hybrid[r]["1f1b-hybrid"][3], hybrid[0]["1f1b-hybrid"][3]) for r in range(4))
     assert all(b > 0 for b in comm["data_parallel"]) and all(b > 0 for b in comm["activations"][:1])
 
 

@@ -176,3 +176,10 @@ def test_async_with_several_micro_batches_accumulates_within_a_mini_batch():
     for v, rt in pipe2.runtimes.items():
         for name, g in zip(stage_names(pipe2)[v], rt.optimizer.grads[0]):
             torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("staleness", ["vanilla", "stash", "spectrain"])
+def test_async_local_engine_is_deterministic(staleness):
+    # The local engine is the reference the distributed one is compared with: two runs must agree bit for bit.
+    runs = [run_async(staleness, 4, steps=9)[0].state_dict() for _ in range(2)]
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
