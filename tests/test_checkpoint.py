@@ -145,3 +145,32 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
         pipe.save(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003", "step-00000004"]
     assert (tmp_path / "latest").read_text() == "step-00000004"
+
+
+def load_local_checkpoint_distributed(rank, world, root):
+    pipe = new_pipe("distributed", world)
+    pipe.load(root)
+    train(pipe, stream()[3:4])
+    return pipe.state_dict()
+
+
+@pytest.fixture
+def one_thread():
+    """The ranks' thread count, so the same kernels give the same bits in this process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_checkpoint_moves_from_the_local_to_the_distributed_engine(tmp_path, one_thread):
+    local = new_pipe("local", 2)
+    train(local, stream()[:3])
+    local.save(tmp_path / "ckpt")
+    train(local, stream()[3:4])
+    per_rank = run_world(2, "test_checkpoint", "load_local_checkpoint_distributed", tmp_path / "ranks",
+                         str(tmp_path / "ckpt"))
+    merged = {k: v for state in per_rank for k, v in state.items()}
+    assert set(merged) == set(local.state_dict())
+    for key, value in local.state_dict().items():
+        assert torch.equal(merged[key], value), key
