@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import torch
 import torch.distributed as dist
 
 from pipetrain.executor import BLOCKED

@@ -5,8 +5,6 @@ import runpy
 import sys
 from pathlib import Path
 
-import pytest
-import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -20,15 +18,6 @@ CASES = {
 }
 COMMON = ["--stages", "2", "--train-samples", "192", "--val-samples", "48", "--batch-size", "16", "--epochs", "2",
           "--partitioner", "params", "--no-progress"]
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, spinning thread pools slow small models many-fold."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_example(name: str, extra: list[str]) -> None:

@@ -154,13 +154,6 @@ def load_local_checkpoint_distributed(rank, world, root):
     return pipe.state_dict()
 
 
-@pytest.fixture
-def one_thread():
-    """The ranks' thread count, so the same kernels give the same bits in this process."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_checkpoint_moves_from_the_local_to_the_distributed_engine(tmp_path, one_thread):

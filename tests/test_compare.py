@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from _example_runs import scalars, one_thread  # noqa: F401 (one_thread: fixture)
+from _example_runs import scalars
 from pipetrain.cli import main
 from pipetrain.compare import METHODS, format_table, method_config
 from pipetrain.training import RunConfig
@@ -12,7 +12,7 @@ from pipetrain.training import RunConfig
 TINY = ["--model", "vgg", "--width", "4", "--stages", "2", "--micro-batches", "2", "--train-samples", "64",
         "--val-samples", "24", "--batch-size", "16", "--epochs", "2", "--partitioner", "params", "--no-progress"]
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see _example_runs.one_thread
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 def test_compare_writes_runs_png_and_table(tmp_path, capsys):

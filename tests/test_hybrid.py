@@ -4,7 +4,7 @@ import torch
 
 import pipetrain
 from dist_harness import run_world
-from runtime_models import data, loss_fn, make, reference_training, sgd
+from runtime_models import data, make, sgd
 
 
 def batches(name, steps=3, size=13):

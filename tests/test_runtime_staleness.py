@@ -3,7 +3,6 @@
 With one micro-batch per mini-batch, stage k of p runs the forward of mini-batch t after
 max(0, t - (p-k-1)) optimizer updates and its backward after t updates.
 """
-import copy
 
 import pytest
 import torch

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _example_runs import CASES, COMMON, decreased, run_example, scalars, one_thread  # noqa: F401 (one_thread: fixture)
+from _example_runs import CASES, COMMON, decreased, run_example, scalars
 from pipetrain.training import RunConfig, evaluate, run
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see _example_runs.one_thread
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
