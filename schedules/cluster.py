@@ -6,6 +6,12 @@ compute speed relative to the device the cost graph was profiled on (compute
 times are divided by it). Ranks fill nodes in order: rank r is on node
 r // devices_per_node. `overheads` are the runtime's own costs per action and per step
 (schedules.overheads; zero unless measured).
+
+`cores` (None: every device has its own processor) is how many processors a node's
+devices share, e.g. CPU ranks on a small host: compute then runs under processor
+sharing, and a message to a device that sleeps while all `cores` are busy waits
+`wakeup` more seconds for one (schedules.shared_cores). It may be fractional: the
+processors a job gets when other work takes part of the machine.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ class Cluster:
     memory: float | None = None  # bytes per device (None: unlimited)
     name: str = "custom"
     overheads: RuntimeOverheads = field(default_factory=RuntimeOverheads)
+    cores: float | None = None   # processors a node's devices share (None: one per device)
+    wakeup: float = 0.0          # seconds a message waits for a core when the node's cores are busy
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -49,6 +57,14 @@ class Cluster:
                 raise ValueError(f"Cluster.{name} must be a finite number >= 0 seconds, got {value!r}")
         if self.memory is not None and not self.memory > 0:
             raise ValueError(f"Cluster.memory must be > 0 bytes or None, got {self.memory!r}")
+        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, (int, float))
+                                       or not (math.isfinite(self.cores) and self.cores > 0)):
+            raise ValueError(f"Cluster.cores must be a number > 0 of processors per node or None "
+                             f"(one per device), got {self.cores!r}")
+        if not (isinstance(self.wakeup, (int, float)) and math.isfinite(self.wakeup) and self.wakeup >= 0):
+            raise ValueError(f"Cluster.wakeup must be a finite number >= 0 seconds, got {self.wakeup!r}")
+        if self.wakeup > 0 and self.cores is None:
+            raise ValueError("Cluster.wakeup only applies when devices share cores; fix: set Cluster.cores too")
         if not isinstance(self.overheads, RuntimeOverheads):
             raise TypeError(f"Cluster.overheads must be a RuntimeOverheads, got {type(self.overheads).__name__}")
 

@@ -13,12 +13,20 @@ to every F and B, and after the last stage finishes (its optimizer update,
 StageWork.update, included) the fixed `step` seconds plus the all_reduce of
 `report_bytes` over every rank that agrees on the loss.
 
+When the cluster's devices share processors (cluster.cores), every replica's
+pipeline is simulated at once (simulate_shared): compute actions of all ranks on
+a node share its cores, and messages to sleeping ranks pay cluster.wakeup while
+those cores are busy. Every rank then runs its optimizer update and the step's
+fixed work at about the same time, so those are slowed by the node's fair share,
+max(1, ranks on the node / cores).
+
 Scaling efficiency compares with one device of the same speed running the
 whole model on the same samples (all micro-batches of all replicas), with no
 communication: efficiency = single-device time / (devices x step time).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -27,7 +35,8 @@ from schedules.builders import build
 from schedules.cluster import Cluster
 from schedules.collectives_cost import Group, Reduction, allreduce_time, reduction_finish
 from schedules.costs import Costs
-from schedules.simulate import SimResult, simulate
+from schedules.overheads import contention
+from schedules.simulate import SimResult, simulate, simulate_shared
 
 HYBRID_KINDS = ("gpipe", "1f1b")
 
@@ -128,18 +137,29 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
         comm.append(latency + work[k].send_bytes / bandwidth)
     costs = Costs(forward=[w.forward / speed + extra.action for w in work],
                   backward=[w.backward / speed + extra.action for w in work], comm=comm)
-    sim = simulate(build(schedule, p, micro_batches), costs)
+    plan = build(schedule, p, micro_batches)
+    if cluster.cores is None:
+        sims = [simulate(plan, costs)]  # replicas are identical: one pipeline stands for all
+        tail = 1.0
+    else:
+        placement = [[cluster.node_of(r * p + k) for k in range(p)] for r in range(replicas)]
+        sims = simulate_shared(plan, costs, placement, cluster.cores, cluster.wakeup)
+        per_node = Counter(node for row in placement for node in row)
+        tail = max(contention(n, cluster.cores) for n in per_node.values())
+    sim = max(sims, key=lambda s: s.makespan)
     exposed, ends = [], []
     for k, w in enumerate(work):
-        last_b = max(i for i, a in enumerate(sim.schedule.actions[k]) if a.kind is ActionKind.BACKWARD)
-        b_start, b_end = sim.start[k][last_b], sim.end[k][last_b]
+        last_b = max(i for i, a in enumerate(plan.actions[k]) if a.kind is ActionKind.BACKWARD)
+        # the reduction waits for the replica whose last backward ends last
+        latest = max(sims, key=lambda s: s.end[k][last_b])
+        b_start, b_end = latest.start[k][last_b], latest.end[k][last_b]
         ready = [b_start + f * (b_end - b_start) for f in w.ready()]
         group = Group.of_ranks([r * p + k for r in range(replicas)], cluster)
         finish = reduction_finish(list(w.grad_bytes), ready, group, cluster, reduction)
-        stage_end = sim.end[k][-1] if sim.end[k] else 0.0
+        stage_end = max(s.end[k][-1] for s in sims) if plan.actions[k] else 0.0
         exposed.append(max(0.0, finish - stage_end))
-        ends.append(max(stage_end, finish) + w.update / speed)
-    fixed = extra.step
+        ends.append(max(stage_end, finish) + tail * w.update / speed)
+    fixed = tail * extra.step
     if extra.report_bytes > 0:  # every rank of the job takes part, after the slowest stage is done
         fixed += allreduce_time(extra.report_bytes, Group.of_ranks(range(p * replicas), cluster), cluster)
     single = (replicas * micro_batches * sum(w.forward + w.backward for w in work)

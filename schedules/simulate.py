@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import Sequence
 
 from schedules.actions import ActionKind
 from schedules.costs import Costs
-from schedules.execution import execute
+from schedules.execution import Timeline, execute
 from schedules.gc_pause import gc_paused
 from schedules.schedule import Schedule
+from schedules.shared_cores import execute_shared
 from schedules.validate import check_structure, raise_if_deadlocked
 
 F, B, W, STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP
@@ -81,15 +83,40 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     """Validate `schedule` (raises ScheduleError), then simulate it under `costs`."""
     check_structure(schedule)
     p = schedule.stages
-    split = any(W in map(_kind, actions) for actions in schedule.actions)
-    fwd, bwd, wgt = costs.compute(p)
-    per_device = [
-        {F: fwd[d] / schedule.chunks,
-         B: (bwd[d] if split else bwd[d] + wgt[d]) / schedule.chunks,
-         W: wgt[d] / schedule.chunks}
-        for d in range(p)
-    ]
+    split = _is_split(schedule)
+    per_device = _per_device(schedule, costs, split)
     timeline = execute(schedule, per_device, costs.latency(p, wraps=schedule.chunks > 1))
+    return _result(schedule, costs, timeline, split)
+
+
+@gc_paused()
+def simulate_shared(schedule: Schedule, costs: Costs, placement: Sequence[Sequence[int]], cores: float,
+                    wakeup: float = 0.0) -> list[SimResult]:
+    """Simulate one copy of `schedule` per row of `placement` (replica r's device d on node
+    placement[r][d]) where each node's devices share `cores` processors and a message to a
+    sleeping device waits `wakeup` seconds when the node's cores are busy (schedules.shared_cores).
+    One SimResult per replica; with cores >= devices per node and wakeup 0 each equals simulate()."""
+    check_structure(schedule)
+    split = _is_split(schedule)
+    timelines = execute_shared(schedule, _per_device(schedule, costs, split),
+                               costs.latency(schedule.stages, wraps=schedule.chunks > 1), placement, cores, wakeup)
+    return [_result(schedule, costs, timeline, split) for timeline in timelines]
+
+
+def _is_split(schedule: Schedule) -> bool:
+    return any(W in map(_kind, actions) for actions in schedule.actions)
+
+
+def _per_device(schedule: Schedule, costs: Costs, split: bool) -> list[dict[ActionKind, float]]:
+    fwd, bwd, wgt = costs.compute(schedule.stages)
+    return [{F: fwd[d] / schedule.chunks,
+             B: (bwd[d] if split else bwd[d] + wgt[d]) / schedule.chunks,
+             W: wgt[d] / schedule.chunks}
+            for d in range(schedule.stages)]
+
+
+def _result(schedule: Schedule, costs: Costs, timeline: Timeline, split: bool) -> SimResult:
+    p = schedule.stages
     raise_if_deadlocked(schedule, timeline)
     makespan = max((ends[-1] for ends in timeline.end if ends), default=0.0)
     busy = timeline.busy

@@ -15,15 +15,23 @@ time as each other (so they share the cores as the validation run's processes do
   * gradient reduction: pipetrain's GradientReducer (flat, one fused bucket) on 4 B..4 MB
     of gradients in groups of 2 (the hybrid's groups, all reducing at once); what it takes
     beyond the 2-rank ring time of the link fit is fitted to reduce_call + bytes x reduce_byte;
-  * runtime overheads: each process trains a tiny MLP with wrap(engine="local", stages=1)
-    at 2 and 8 micro-batches: the slope is 2 x the per-action cost (one F and one B per
-    micro-batch), the intercept the fixed per-step cost;
+  * runtime overheads: each process in turn (the others asleep in a barrier) trains a tiny
+    MLP with wrap(engine="local", stages=1) at 2 and 8 micro-batches: the slope is 2 x the
+    per-action cost (one F and one B per micro-batch), the intercept the fixed per-step cost;
   * stage compute: each process profiles the stage module it would run (plan.build_stage
     of the same split points) at the run's micro-batch size: forward, backward, and the
-    optimizer step, timed back to back. These are the contended times used for prediction;
-    the same profile in this one process alone gives the measured contention factor.
-All measurements take turns in every round (interleaved), and every number is a median
-over rounds, so background load drifts over all of them alike.
+    optimizer step, timed back to back, once alone (in turn) and once all at the same time.
+    Alone gives the compute times; all-at-once / alone is the measured contention, and
+    W / contention the processors the job effectively gets (Cluster.cores; at most the
+    machine's cores; less when other work runs on it);
+  * wake-up latency (W > 2): ranks 0 and 1 ping-pong 4 B while ranks 2.. compute (so every
+    core is busy when a message reaches its sleeping receiver), minus the same ping-pong
+    while ranks 2.. sleep: the per-message delay Cluster.wakeup.
+The prediction simulates processor sharing (schedules.shared_cores): compute of all ranks
+runs at min(1, cores / running) of its alone speed. All measurements take turns in every
+round (interleaved), and every number is a median over rounds, so background load drifts
+over all of them alike. The validation runs also report StepResult.busy_fraction (wall time
+inside forward/backward per step), printed against the simulated one.
 """
 from __future__ import annotations
 
@@ -46,7 +54,7 @@ from pipetrain.allreduce import GradientReducer
 from schedules.cluster import Cluster
 from schedules.collectives_cost import Reduction, ring_allreduce_time
 from schedules.hybrid import StageWork, simulate_hybrid
-from schedules.overheads import RuntimeOverheads, contention
+from schedules.overheads import RuntimeOverheads
 
 WIDTH, DEPTH, BATCH, MICRO = 512, 8, 128, 4
 SPLITS = {2: ["8"], 4: ["4", "8", "12"]}   # module names that start stages 1.. (Sequential indices)
@@ -54,6 +62,7 @@ RUNS = {2: [(2, 1)], 4: [(4, 1), (2, 2)]}  # world -> (stages, replicas) validat
 P2P_SIZES = [4, 64 * 1024, 1 << 20]
 ALLREDUCE_SIZES = [4, 64 * 1024, 1 << 20, 4 << 20]
 TINY_MICRO = (2, 8)
+WAKE_SECONDS = 0.4
 REPORT_KINDS = 8  # per-stage lists the runtime's step report all-reduces (StepResult: 4 metrics + 4 byte kinds)
 
 
@@ -152,6 +161,31 @@ def _ping_pong(rank: int, nbytes: int, repeats: int) -> float:
     return _median_time(once, repeats) / 2
 
 
+def _wakeup_probe(rank: int, loaded: bool) -> float | None:
+    """Rank 0 and 1: one-way 4 B ping-pong seconds between them while ranks 2.. compute (loaded)
+    or sleep. The compute lasts WAKE_SECONDS; the pair pings for the middle part of it."""
+    t0 = time.perf_counter()
+    if rank >= 2:
+        a = torch.randn(128, 128)
+        while loaded and time.perf_counter() - t0 < WAKE_SECONDS:
+            a = torch.tanh(a @ a)
+        return None
+    times = []
+    t = torch.zeros(1)
+    time.sleep(0.05 * WAKE_SECONDS)  # the compute is under way
+    while t[0] == 0:
+        start = time.perf_counter()
+        if rank == 0:
+            t[0] = float(start - t0 > 0.5 * WAKE_SECONDS)  # tells rank 1 this is the last one
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times)
+
+
 def _tiny_step_time(micro: int, steps: int) -> float:
     """Median step time of a tiny MLP trained by the local engine at `micro` micro-batches."""
     torch.manual_seed(0)
@@ -194,26 +228,36 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
         samples.setdefault(key, []).append(value)
 
     for _ in range(rounds):
+        if world > 2:
+            for loaded in (False, True):
+                dist.barrier()
+                add(f"wake {loaded}", _wakeup_probe(rank, loaded))
         for n in P2P_SIZES:
             dist.barrier()
             add(f"p2p {n}", _ping_pong(rank, n, 5))
         for n, reducer in reducers.items():
             dist.barrier()
             add(f"reduce {n}", _median_time(reducer.reduce_now, 5))
-        dist.barrier()
-        for m in TINY_MICRO:
-            add(f"tiny {m}", _tiny_step_time(m, 5))
+        for turn in range(world):  # alone: one rank at a time, the others asleep in the barrier
+            dist.barrier()
+            if rank == turn:
+                for m in TINY_MICRO:
+                    add(f"tiny {m}", _tiny_step_time(m, 5))
+                for key, profile in profiles.items():
+                    add(f"alone {key}", [statistics.median(v) for v in zip(*(profile.time() for _ in range(5)))])
         for key, profile in profiles.items():
             dist.barrier()
             add(f"profile {key}", [statistics.median(v) for v in zip(*(profile.time() for _ in range(5)))])
         for key, pipe in pipes.items():
-            times = []
+            times, busy = [], []
             for _ in range(3):
                 dist.barrier()
                 t0 = time.perf_counter()
                 pipe.step(x, y)
                 times.append(time.perf_counter() - t0)
+                busy.append(pipe.last_result.busy_fraction)
             add(f"run {key}", statistics.median(times))
+            add(f"busy {key}", [statistics.median(v) for v in zip(*busy)])
     box: list = [None] * world
     dist.all_gather_object(box, samples)
     if rank == 0:
@@ -243,36 +287,18 @@ def fit_link(p2p: dict[int, float]) -> tuple[float, float]:
     return alpha, 1.0 / max(inv_beta, 1e-12)
 
 
-def solo_profiles(rounds: int) -> dict[tuple[int, int, int], list[float]]:
-    """(stages, replicas, stage) -> median (forward, backward, step) seconds in this process alone."""
-    torch.set_num_threads(1)
-    out = {}
-    for world, runs in RUNS.items():
-        for stages, dp in runs:
-            micro = BATCH // (MICRO * dp)
-            plan = make_plan(stages, micro)
-            for k in range(stages):
-                profile = StageProfile(plan, k, micro)
-                profile.time()
-                out[(stages, dp, k)] = [statistics.median(v) for v in zip(*(profile.time() for _ in range(5 * rounds)))]
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     print(f"machine: {cores} cores; load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    solo = solo_profiles(args.rounds)
     measured = {w: measure_world(w, args.rounds) for w in RUNS}
-    solo_after = solo_profiles(args.rounds)
-    solo = {k: [statistics.median(v) for v in zip(solo[k], solo_after[k])] for k in solo}
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
     def med(world: int, key: str, rank: int | None = None):
         ranks = [measured[world][rank]] if rank is not None else measured[world]
-        values = [v for r in ranks for v in r[key]]
+        values = [v for r in ranks for v in r.get(key, []) if v is not None]
         if isinstance(values[0], list):
             return [statistics.median(col) for col in zip(*values)]
         return statistics.median(values)
@@ -297,46 +323,69 @@ def main() -> None:
               f"{action * 1e3:>10.3f} {step * 1e3:>8.3f}   " + ", ".join(links))
         clusters[world] = (alpha, beta, action, step, call, per_byte)
 
-    print(f"\nstage compute (fwd+bwd+optimizer step, ms per micro-batch; optimizer once per step): profiled in W "
-          f"concurrent processes vs alone -> measured contention (fair sharing of {cores} cores predicts max(1, W/cores))")
-    print(f"{'run':<26} {'stage':>5} {'fwd':>7} {'bwd':>7} {'opt':>7} {'alone fwd+bwd':>14} {'contention':>10}")
+    wake = {False: med(4, "wake False"), True: med(4, "wake True")} if 4 in RUNS else None
+    wakeup = max(0.0, wake[True] - wake[False]) if wake else 0.0
+    if wake:
+        print(f"wake-up: 4 B one-way {wake[False] * 1e3:.3f} ms with ranks 2.. asleep, {wake[True] * 1e3:.3f} ms "
+              f"while they compute -> Cluster.wakeup = {wakeup * 1e3:.3f} ms per message")
+
+    print(f"\nstage compute (ms per micro-batch; optimizer once per step): each rank alone (in turn) and all W "
+          f"at once -> measured contention; effective cores = W / contention (at most {cores})")
+    print(f"{'run':<26} {'stage':>5} {'fwd':>7} {'bwd':>7} {'opt':>7} {'all-at-once fwd+bwd':>20} {'contention':>10}")
+    effective: dict[int, float] = {}
     for world, runs in RUNS.items():
+        factors = []
+        for stages, dp in runs:
+            for k in range(stages):
+                for rank in range(k, world, stages):
+                    f, b, _ = med(world, f"alone {(stages, dp)}", rank=rank)
+                    cf, cb, _ = med(world, f"profile {(stages, dp)}", rank=rank)
+                    factors.append((cf + cb) / (f + b))
+        effective[world] = min(float(cores), world / statistics.median(factors))
+    for world, runs in RUNS.items():
+        alpha, beta, action, step, call, per_byte = clusters[world]
         for stages, dp in runs:
             label = f"W{world} {stages} stages x {dp}"
-            work, factors = [], []
+            work, old_work, factors = [], [], []
             for k in range(stages):
-                f, b, u = med(world, f"profile {(stages, dp)}", rank=k)
-                factor = (f + b) / (solo[(stages, dp, k)][0] + solo[(stages, dp, k)][1])
-                factors.append(factor)
-                print(f"{label:<26} {k:>5} {f * 1e3:>7.2f} {b * 1e3:>7.2f} {u * 1e3:>7.2f} "
-                      f"{(solo[(stages, dp, k)][0] + solo[(stages, dp, k)][1]) * 1e3:>14.2f} {factor:>10.2f}")
+                ranks = range(k, world, stages)  # stage k of every replica
+                f, b, u = [statistics.median(v) for v in zip(*(med(world, f"alone {(stages, dp)}", rank=r) for r in ranks))]
+                cf, cb, cu = [statistics.median(v) for v in zip(*(med(world, f"profile {(stages, dp)}", rank=r) for r in ranks))]
+                factors.append((cf + cb) / (f + b))
+                print(f"{label:<26} {k:>5} {f * 1e3:>7.2f} {b * 1e3:>7.2f} {u * 1e3:>7.2f} {(cf + cb) * 1e3:>20.2f} "
+                      f"{factors[-1]:>10.2f}")
                 profile = StageProfile(make_plan(stages, BATCH // (MICRO * dp)), k, BATCH // (MICRO * dp))
-                work.append(StageWork(forward=f, backward=b, grad_bytes=tuple(profile.param_bytes),
-                                      send_bytes=profile.send_bytes, update=u))
-            alpha, beta, action, step, call, per_byte = clusters[world]
+                shape = dict(grad_bytes=tuple(profile.param_bytes), send_bytes=profile.send_bytes)
+                work.append(StageWork(forward=f, backward=b, update=u, **shape))
+                old_work.append(StageWork(forward=cf, backward=cb, update=cu, **shape))
             overheads = RuntimeOverheads(action=action, step=step, report_bytes=8 * (2 + REPORT_KINDS * stages),
                                          reduce_call=call, reduce_byte=per_byte)
-            cluster = Cluster(nodes=1, devices_per_node=world, intra_bandwidth=beta, intra_latency=alpha,
-                              inter_bandwidth=beta, inter_latency=alpha, name=f"this machine, {world} ranks",
-                              overheads=overheads)
-            # The runtime's hybrid default: fused 25 MB buckets, launched during the last backward.
-            pred = simulate_hybrid(work, cluster, replicas=dp, micro_batches=MICRO, schedule="1f1b",
-                                   reduction=Reduction(bucket_bytes=25e6, overlap=True))
-            bare = simulate_hybrid(work, Cluster(nodes=1, devices_per_node=world, intra_bandwidth=beta,
-                                                 intra_latency=alpha, inter_bandwidth=beta, inter_latency=alpha),
-                                   replicas=dp, micro_batches=MICRO, schedule="1f1b",
-                                   reduction=Reduction(bucket_bytes=25e6, overlap=True))
-            rows.append((label, med(world, f"run {(stages, dp)}", rank=0), pred.step_time, bare.step_time,
-                         statistics.mean(factors), contention(world, cores)))
+
+            def predict(stage_work, n_cores):
+                cluster = Cluster(nodes=1, devices_per_node=world, intra_bandwidth=beta, intra_latency=alpha,
+                                  inter_bandwidth=beta, inter_latency=alpha, name=f"this machine, {world} ranks",
+                                  overheads=overheads, cores=n_cores, wakeup=wakeup if n_cores else 0.0)
+                # The runtime's hybrid default: fused 25 MB buckets, launched during the last backward.
+                return simulate_hybrid(stage_work, cluster, replicas=dp, micro_batches=MICRO, schedule="1f1b",
+                                       reduction=Reduction(bucket_bytes=25e6, overlap=True))
+
+            pred = predict(work, effective[world])
+            busy = [sum(e - s for e, s, a in zip(pred.sim.end[k], pred.sim.start[k], pred.sim.schedule.actions[k])
+                        if a.kind.value in ("F", "B")) / pred.step_time for k in range(stages)]
+            rows.append((label, med(world, f"run {(stages, dp)}", rank=0), pred.step_time,
+                         predict(work, float(cores)).step_time, predict(old_work, None).step_time,
+                         effective[world], med(world, f"busy {(stages, dp)}", rank=0), busy))
 
     print(f"\nvalidation: MLP {DEPTH} x Linear({WIDTH}), batch {BATCH}, {MICRO} micro-batches, 1f1b, gloo "
-          f"({args.rounds} rounds x 3 steps, median)")
-    print(f"{'run':<26} {'measured ms':>12} {'predicted ms':>13} {'error':>7} {'no-overhead ms':>15} "
-          f"{'error':>7} {'contention meas/ideal':>22}")
-    for label, got, pred, bare, factor, ideal in rows:
-        print(f"{label:<26} {got * 1e3:>12.2f} {pred * 1e3:>13.2f} {100 * (pred / got - 1):>+6.1f}% "
-              f"{bare * 1e3:>15.2f} {100 * (bare / got - 1):>+6.1f}% {factor:>13.2f}/{ideal:.2f}")
-
+          f"({args.rounds} rounds x 3 steps, median). predicted: alone times, processor sharing on the effective "
+          f"cores, wake-up; also with all {cores} cores, and the old model (all-at-once times, a core per rank)")
+    print(f"{'run':<26} {'cores':>5} {'measured ms':>12} {'predicted ms':>13} {'error':>7} "
+          f"{f'{cores} cores ms':>11} {'error':>7} {'old ms':>7} {'error':>7}   busy per stage measured/predicted")
+    for label, got, pred, full, old, n_cores, busy_got, busy_pred in rows:
+        err = lambda x: f"{100 * (x / got - 1):>+6.1f}%"  # noqa: E731
+        busy = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(busy_got, busy_pred))
+        print(f"{label:<26} {n_cores:>5.2f} {got * 1e3:>12.2f} {pred * 1e3:>13.2f} {err(pred)} {full * 1e3:>11.2f} "
+              f"{err(full)} {old * 1e3:>7.2f} {err(old)}   {busy}")
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,152 @@
+"""Run copies of a schedule on nodes whose devices share a few processors (processor sharing).
+
+`execute` (schedules.execution) gives every device its own processor. When more
+processes than cores run on a node (CPU ranks on a small host) that is wrong in
+two ways this event simulation models:
+
+* processor sharing: while k compute actions (F, B, W) run on a node with c
+  cores, each advances at min(1, c / k) of its own speed; a device that waits for
+  a message runs nothing, so the others get its share;
+* wake-up latency: a device that sleeps waiting for a message is not running
+  when the message arrives; if at that moment at least c other compute actions
+  run on its node, it starts only `wakeup` seconds later (it waits for a core).
+
+Every copy (replica) of the schedule has its own messages; replica r's device d
+runs on node placement[r][d]. SEND, RECV, STEP and REDUCE take no time, as in
+`execute`; with enough cores and wakeup = 0 both give the same timeline.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+from schedules.actions import ActionKind
+from schedules.execution import Timeline
+from schedules.schedule import Schedule
+
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+SEND_ACT, SEND_GRAD = ActionKind.SEND_ACT, ActionKind.SEND_GRAD
+_EPS = 1e-12  # relative: work left below this share of an action counts as done
+
+
+def execute_shared(schedule: Schedule, cost: list[dict[ActionKind, float]], latency: list[list[float]],
+                   placement: Sequence[Sequence[int]], cores: float, wakeup: float = 0.0) -> list[Timeline]:
+    """One Timeline per replica; cost/latency as for schedules.execution.execute, placement[r][d]
+    the node of replica r's device d, `cores` processors per node (> 0), `wakeup` seconds."""
+    if not cores > 0:
+        raise ValueError(f"execute_shared needs cores > 0 processors per node, got {cores!r}")
+    if not wakeup >= 0:
+        raise ValueError(f"execute_shared needs wakeup >= 0 seconds, got {wakeup!r}")
+    p = schedule.stages
+    if any(len(row) != p for row in placement):
+        raise ValueError(f"placement needs one node per device ({p}) for every replica")
+    sim = _Shared(schedule, cost, latency, [list(row) for row in placement], cores, wakeup)
+    return sim.run()
+
+
+class _Shared:
+    """State of the event simulation; units are (replica, device) pairs numbered r * p + d."""
+
+    def __init__(self, schedule, cost, latency, placement, cores, wakeup):
+        self.schedule, self.cost, self.latency = schedule, cost, latency
+        self.p, self.cores, self.wakeup = schedule.stages, cores, wakeup
+        self.last = schedule.virtual_stages - 1
+        units = len(placement) * self.p
+        self.node = [placement[u // self.p][u % self.p] for u in range(units)]
+        self.start: list[list[float]] = [[] for _ in range(units)]
+        self.end: list[list[float]] = [[] for _ in range(units)]
+        self.busy = [0.0] * units
+        self.arrival: list[dict] = [{} for _ in placement]   # per replica: message key -> time
+        self.waiting: list[dict] = [{} for _ in placement]   # per replica: message key -> unit
+        self.running: dict[int, list[float]] = {}            # unit -> [work left, duration]
+        self.timers: list[tuple[float, int, bool]] = []      # (time, unit, wake-up already paid)
+
+    def run(self) -> list[Timeline]:
+        t = 0.0
+        ready = list(range(len(self.node)))
+        while True:
+            # settle instant t: units that can go on do so first (a sender keeps its core), then
+            # messages due now wake their receivers, which may find the node's cores busy
+            while ready or (self.timers and self.timers[0][0] <= t):
+                for u in ready:
+                    self._advance(u, t)
+                ready = []
+                while self.timers and self.timers[0][0] <= t:
+                    _, u, paid = heapq.heappop(self.timers)
+                    if not paid and self.wakeup > 0 and self._load(self.node[u]) >= self.cores:
+                        heapq.heappush(self.timers, (t + self.wakeup, u, True))  # waits for a core
+                    else:
+                        ready.append(u)
+            rate = self._rates()
+            t_next = min((t + left / rate[self.node[u]] for u, (left, _) in self.running.items()),
+                         default=float("inf"))
+            if self.timers and self.timers[0][0] < t_next:
+                t_next = self.timers[0][0]
+            if t_next == float("inf"):
+                break
+            for u, job in list(self.running.items()):
+                job[0] -= (t_next - t) * rate[self.node[u]]
+                if job[0] <= _EPS * job[1]:
+                    del self.running[u]
+                    self.end[u].append(t_next)
+                    ready.append(u)
+            t = t_next
+        return self._timelines()
+
+    def _rates(self) -> dict[int, float]:
+        counts: dict[int, int] = {}
+        for u in self.running:
+            counts[self.node[u]] = counts.get(self.node[u], 0) + 1
+        return {n: min(1.0, self.cores / k) for n, k in counts.items()}
+
+    def _load(self, node: int) -> int:
+        return sum(1 for u in self.running if self.node[u] == node)
+
+    def _advance(self, u: int, t: float) -> None:
+        """Run unit u's zero-time actions from time t until it starts compute, waits, or ends."""
+        p, r, d = self.p, u // self.p, u % self.p
+        actions = self.schedule.actions[d]
+        while len(self.start[u]) < len(actions):
+            a = actions[len(self.start[u])]
+            kind = a.kind
+            if kind is F or kind is B or kind is W:
+                v = a.chunk * p + d
+                needs = (kind is F and v > 0) or (kind is B and v < self.last)
+                if needs:
+                    key = (int(kind is B), a.micro_batch, v)
+                    at = self.arrival[r].get(key)
+                    if at is None:
+                        self.waiting[r][key] = u
+                        return
+                    if at > t:  # sleeps in the receive until the message arrives
+                        heapq.heappush(self.timers, (at, u, False))
+                        return
+                    del self.arrival[r][key]
+                duration = self.cost[d][kind]
+                self.start[u].append(t)
+                self.busy[u] += duration
+                if duration > 0:
+                    self.running[u] = [duration, duration]
+                    return
+                self.end[u].append(t)
+                continue
+            self.start[u].append(t)
+            if kind is SEND_ACT or kind is SEND_GRAD:
+                to = d + 1 if kind is SEND_ACT else d - 1
+                key = (int(kind is SEND_GRAD), a.micro_batch, a.chunk * p + to)
+                self.arrival[r][key] = t + self.latency[d][to % p]
+                waiter = self.waiting[r].pop(key, None)
+                if waiter is not None:
+                    heapq.heappush(self.timers, (self.arrival[r][key], waiter, False))
+            self.end[u].append(t)
+
+    def _timelines(self) -> list[Timeline]:
+        out = []
+        for r in range(len(self.arrival)):
+            units = range(r * self.p, (r + 1) * self.p)
+            blocked = [(u - r * self.p, len(self.start[u])) for u in units
+                       if len(self.start[u]) < len(self.schedule.actions[u - r * self.p])]
+            waiting_for = {u - r * self.p: key for key, u in self.waiting[r].items()}
+            out.append(Timeline([self.start[u] for u in units], [self.end[u] for u in units],
+                                [self.busy[u] for u in units], blocked, waiting_for))
+        return out
