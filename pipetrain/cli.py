@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as exc:  # bad shapes or options: say why, no traceback
+    except (ValueError, FileNotFoundError) as exc:  # bad shapes, options or missing data: say why, no traceback
         raise SystemExit(f"pipetrain {args.command}: {exc}") from None
 
 

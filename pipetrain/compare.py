@@ -123,7 +123,8 @@ def config_from_compare_args(args: argparse.Namespace) -> tuple[RunConfig, list[
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ValueError(f"unknown method(s) {unknown} in --methods; choose from {', '.join(METHODS)}")
-    base = RunConfig(model=args.model, dataset=args.dataset, data_dir=args.data_dir, width=args.width,
+    base = RunConfig(model=args.model, dataset=args.dataset, data_dir=args.data_dir, download=args.download,
+                     width=args.width,
                      depth=args.depth, stages=args.stages, micro_batches=args.micro_batches,
                      precision=args.precision, partitioner=args.partitioner, epochs=args.epochs,
                      batch_size=args.batch_size, lr=args.lr, seed=args.seed, train_samples=args.train_samples,

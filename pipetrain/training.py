@@ -38,6 +38,7 @@ class RunConfig:
     model: str = "vgg"
     dataset: str | None = None
     data_dir: str | None = None
+    download: bool = False  # fetch cifar10/cifar100 into data_dir (needs the network; run one process)
     width: int | None = None
     depth: int | None = None
     stages: int = 4
@@ -192,8 +193,10 @@ def run(config: RunConfig) -> RunSummary:
 
     c = config.resolved()
     wall_start = time.perf_counter()
-    train = _subset(load_dataset(c.dataset, data_dir=c.data_dir, split="train", seed=c.seed), c.train_samples)
-    val = _subset(load_dataset(c.dataset, data_dir=c.data_dir, split="val", seed=c.seed), c.val_samples)
+    train = _subset(load_dataset(c.dataset, data_dir=c.data_dir, split="train", seed=c.seed, download=c.download),
+                    c.train_samples)
+    val = _subset(load_dataset(c.dataset, data_dir=c.data_dir, split="val", seed=c.seed, download=c.download),
+                  c.val_samples)
     if len(train) < c.batch_size:
         raise ValueError(f"the train set has {len(train)} samples, fewer than one batch of {c.batch_size}; "
                          "use a smaller --batch-size or more --train-samples")
@@ -277,6 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pip
     parser.add_argument("--model", default=models[0], choices=list(models))
     parser.add_argument("--dataset", choices=DATASETS, help="default: the model's offline dataset")
     parser.add_argument("--data-dir", help="where cifar10/cifar100/imagefolder live (default $PIPETRAIN_DATA or data)")
+    parser.add_argument("--download", action="store_true",
+                        help="download cifar10/cifar100 into --data-dir first (needs the network)")
     parser.add_argument("--width", type=int, help="first conv channels / hidden size (default: pipetrain.models)")
     parser.add_argument("--depth", type=int, help="layers (vgg 11/13/16/19, resnet 6n+2, transformer/lstm layers)")
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages (under torchrun: world / data-parallel)")
@@ -306,7 +311,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     """A RunConfig from parsed ``add_arguments`` options."""
     staleness = args.staleness or ("spectrain" if args.schedule == "async-1f1b" else "none")
     return RunConfig(
-        model=args.model, dataset=args.dataset, data_dir=args.data_dir, width=args.width, depth=args.depth,
+        model=args.model, dataset=args.dataset, data_dir=args.data_dir, download=args.download,
+        width=args.width, depth=args.depth,
         stages=args.stages, micro_batches=args.micro_batches, schedule=args.schedule, staleness=staleness,
         precision=args.precision, data_parallel=args.data_parallel, partitioner=args.partitioner,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
@@ -321,7 +327,7 @@ def example_main(models: Sequence[str], description: str, argv: Sequence[str] | 
     args = parser.parse_args(argv)
     try:
         summary = run(config_from_args(args))
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:  # bad options or missing data: say why, no traceback
         raise SystemExit(f"{parser.prog}: {exc}") from None
     if is_rank_zero():
         print(summary.line(), flush=True)

@@ -63,3 +63,12 @@ def test_evaluate_against_hand_computation():
     expected = torch.nn.functional.cross_entropy(logits, y).item()
     assert loss == pytest.approx(expected)
     assert acc == pytest.approx(3 / 5)
+
+
+def test_missing_cifar_exits_with_the_path_and_the_download_flag(tmp_path):
+    from pipetrain.training import example_main
+
+    with pytest.raises(SystemExit) as info:
+        example_main(["vgg"], "vgg", ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--no-progress"])
+    message = str(info.value)
+    assert str(tmp_path / "cifar-10-batches-py") in message and "--download" in message
