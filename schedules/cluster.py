@@ -12,6 +12,12 @@ devices share, e.g. CPU ranks on a small host: compute then runs under processor
 sharing, and a message to a device that sleeps while all `cores` are busy waits
 `wakeup` more seconds for one (schedules.shared_cores). It may be fractional: the
 processors a job gets when other work takes part of the machine.
+
+`send_cpu` + n x `send_cpu_byte` and `recv_cpu` + n x `recv_cpu_byte` (seconds; n bytes) are
+the CPU a message costs the sending process and the receiving process when it takes it
+(gloo over TCP copies on the caller's thread and the kernel's loopback stack burns CPU).
+With shared cores that work competes with compute (schedules.shared_cores), so they need
+`cores`; they are measured on the target, so not divided by `speed`.
 """
 from __future__ import annotations
 
@@ -41,6 +47,10 @@ class Cluster:
     overheads: RuntimeOverheads = field(default_factory=RuntimeOverheads)
     cores: float | None = None   # processors a node's devices share (None: one per device)
     wakeup: float = 0.0          # seconds a message waits for a core when the node's cores are busy
+    send_cpu: float = 0.0        # sender CPU seconds per message
+    send_cpu_byte: float = 0.0   # sender CPU seconds per message byte
+    recv_cpu: float = 0.0        # receiver CPU seconds per message
+    recv_cpu_byte: float = 0.0   # receiver CPU seconds per message byte
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -65,6 +75,14 @@ class Cluster:
             raise ValueError(f"Cluster.wakeup must be a finite number >= 0 seconds, got {self.wakeup!r}")
         if self.wakeup > 0 and self.cores is None:
             raise ValueError("Cluster.wakeup only applies when devices share cores; fix: set Cluster.cores too")
+        for name in _MESSAGE_CPU:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value >= 0):
+                raise ValueError(f"Cluster.{name} must be a finite number >= 0 seconds, got {value!r}")
+            if value > 0 and self.cores is None:
+                raise ValueError(f"Cluster.{name} only applies when devices share cores; "
+                                 "fix: set Cluster.cores too")
         if not isinstance(self.overheads, RuntimeOverheads):
             raise TypeError(f"Cluster.overheads must be a RuntimeOverheads, got {type(self.overheads).__name__}")
 
@@ -82,6 +100,10 @@ class Cluster:
         if self.node_of(a) == self.node_of(b):
             return self.intra_bandwidth, self.intra_latency
         return self.inter_bandwidth, self.inter_latency
+
+    def message_cpu(self, nbytes: float) -> tuple[float, float]:
+        """(sender, receiver) CPU seconds of one nbytes message."""
+        return (self.send_cpu + nbytes * self.send_cpu_byte, self.recv_cpu + nbytes * self.recv_cpu_byte)
 
     def to_json(self) -> str:
         """JSON text of every field (from_json reads it back)."""
@@ -104,6 +126,7 @@ class Cluster:
         return cls(**data)
 
 
+_MESSAGE_CPU = ("send_cpu", "send_cpu_byte", "recv_cpu", "recv_cpu_byte")
 _FIELDS = [f.name for f in fields(Cluster)]
 _REQUIRED = ("nodes", "devices_per_node", "intra_bandwidth", "intra_latency",
              "inter_bandwidth", "inter_latency")

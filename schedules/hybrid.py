@@ -16,7 +16,9 @@ StageWork.update, included) the fixed `step` seconds plus the all_reduce of
 When the cluster's devices share processors (cluster.cores), every replica's
 pipeline is simulated at once (simulate_shared): compute actions of all ranks on
 a node share its cores, and messages to sleeping ranks pay cluster.wakeup while
-those cores are busy. Every rank then runs its optimizer update and the step's
+those cores are busy; each message costs the sender cluster.message_cpu(bytes)[0] of
+CPU and the receiver, when its F or B takes it, [1] (the same bytes come back as
+gradients). Every rank then runs its optimizer update and the step's
 fixed work at about the same time, so those are slowed by the node's fair share,
 max(1, ranks on the node / cores).
 
@@ -143,7 +145,12 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
         tail = 1.0
     else:
         placement = [[cluster.node_of(r * p + k) for k in range(p)] for r in range(replicas)]
-        sims = simulate_shared(plan, costs, placement, cluster.cores, cluster.wakeup)
+        msg = [cluster.message_cpu(w.send_bytes) for w in work]  # link k -> k + 1, both directions
+        send_cpu = [{ActionKind.SEND_ACT: msg[k][0], ActionKind.SEND_GRAD: msg[k - 1][0] if k else 0.0}
+                    for k in range(p)]
+        recv_cpu = [{ActionKind.FORWARD: msg[k - 1][1] if k else 0.0, ActionKind.BACKWARD: msg[k][1]}
+                    for k in range(p)]
+        sims = simulate_shared(plan, costs, placement, cluster.cores, cluster.wakeup, send_cpu, recv_cpu)
         per_node = Counter(node for row in placement for node in row)
         tail = max(contention(n, cluster.cores) for n in per_node.values())
     sim = max(sims, key=lambda s: s.makespan)

@@ -8,12 +8,18 @@ two ways this event simulation models:
   cores, each advances at min(1, c / k) of its own speed; a device that waits for
   a message runs nothing, so the others get its share;
 * wake-up latency: a device that sleeps waiting for a message is not running
-  when the message arrives; if at that moment at least c other compute actions
-  run on its node, it starts only `wakeup` seconds later (it waits for a core).
+  when the message arrives; if at that moment at least c other compute actions (or message work)
+  run on its node, it starts only `wakeup` seconds later (it waits for a core);
+* message CPU: posting a send and taking a received message cost the process CPU
+  (gloo's TCP transport copies on the caller's thread, the loopback stack burns
+  kernel time), so a SEND with send_cpu > 0 is work on the sender's core and the
+  message leaves when it is done; the F or B that takes a message first runs
+  recv_cpu of work on the receiver's core. Both share the cores like compute.
 
 Every copy (replica) of the schedule has its own messages; replica r's device d
-runs on node placement[r][d]. SEND, RECV, STEP and REDUCE take no time, as in
-`execute`; with enough cores and wakeup = 0 both give the same timeline.
+runs on node placement[r][d]. RECV, STEP and REDUCE take no time, as in `execute`
+(and SEND unless send_cpu is given); with enough cores, wakeup = 0 and no message CPU
+both give the same timeline. Busy time counts compute (F, B, W) only.
 """
 from __future__ import annotations
 
@@ -30,9 +36,13 @@ _EPS = 1e-12  # relative: work left below this share of an action counts as done
 
 
 def execute_shared(schedule: Schedule, cost: list[dict[ActionKind, float]], latency: list[list[float]],
-                   placement: Sequence[Sequence[int]], cores: float, wakeup: float = 0.0) -> list[Timeline]:
+                   placement: Sequence[Sequence[int]], cores: float, wakeup: float = 0.0,
+                   send_cpu: Sequence[dict[ActionKind, float]] | None = None,
+                   recv_cpu: Sequence[dict[ActionKind, float]] | None = None) -> list[Timeline]:
     """One Timeline per replica; cost/latency as for schedules.execution.execute, placement[r][d]
-    the node of replica r's device d, `cores` processors per node (> 0), `wakeup` seconds."""
+    the node of replica r's device d, `cores` processors per node (> 0), `wakeup` seconds.
+    send_cpu[d]: seconds of device d's CPU per SEND_ACT / SEND_GRAD; recv_cpu[d]: seconds of its
+    CPU to take the message an F / B needs (missing kinds and None: free)."""
     if not cores > 0:
         raise ValueError(f"execute_shared needs cores > 0 processors per node, got {cores!r}")
     if not wakeup >= 0:
@@ -40,15 +50,21 @@ def execute_shared(schedule: Schedule, cost: list[dict[ActionKind, float]], late
     p = schedule.stages
     if any(len(row) != p for row in placement):
         raise ValueError(f"placement needs one node per device ({p}) for every replica")
-    sim = _Shared(schedule, cost, latency, [list(row) for row in placement], cores, wakeup)
+    for name, table in (("send_cpu", send_cpu), ("recv_cpu", recv_cpu)):
+        if table is not None and (len(table) != p or any(not v >= 0 for row in table for v in row.values())):
+            raise ValueError(f"execute_shared needs {name} as one dict of seconds >= 0 per device ({p})")
+    none: list[dict[ActionKind, float]] = [{} for _ in range(p)]
+    sim = _Shared(schedule, cost, latency, [list(row) for row in placement], cores, wakeup,
+                  send_cpu or none, recv_cpu or none)
     return sim.run()
 
 
 class _Shared:
     """State of the event simulation; units are (replica, device) pairs numbered r * p + d."""
 
-    def __init__(self, schedule, cost, latency, placement, cores, wakeup):
+    def __init__(self, schedule, cost, latency, placement, cores, wakeup, send_cpu, recv_cpu):
         self.schedule, self.cost, self.latency = schedule, cost, latency
+        self.send_cpu, self.recv_cpu = send_cpu, recv_cpu
         self.p, self.cores, self.wakeup = schedule.stages, cores, wakeup
         self.last = schedule.virtual_stages - 1
         units = len(placement) * self.p
@@ -59,6 +75,9 @@ class _Shared:
         self.arrival: list[dict] = [{} for _ in placement]   # per replica: message key -> time
         self.waiting: list[dict] = [{} for _ in placement]   # per replica: message key -> unit
         self.running: dict[int, list[float]] = {}            # unit -> [work left, duration]
+        self.taking = [False] * units                        # unit runs recv_cpu for its next F/B
+        self.taken = [-1] * units                            # index of the last action whose message was taken
+        self.outbox: dict[int, tuple] = {}                   # unit -> (replica, key, to) of its SEND in progress
         self.timers: list[tuple[float, int, bool]] = []      # (time, unit, wake-up already paid)
 
     def run(self) -> list[Timeline]:
@@ -88,7 +107,12 @@ class _Shared:
                 job[0] -= (t_next - t) * rate[self.node[u]]
                 if job[0] <= _EPS * job[1]:
                     del self.running[u]
-                    self.end[u].append(t_next)
+                    if self.taking[u]:  # message taken: its F/B starts when _advance runs again
+                        self.taking[u] = False
+                    else:
+                        self.end[u].append(t_next)
+                        if u in self.outbox:
+                            self._post(*self.outbox.pop(u), t_next, u)
                     ready.append(u)
             t = t_next
         return self._timelines()
@@ -121,6 +145,12 @@ class _Shared:
                     if at > t:  # sleeps in the receive until the message arrives
                         heapq.heappush(self.timers, (at, u, False))
                         return
+                    taking = self.recv_cpu[d].get(kind, 0.0)
+                    if taking > 0 and self.taken[u] != len(self.start[u]):
+                        self.taken[u] = len(self.start[u])  # reading it costs the receiver CPU first
+                        self.taking[u] = True
+                        self.running[u] = [taking, taking]
+                        return
                     del self.arrival[r][key]
                 duration = self.cost[d][kind]
                 self.start[u].append(t)
@@ -134,11 +164,20 @@ class _Shared:
             if kind is SEND_ACT or kind is SEND_GRAD:
                 to = d + 1 if kind is SEND_ACT else d - 1
                 key = (int(kind is SEND_GRAD), a.micro_batch, a.chunk * p + to)
-                self.arrival[r][key] = t + self.latency[d][to % p]
-                waiter = self.waiting[r].pop(key, None)
-                if waiter is not None:
-                    heapq.heappush(self.timers, (self.arrival[r][key], waiter, False))
+                sending = self.send_cpu[d].get(kind, 0.0)
+                if sending > 0:  # the message leaves once the sender's CPU work is done
+                    self.outbox[u] = (r, key, to)
+                    self.running[u] = [sending, sending]
+                    return
+                self._post(r, key, to, t, u)
             self.end[u].append(t)
+
+    def _post(self, r: int, key: tuple, to: int, t: float, u: int) -> None:
+        """Message `key` of replica r leaves unit u at t for device `to`; wake its waiting receiver."""
+        self.arrival[r][key] = t + self.latency[u % self.p][to % self.p]
+        waiter = self.waiting[r].pop(key, None)
+        if waiter is not None:
+            heapq.heappush(self.timers, (self.arrival[r][key], waiter, False))
 
     def _timelines(self) -> list[Timeline]:
         out = []

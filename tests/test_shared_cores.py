@@ -43,6 +43,38 @@ def test_wakeup_delays_a_sleeping_receiver_only_while_the_cores_are_busy_by_hand
     assert own.makespan == pytest.approx(9.0)  # never more running than cores: nothing waits
 
 
+def test_message_cpu_occupies_the_senders_and_the_receivers_core_by_hand():
+    A = schedules.ActionKind
+    send = [{A.SEND_ACT: 0.5, A.SEND_GRAD: 0.5}] * 2
+    take = [{A.FORWARD: 0.25, A.BACKWARD: 0.25}] * 2
+    r = simulate_shared(GPIPE_2x2, schedules.Costs(1.0, 2.0), [[0, 0]], cores=1, send_cpu=send, recv_cpu=take)[0]
+    at = lambda k, text: GPIPE_2x2.actions[k].index(schedules.Action.parse(text, k))  # noqa: E731
+    span = lambda k, *texts: [t for x in texts for t in (r.start[k][at(k, x)], r.end[k][at(k, x)])]  # noqa: E731
+    # 0-1 F0; 1-1.5 SEND_ACT0 alone; 1.5-2 stage 1 takes act 0 (0.25) beside F1 at half speed;
+    # 2-3.5 F1 (0.75 left) and stage 1 F0 share; 3.5-4 F0 (0.25 left) and SEND_ACT1; 4-4.25 the
+    # send alone; stage 1 takes act 1 until 4.5, F1 4.5-5.5, B0 5.5-7.5, SEND_GRAD0 7.5-8
+    assert span(0, "F0", "SEND_ACT0", "F1", "SEND_ACT1") == pytest.approx([0, 1, 1, 1.5, 1.5, 3.5, 3.5, 4.25])
+    assert span(1, "F0", "F1", "B0", "SEND_GRAD0") == pytest.approx([2, 4, 4.5, 5.5, 5.5, 7.5, 7.5, 8])
+    # 8-8.5 stage 0 takes grad 0 beside B1; 8.5-12 B0 and B1 (1.75 left) share; 12-12.5 B0 (0.25
+    # left) and SEND_GRAD1; 12.5-12.75 the send alone; 12.75-13 stage 0 takes it; B1 13-15
+    assert span(1, "B1", "SEND_GRAD1") == pytest.approx([8, 12, 12, 12.75])
+    assert span(0, "B0", "B1") == pytest.approx([8.5, 12.5, 13, 15])
+    assert r.makespan == pytest.approx(12.0 + 4 * (0.5 + 0.25))  # the one core never idles
+    assert r.utilisation[0] == pytest.approx(6.0 / 15.0)  # busy counts compute, not message CPU
+
+
+def test_hybrid_charges_message_cpu_by_bytes_by_hand():
+    # 2 stages x 1 micro-batch on one core, 1000 B each way: send 0.1 + 1000 x 1e-4 = 0.2 and
+    # receive 0.05 + 1000 x 5e-5 = 0.1 of CPU per message; nothing overlaps, so all adds up
+    work = [StageWork(1.0, 2.0, send_bytes=1000.0), StageWork(1.0, 2.0)]
+    cluster = Cluster(nodes=1, devices_per_node=2, intra_bandwidth=1e9, intra_latency=0.0, inter_bandwidth=1e9,
+                      inter_latency=0.0, cores=1, send_cpu=0.1, send_cpu_byte=1e-4, recv_cpu=0.05,
+                      recv_cpu_byte=5e-5)
+    assert cluster.message_cpu(1000.0) == pytest.approx((0.2, 0.1))
+    r = simulate_hybrid(work, cluster, micro_batches=1, schedule="gpipe")
+    assert r.pipeline_time == pytest.approx(6.0 + 2 * (0.2 + 0.1))
+
+
 @pytest.mark.parametrize("kind,options", [("gpipe", {}), ("1f1b", {}), ("interleaved-1f1b", {}),
                                           ("zb-h1", {}), ("async-1f1b", {"mini_batches": 3})])
 def test_enough_cores_reproduce_simulate(kind, options):
@@ -92,5 +124,11 @@ def test_bad_cores_and_wakeup_are_errors_naming_the_field():
         Cluster(1, 2, 1e9, 0.0, 1e9, 0.0, wakeup=1e-3)
     with pytest.raises(ValueError, match="cores > 0"):
         simulate_shared(GPIPE_2x2, schedules.Costs(1.0, 2.0), [[0, 0]], cores=0)
-    round_trip = Cluster(1, 4, 1e9, 0.0, 1e9, 0.0, cores=1.5, wakeup=2e-3)
+    with pytest.raises(ValueError, match="Cluster.send_cpu_byte"):
+        Cluster(1, 2, 1e9, 0.0, 1e9, 0.0, cores=2, send_cpu_byte=-1e-9)
+    with pytest.raises(ValueError, match="recv_cpu only applies.*set Cluster.cores"):
+        Cluster(1, 2, 1e9, 0.0, 1e9, 0.0, recv_cpu=1e-4)
+    with pytest.raises(ValueError, match="send_cpu as one dict"):
+        simulate_shared(GPIPE_2x2, schedules.Costs(1.0, 2.0), [[0, 0]], cores=1, send_cpu=[{}])
+    round_trip = Cluster(1, 4, 1e9, 0.0, 1e9, 0.0, cores=1.5, wakeup=2e-3, send_cpu=1e-4, recv_cpu_byte=1e-9)
     assert Cluster.from_json(round_trip.to_json()) == round_trip

@@ -10,7 +10,13 @@ rank 0 over rounds, after a barrier before every step.
 Prediction: schedules.simulate_hybrid from numbers measured by micro-benchmarks that
 never time a validation step. For each world size W, W gloo processes run, at the same
 time as each other (so they share the cores as the validation run's processes do):
+  * message CPU (in the W = 2 spawn only, so no third process contends): rank 0 sends
+    messages of 4 B..1 MB one at a time, GAP seconds apart (the runtime's batch_isend_irecv;
+    each message finds its receiver asleep, as in a pipeline), rank 1 receives them (post +
+    wait); time.process_time (all the process's threads: gloo's I/O too; sleeping is free)
+    per message is fitted to send_cpu + n x send_cpu_byte and recv_cpu + n x recv_cpu_byte;
   * links: ping-pong of 4 B..1 MB between rank pairs (the runtime's batch_isend_irecv),
+    minus the message CPU of both ends (the simulation charges that on the ranks' cores),
     fitted to one alpha (seconds per message / ring step) and beta (bytes/s) for that W;
   * gradient reduction: pipetrain's GradientReducer (flat, one fused bucket) on 4 B..4 MB
     of gradients in groups of 2 (the hybrid's groups, all reducing at once); what it takes
@@ -27,8 +33,8 @@ time as each other (so they share the cores as the validation run's processes do
   * wake-up latency (W > 2): ranks 0 and 1 ping-pong 4 B while ranks 2.. compute (so every
     core is busy when a message reaches its sleeping receiver), minus the same ping-pong
     while ranks 2.. sleep: the per-message delay Cluster.wakeup.
-The prediction simulates processor sharing (schedules.shared_cores): compute of all ranks
-runs at min(1, cores / running) of its alone speed. All measurements take turns in every
+The prediction simulates processor sharing (schedules.shared_cores): compute and message CPU
+of all ranks run at min(1, cores / running) of their alone speed. All measurements take turns in every
 round (interleaved), and every number is a median over rounds, so background load drifts
 over all of them alike. The validation runs also report StepResult.busy_fraction (wall time
 inside forward/backward per step), printed against the simulated one.
@@ -60,6 +66,9 @@ WIDTH, DEPTH, BATCH, MICRO = 512, 8, 128, 4
 SPLITS = {2: ["8"], 4: ["4", "8", "12"]}   # module names that start stages 1.. (Sequential indices)
 RUNS = {2: [(2, 1)], 4: [(4, 1), (2, 2)]}  # world -> (stages, replicas) validated in it
 P2P_SIZES = [4, 64 * 1024, 1 << 20]
+MESSAGE_SIZES = [4, 16 * 1024, 32 * 1024, 64 * 1024, 256 * 1024, 1 << 20]  # the runs send 32 KB and 64 KB
+MESSAGES = 20  # per size and round
+GAP = 1e-3     # seconds between two messages of the message-CPU benchmark
 ALLREDUCE_SIZES = [4, 64 * 1024, 1 << 20, 4 << 20]
 TINY_MICRO = (2, 8)
 WAKE_SECONDS = 0.4
@@ -161,6 +170,25 @@ def _ping_pong(rank: int, nbytes: int, repeats: int) -> float:
     return _median_time(once, repeats) / 2
 
 
+def _message_cpu(rank: int, nbytes: int, count: int) -> float | None:
+    """CPU seconds (all threads of the process) per nbytes message: rank 0 sending, rank 1 receiving."""
+    if rank > 1:
+        return None
+    t = torch.zeros(max(1, nbytes // 4))
+    t0 = time.process_time()
+    if rank == 0:
+        for _ in range(count):
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1)])
+            time.sleep(GAP)  # the receiver takes it and falls asleep again before the next one
+            for w in works:
+                w.wait()
+    else:
+        for _ in range(count):
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 0)]):
+                w.wait()
+    return (time.process_time() - t0) / count
+
+
 def _wakeup_probe(rank: int, loaded: bool) -> float | None:
     """Rank 0 and 1: one-way 4 B ping-pong seconds between them while ranks 2.. compute (loaded)
     or sleep. The compute lasts WAKE_SECONDS; the pair pings for the middle part of it."""
@@ -232,6 +260,10 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
             for loaded in (False, True):
                 dist.barrier()
                 add(f"wake {loaded}", _wakeup_probe(rank, loaded))
+        if world == 2:
+            for n in MESSAGE_SIZES:
+                dist.barrier()
+                add(f"cpu {n}", _message_cpu(rank, n, MESSAGES))
         for n in P2P_SIZES:
             dist.barrier()
             add(f"p2p {n}", _ping_pong(rank, n, 5))
@@ -249,14 +281,16 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
             dist.barrier()
             add(f"profile {key}", [statistics.median(v) for v in zip(*(profile.time() for _ in range(5)))])
         for key, pipe in pipes.items():
-            times, busy = [], []
+            times, busy, cpu = [], [], []
             for _ in range(3):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 pipe.step(x, y)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
                 busy.append(pipe.last_result.busy_fraction)
             add(f"run {key}", statistics.median(times))
+            add(f"cpu run {key}", statistics.median(cpu))
             add(f"busy {key}", [statistics.median(v) for v in zip(*busy)])
     box: list = [None] * world
     dist.all_gather_object(box, samples)
@@ -304,6 +338,16 @@ def main() -> None:
         return statistics.median(values)
 
     rows = []
+    send = {n: med(2, f"cpu {n}", rank=0) for n in MESSAGE_SIZES}
+    recv = {n: med(2, f"cpu {n}", rank=1) for n in MESSAGE_SIZES}
+    send_fit, recv_fit = fit_line(send), fit_line(recv)
+    message_cpu = lambda n: (send_fit[0] + n * send_fit[1], recv_fit[0] + n * recv_fit[1])  # noqa: E731
+    print("\nmessage CPU (2 processes; process_time per message; ms measured / fitted): "
+          f"send {send_fit[0] * 1e3:.3f} ms + {send_fit[1] * 1e9:.3f} ns/B, "
+          f"receive {recv_fit[0] * 1e3:.3f} ms + {recv_fit[1] * 1e9:.3f} ns/B")
+    for n in MESSAGE_SIZES:
+        s_fit, r_fit = message_cpu(n)
+        print(f"  {n:>8} B: send {send[n] * 1e3:.3f}/{s_fit * 1e3:.3f}  receive {recv[n] * 1e3:.3f}/{r_fit * 1e3:.3f}")
     print("\nmicro-benchmarks (the fit; no validation step is timed here), medians over ranks x rounds:")
     print(f"{'W':>2} {'alpha ms':>9} {'beta GB/s':>10} {'call ms':>8} {'ns/B':>6} {'action ms':>10} {'step ms':>8}"
           "   samples: measured / fitted ms")
@@ -311,17 +355,21 @@ def main() -> None:
     for world in RUNS:
         p2p = {n: med(world, f"p2p {n}") for n in P2P_SIZES}
         reduce = {n: med(world, f"reduce {n}") for n in ALLREDUCE_SIZES}
-        alpha, beta = fit_link(p2p)
-        call, per_byte = fit_line({n: max(t - ring_allreduce_time(n, 2, beta, alpha), 1e-9) for n, t in reduce.items()})
+        raw_alpha, raw_beta = fit_link(p2p)  # the old model's link: message CPU included
+        alpha, beta = fit_link({n: max(t - sum(message_cpu(n)), 1e-9) for n, t in p2p.items()})
+        call, per_byte = fit_line({n: max(t - ring_allreduce_time(n, 2, raw_beta, raw_alpha), 1e-9)
+                                   for n, t in reduce.items()})
         t_lo, t_hi = med(world, f"tiny {TINY_MICRO[0]}"), med(world, f"tiny {TINY_MICRO[1]}")
         action = max(0.0, (t_hi - t_lo) / (2 * (TINY_MICRO[1] - TINY_MICRO[0])))
         step = max(0.0, t_lo - 2 * TINY_MICRO[0] * action)
-        links = [f"p2p {n}B {t * 1e3:.2f}/{(alpha + n / beta) * 1e3:.2f}" for n, t in p2p.items()]
-        links += [f"reduce {n}B {t * 1e3:.2f}/{(ring_allreduce_time(n, 2, beta, alpha) + call + n * per_byte) * 1e3:.2f}"
+        links = [f"p2p {n}B {t * 1e3:.2f}/{(alpha + n / beta + sum(message_cpu(n))) * 1e3:.2f}"
+                 for n, t in p2p.items()]
+        links += [f"reduce {n}B {t * 1e3:.2f}/"
+                  f"{(ring_allreduce_time(n, 2, raw_beta, raw_alpha) + call + n * per_byte) * 1e3:.2f}"
                   for n, t in reduce.items()]
         print(f"{world:>2} {alpha * 1e3:>9.3f} {beta / 1e9:>10.3f} {call * 1e3:>8.3f} {per_byte * 1e9:>6.2f} "
               f"{action * 1e3:>10.3f} {step * 1e3:>8.3f}   " + ", ".join(links))
-        clusters[world] = (alpha, beta, action, step, call, per_byte)
+        clusters[world] = (alpha, beta, raw_alpha, raw_beta, action, step, call, per_byte)
 
     wake = {False: med(4, "wake False"), True: med(4, "wake True")} if 4 in RUNS else None
     wakeup = max(0.0, wake[True] - wake[False]) if wake else 0.0
@@ -333,6 +381,7 @@ def main() -> None:
           f"at once -> measured contention; effective cores = W / contention (at most {cores})")
     print(f"{'run':<26} {'stage':>5} {'fwd':>7} {'bwd':>7} {'opt':>7} {'all-at-once fwd+bwd':>20} {'contention':>10}")
     effective: dict[int, float] = {}
+    cpu_rows = []
     for world, runs in RUNS.items():
         factors = []
         for stages, dp in runs:
@@ -343,7 +392,7 @@ def main() -> None:
                     factors.append((cf + cb) / (f + b))
         effective[world] = min(float(cores), world / statistics.median(factors))
     for world, runs in RUNS.items():
-        alpha, beta, action, step, call, per_byte = clusters[world]
+        alpha, beta, raw_alpha, raw_beta, action, step, call, per_byte = clusters[world]
         for stages, dp in runs:
             label = f"W{world} {stages} stages x {dp}"
             work, old_work, factors = [], [], []
@@ -362,9 +411,15 @@ def main() -> None:
                                          reduce_call=call, reduce_byte=per_byte)
 
             def predict(stage_work, n_cores):
-                cluster = Cluster(nodes=1, devices_per_node=world, intra_bandwidth=beta, intra_latency=alpha,
-                                  inter_bandwidth=beta, inter_latency=alpha, name=f"this machine, {world} ranks",
-                                  overheads=overheads, cores=n_cores, wakeup=wakeup if n_cores else 0.0)
+                # with shared cores messages cost CPU on both ends and the link keeps the rest;
+                # the old model (a core per rank) has only the raw ping-pong link
+                shared = n_cores is not None
+                a, b = (alpha, beta) if shared else (raw_alpha, raw_beta)
+                cpu = dict(send_cpu=send_fit[0], send_cpu_byte=send_fit[1], recv_cpu=recv_fit[0],
+                           recv_cpu_byte=recv_fit[1]) if shared else {}
+                cluster = Cluster(nodes=1, devices_per_node=world, intra_bandwidth=b, intra_latency=a,
+                                  inter_bandwidth=b, inter_latency=a, name=f"this machine, {world} ranks",
+                                  overheads=overheads, cores=n_cores, wakeup=wakeup if shared else 0.0, **cpu)
                 # The runtime's hybrid default: fused 25 MB buckets, launched during the last backward.
                 return simulate_hybrid(stage_work, cluster, replicas=dp, micro_batches=MICRO, schedule="1f1b",
                                        reduction=Reduction(bucket_bytes=25e6, overlap=True))
@@ -375,10 +430,21 @@ def main() -> None:
             rows.append((label, med(world, f"run {(stages, dp)}", rank=0), pred.step_time,
                          predict(work, float(cores)).step_time, predict(old_work, None).step_time,
                          effective[world], med(world, f"busy {(stages, dp)}", rank=0), busy))
+            # a diagnostic, not part of the fit: CPU a rank of each stage burns per step, measured
+            # (process_time around the validation step) and what the model charges it
+            charged = []
+            for k, w in enumerate(work):
+                sizes = ([w.send_bytes] if k < stages - 1 else []) + ([work[k - 1].send_bytes] if k else [])
+                charged.append(MICRO * (w.forward + w.backward + 2 * action + sum(sum(message_cpu(n)) for n in sizes))
+                               + w.update + step)
+            cpu_rows.append((label, [statistics.median(med(world, f"cpu run {(stages, dp)}", rank=r)
+                                                       for r in range(k, world, stages)) for k in range(stages)],
+                             charged))
 
     print(f"\nvalidation: MLP {DEPTH} x Linear({WIDTH}), batch {BATCH}, {MICRO} micro-batches, 1f1b, gloo "
           f"({args.rounds} rounds x 3 steps, median). predicted: alone times, processor sharing on the effective "
-          f"cores, wake-up; also with all {cores} cores, and the old model (all-at-once times, a core per rank)")
+          f"cores, wake-up, message CPU; also with all {cores} cores, and the old model (all-at-once times, a core "
+          "per rank)")
     print(f"{'run':<26} {'cores':>5} {'measured ms':>12} {'predicted ms':>13} {'error':>7} "
           f"{f'{cores} cores ms':>11} {'error':>7} {'old ms':>7} {'error':>7}   busy per stage measured/predicted")
     for label, got, pred, full, old, n_cores, busy_got, busy_pred in rows:
@@ -386,6 +452,10 @@ def main() -> None:
         busy = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(busy_got, busy_pred))
         print(f"{label:<26} {n_cores:>5.2f} {got * 1e3:>12.2f} {pred * 1e3:>13.2f} {err(pred)} {full * 1e3:>11.2f} "
               f"{err(full)} {old * 1e3:>7.2f} {err(old)}   {busy}")
+    print("\nCPU per step of one rank of each stage (ms; process_time around the validation step, median over "
+          "the stage's ranks) / what the model charges it (alone compute, overheads, message CPU)")
+    for label, got, charged in cpu_rows:
+        print(f"{label:<26} " + "  ".join(f"{a * 1e3:.1f}/{b * 1e3:.1f}" for a, b in zip(got, charged)))
 
 if __name__ == "__main__":
     main()
