@@ -114,7 +114,7 @@ class DistributedTransport:
         ops = []
         if kind == ACT:
             leaves, spec = pytree.tree_flatten(values)
-            meta = (_describe(leaves), pytree.treespec_dumps(spec))
+            meta = (_describe(leaves), spec)  # the spec is serialised only for a header
             key = (link.index, shape_key)
             if self.dynamic_shapes or key not in self.meta_sent:
                 self.meta_sent[key] = meta
@@ -206,7 +206,7 @@ class DistributedTransport:
             return buffers
         it = iter(buffers)
         leaves = [next(it) if d[0] == "t" else d[1] for d in described]
-        return pytree.tree_unflatten(leaves, pytree.treespec_loads(spec))
+        return pytree.tree_unflatten(leaves, spec)
 
     def _wait(self, work: Any, link: Link, kind: str, micro_batch: int) -> None:
         """Wait for a receive; a dead or hung peer becomes an error that names it, within the timeout."""
@@ -237,7 +237,8 @@ class DistributedTransport:
 
 
 def _encode_header(meta: tuple) -> torch.Tensor:
-    blob = pickle.dumps(meta)
+    described, spec = meta
+    blob = pickle.dumps((described, pytree.treespec_dumps(spec)))
     if len(blob) + 8 > HEADER_BYTES:
         raise ValueError(f"boundary metadata of {len(blob)} bytes is too large; send fewer, larger tensors")
     out = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
@@ -248,4 +249,5 @@ def _encode_header(meta: tuple) -> torch.Tensor:
 
 def _decode_header(header: torch.Tensor) -> tuple:
     n = int.from_bytes(bytes(header[:8].tolist()), "little")
-    return pickle.loads(bytes(header[8:8 + n].numpy()))
+    described, spec = pickle.loads(bytes(header[8:8 + n].numpy()))
+    return described, pytree.treespec_loads(spec)
