@@ -18,7 +18,11 @@ pipeline is simulated at once (simulate_shared): compute actions of all ranks on
 a node share its cores, and messages to sleeping ranks pay cluster.wakeup while
 those cores are busy; each message costs the sender cluster.message_cpu(bytes)[0] of
 CPU and the receiver, when its F or B takes it, [1] (the same bytes come back as
-gradients). Every rank then runs its optimizer update and the step's
+gradients). With replicas, the gradient reduction's runtime work (overheads.reduce_call +
+bytes x reduce_byte per bucket, measured as the reducer's CPU) is work of the stage's
+rank on its node's cores too (a REDUCE after the last backward, simulate_shared's
+reduce_cpu), slowing whatever else runs there; the ring transfer time follows it.
+Every rank then runs its optimizer update and the step's
 fixed work at about the same time, so those are slowed by the node's fair share,
 max(1, ranks on the node / cores).
 
@@ -35,7 +39,7 @@ from typing import Sequence
 from schedules.actions import ActionKind
 from schedules.builders import build
 from schedules.cluster import Cluster
-from schedules.collectives_cost import Group, Reduction, allreduce_time, reduction_finish
+from schedules.collectives_cost import Group, Reduction, allreduce_time, bucket_overhead, buckets, reduction_finish
 from schedules.costs import Costs
 from schedules.overheads import contention
 from schedules.simulate import SimResult, simulate, simulate_shared
@@ -139,7 +143,9 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
         comm.append(latency + work[k].send_bytes / bandwidth)
     costs = Costs(forward=[w.forward / speed + extra.action for w in work],
                   backward=[w.backward / speed + extra.action for w in work], comm=comm)
-    plan = build(schedule, p, micro_batches)
+    # with shared cores the reduction's CPU is simulated as a REDUCE action of each stage
+    reduce_on_cores = cluster.cores is not None and replicas > 1
+    plan = build(schedule, p, micro_batches, data_parallel=reduce_on_cores)
     if cluster.cores is None:
         sims = [simulate(plan, costs)]  # replicas are identical: one pipeline stands for all
         tail = 1.0
@@ -150,7 +156,11 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
                     for k in range(p)]
         recv_cpu = [{ActionKind.FORWARD: msg[k - 1][1] if k else 0.0, ActionKind.BACKWARD: msg[k][1]}
                     for k in range(p)]
-        sims = simulate_shared(plan, costs, placement, cluster.cores, cluster.wakeup, send_cpu, recv_cpu)
+        reduce_cpu = [sum(bucket_overhead(sum(w.grad_bytes[i] for i in members), cluster)
+                          for members in buckets(w.grad_bytes, reduction.bucket_bytes)) if reduce_on_cores else 0.0
+                      for w in work]
+        sims = simulate_shared(plan, costs, placement, cluster.cores, cluster.wakeup, send_cpu, recv_cpu,
+                               reduce_cpu)
         per_node = Counter(node for row in placement for node in row)
         tail = max(contention(n, cluster.cores) for n in per_node.values())
     sim = max(sims, key=lambda s: s.makespan)
@@ -162,9 +172,15 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
         b_start, b_end = latest.start[k][last_b], latest.end[k][last_b]
         ready = [b_start + f * (b_end - b_start) for f in w.ready()]
         group = Group.of_ranks([r * p + k for r in range(replicas)], cluster)
-        finish = reduction_finish(list(w.grad_bytes), ready, group, cluster, reduction)
         stage_end = max(s.end[k][-1] for s in sims) if plan.actions[k] else 0.0
-        exposed.append(max(0.0, finish - stage_end))
+        if reduce_on_cores:  # the REDUCE's CPU is in stage_end; the buckets' ring transfers follow it
+            finish = stage_end + sum(allreduce_time(sum(w.grad_bytes[i] for i in members), group, cluster,
+                                                    reduction.hierarchical)
+                                     for members in buckets(w.grad_bytes, reduction.bucket_bytes))
+            exposed.append(finish - max(s.end[k][last_b] for s in sims))
+        else:
+            finish = reduction_finish(list(w.grad_bytes), ready, group, cluster, reduction)
+            exposed.append(max(0.0, finish - stage_end))
         ends.append(max(stage_end, finish) + tail * w.update / speed)
     fixed = tail * extra.step
     if extra.report_bytes > 0:  # every rank of the job takes part, after the slowest stage is done

@@ -6,7 +6,8 @@ bench_calibration.py measures them on this machine):
 
 * action: seconds of runtime work around every F and every B (executor dispatch,
   autograd leaves, RNG forking, loss bookkeeping, posting sends), on top of the
-  module's own forward or backward. It is work on the device, so it delays the
+  module's own forward or backward. Measure it on the engine being modelled: on this
+  machine the distributed engine's is ~5x the local engine's (bench_calibration). It is work on the device, so it delays the
   device's next action like compute does.
 * step: fixed seconds per training step (building the executors, draining sends,
   collecting the loss), paid once after the last stage finishes.
@@ -17,6 +18,9 @@ bench_calibration.py measures them on this machine):
   the link's alpha-beta ring time: seconds per call (launching the collective, waiting
   on it) and seconds per byte (packing gradients into the bucket, scaling, the sums,
   unpacking). On CPU both are memory-bound work that the ring model does not see.
+  With a Cluster whose devices share cores (Cluster.cores) this is the reducer's CPU, run
+  as work on the rank's core in the shared-cores simulation (schedules.hybrid), so measure
+  it as CPU time (process_time); without, it is a delay after the ring time.
 
 All three are measured on the target, so unlike stage compute they are not divided
 by Cluster.speed.

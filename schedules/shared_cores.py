@@ -14,11 +14,15 @@ two ways this event simulation models:
   (gloo's TCP transport copies on the caller's thread, the loopback stack burns
   kernel time), so a SEND with send_cpu > 0 is work on the sender's core and the
   message leaves when it is done; the F or B that takes a message first runs
-  recv_cpu of work on the receiver's core. Both share the cores like compute.
+  recv_cpu of work on the receiver's core. Both share the cores like compute;
+* reduction CPU: the data-parallel gradient reduction's own work (packing the bucket,
+  the sums, gloo's copies) is CPU of the rank too, so a REDUCE with reduce_cpu > 0 runs
+  that much work on the device's core, shared like compute (what the ring transfer costs
+  beyond it is the caller's to add: it is not the device's work).
 
 Every copy (replica) of the schedule has its own messages; replica r's device d
-runs on node placement[r][d]. RECV, STEP and REDUCE take no time, as in `execute`
-(and SEND unless send_cpu is given); with enough cores, wakeup = 0 and no message CPU
+runs on node placement[r][d]. RECV and STEP take no time, as in `execute`
+(and SEND unless send_cpu is given, REDUCE unless reduce_cpu is); with enough cores, wakeup = 0 and no message CPU
 both give the same timeline. Busy time counts compute (F, B, W) only.
 """
 from __future__ import annotations
@@ -32,17 +36,20 @@ from schedules.schedule import Schedule
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 SEND_ACT, SEND_GRAD = ActionKind.SEND_ACT, ActionKind.SEND_GRAD
+REDUCE = ActionKind.REDUCE
 _EPS = 1e-12  # relative: work left below this share of an action counts as done
 
 
 def execute_shared(schedule: Schedule, cost: list[dict[ActionKind, float]], latency: list[list[float]],
                    placement: Sequence[Sequence[int]], cores: float, wakeup: float = 0.0,
                    send_cpu: Sequence[dict[ActionKind, float]] | None = None,
-                   recv_cpu: Sequence[dict[ActionKind, float]] | None = None) -> list[Timeline]:
+                   recv_cpu: Sequence[dict[ActionKind, float]] | None = None,
+                   reduce_cpu: Sequence[float] | None = None) -> list[Timeline]:
     """One Timeline per replica; cost/latency as for schedules.execution.execute, placement[r][d]
     the node of replica r's device d, `cores` processors per node (> 0), `wakeup` seconds.
     send_cpu[d]: seconds of device d's CPU per SEND_ACT / SEND_GRAD; recv_cpu[d]: seconds of its
-    CPU to take the message an F / B needs (missing kinds and None: free)."""
+    CPU to take the message an F / B needs (missing kinds and None: free); reduce_cpu[d]: seconds
+    of its CPU per REDUCE (None: free)."""
     if not cores > 0:
         raise ValueError(f"execute_shared needs cores > 0 processors per node, got {cores!r}")
     if not wakeup >= 0:
@@ -53,18 +60,20 @@ def execute_shared(schedule: Schedule, cost: list[dict[ActionKind, float]], late
     for name, table in (("send_cpu", send_cpu), ("recv_cpu", recv_cpu)):
         if table is not None and (len(table) != p or any(not v >= 0 for row in table for v in row.values())):
             raise ValueError(f"execute_shared needs {name} as one dict of seconds >= 0 per device ({p})")
+    if reduce_cpu is not None and (len(reduce_cpu) != p or any(not v >= 0 for v in reduce_cpu)):
+        raise ValueError(f"execute_shared needs reduce_cpu as seconds >= 0 per device ({p})")
     none: list[dict[ActionKind, float]] = [{} for _ in range(p)]
     sim = _Shared(schedule, cost, latency, [list(row) for row in placement], cores, wakeup,
-                  send_cpu or none, recv_cpu or none)
+                  send_cpu or none, recv_cpu or none, list(reduce_cpu or [0.0] * p))
     return sim.run()
 
 
 class _Shared:
     """State of the event simulation; units are (replica, device) pairs numbered r * p + d."""
 
-    def __init__(self, schedule, cost, latency, placement, cores, wakeup, send_cpu, recv_cpu):
+    def __init__(self, schedule, cost, latency, placement, cores, wakeup, send_cpu, recv_cpu, reduce_cpu):
         self.schedule, self.cost, self.latency = schedule, cost, latency
-        self.send_cpu, self.recv_cpu = send_cpu, recv_cpu
+        self.send_cpu, self.recv_cpu, self.reduce_cpu = send_cpu, recv_cpu, reduce_cpu
         self.p, self.cores, self.wakeup = schedule.stages, cores, wakeup
         self.last = schedule.virtual_stages - 1
         units = len(placement) * self.p
@@ -161,6 +170,9 @@ class _Shared:
                 self.end[u].append(t)
                 continue
             self.start[u].append(t)
+            if kind is REDUCE and self.reduce_cpu[d] > 0:  # the reducer's work on the device's core
+                self.running[u] = [self.reduce_cpu[d], self.reduce_cpu[d]]
+                return
             if kind is SEND_ACT or kind is SEND_GRAD:
                 to = d + 1 if kind is SEND_ACT else d - 1
                 key = (int(kind is SEND_GRAD), a.micro_batch, a.chunk * p + to)

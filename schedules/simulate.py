@@ -92,18 +92,19 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
 @gc_paused()
 def simulate_shared(schedule: Schedule, costs: Costs, placement: Sequence[Sequence[int]], cores: float,
                     wakeup: float = 0.0, send_cpu: Sequence[dict[ActionKind, float]] | None = None,
-                    recv_cpu: Sequence[dict[ActionKind, float]] | None = None) -> list[SimResult]:
+                    recv_cpu: Sequence[dict[ActionKind, float]] | None = None,
+                    reduce_cpu: Sequence[float] | None = None) -> list[SimResult]:
     """Simulate one copy of `schedule` per row of `placement` (replica r's device d on node
     placement[r][d]) where each node's devices share `cores` processors and a message to a
     sleeping device waits `wakeup` seconds when the node's cores are busy (schedules.shared_cores).
     send_cpu[d] / recv_cpu[d]: CPU seconds device d spends per SEND_ACT / SEND_GRAD and to take the
-    message of an F / B, sharing the cores like compute. One SimResult per replica; with cores >=
+    message of an F / B, sharing the cores like compute; reduce_cpu[d]: CPU seconds of each REDUCE. One SimResult per replica; with cores >=
     devices per node, wakeup 0 and no message CPU each equals simulate()."""
     check_structure(schedule)
     split = _is_split(schedule)
     timelines = execute_shared(schedule, _per_device(schedule, costs, split),
                                costs.latency(schedule.stages, wraps=schedule.chunks > 1), placement, cores, wakeup,
-                               send_cpu, recv_cpu)
+                               send_cpu, recv_cpu, reduce_cpu)
     return [_result(schedule, costs, timeline, split) for timeline in timelines]
 
 

@@ -115,6 +115,35 @@ def test_hybrid_replicas_share_the_node_and_the_tail_by_hand():
     assert r.step_time == pytest.approx(6.0 + 2 * 0.25 + 2 * 0.1)
 
 
+def test_reduce_cpu_occupies_the_devices_core_by_hand():
+    plan = schedules.build("gpipe", 2, 2, data_parallel=True)  # ... B0 B1 REDUCE0 STEP0 on each stage
+    r = simulate_shared(plan, schedules.Costs(1.0, 2.0), [[0, 0]], cores=1, reduce_cpu=[1.0, 0.5])[0]
+    at = lambda k, text: plan.actions[k].index(schedules.Action.parse(text, k))  # noqa: E731
+    span = lambda k, text: (r.start[k][at(k, text)], r.end[k][at(k, text)])  # noqa: E731
+    # as in the first test until 10; then stage 1's REDUCE (0.5) and stage 0's B1 (2 left) share
+    # the core until 11; B1 (1.5 left) alone until 12.5; stage 0's REDUCE (1.0) alone until 13.5
+    assert span(1, "REDUCE0") == pytest.approx((10.0, 11.0))
+    assert span(0, "B1") == pytest.approx((10.0, 12.5))
+    assert span(0, "REDUCE0") == pytest.approx((12.5, 13.5))
+    assert r.makespan == pytest.approx(12.0 + 1.5)  # the one core never idles
+    with pytest.raises(ValueError, match="reduce_cpu as seconds"):
+        simulate_shared(plan, schedules.Costs(1.0, 2.0), [[0, 0]], cores=1, reduce_cpu=[-1.0, 0.0])
+
+
+def test_hybrid_charges_the_reducers_cpu_on_the_shared_core_by_hand():
+    # two replicas of a one-stage pipeline on one core, 1000 B of gradients: each rank's reducer
+    # works reduce_call + 1000 x reduce_byte = 0.2 s, both at once on the core: 0.4 s; then the
+    # 2-rank ring moves 2 x 1/2 x 1000 B at 1e9 B/s
+    work = [StageWork(1.0, 2.0, grad_bytes=(1000.0,), update=0.25)]
+    cluster = Cluster(nodes=1, devices_per_node=2, intra_bandwidth=1e9, intra_latency=0.0, inter_bandwidth=1e9,
+                      inter_latency=0.0, cores=1, overheads=RuntimeOverheads(step=0.1, reduce_call=0.1,
+                                                                             reduce_byte=1e-4))
+    r = simulate_hybrid(work, cluster, replicas=2, micro_batches=1)
+    assert r.pipeline_time == pytest.approx(6.0 + 0.4)
+    assert r.reduction_exposed == pytest.approx([0.4 + 1e-6])
+    assert r.step_time == pytest.approx(6.0 + 0.4 + 1e-6 + 2 * 0.25 + 2 * 0.1)
+
+
 def test_bad_cores_and_wakeup_are_errors_naming_the_field():
     with pytest.raises(ValueError, match="Cluster.cores"):
         _cluster(0)

@@ -20,10 +20,18 @@ time as each other (so they share the cores as the validation run's processes do
     fitted to one alpha (seconds per message / ring step) and beta (bytes/s) for that W;
   * gradient reduction: pipetrain's GradientReducer (flat, one fused bucket) on 4 B..4 MB
     of gradients in groups of 2 (the hybrid's groups, all reducing at once); what it takes
-    beyond the 2-rank ring time of the link fit is fitted to reduce_call + bytes x reduce_byte;
-  * runtime overheads: each process in turn (the others asleep in a barrier) trains a tiny
-    MLP with wrap(engine="local", stages=1) at 2 and 8 micro-batches: the slope is 2 x the
-    per-action cost (one F and one B per micro-batch), the intercept the fixed per-step cost;
+    beyond the 2-rank ring time of the link fit is fitted to reduce_call + bytes x reduce_byte
+    (the old model's delay); for the shared-cores model, where that work occupies the rank's
+    core, reduce_call and reduce_byte are fitted instead to the reducer's process_time per call
+    (its CPU: packing, sums, gloo's copies; the ring transfer of the link fit follows it);
+  * runtime overheads: all W processes train a TINY MLP (4 x Linear(16), not the validation
+    model) on the distributed engine with each validated layout (same stages x replicas,
+    same process count) at 2 and 8 micro-batches; time.process_time per step (CPU of the
+    rank, so waiting is free and sharing the cores does not inflate it) is fitted per rank
+    to fixed + micro-batches x slope. A micro-batch costs a rank one F, one B and its tiny
+    messages (2 per neighbour stage), so action = (slope - the messages' fitted CPU) / 2 and
+    step = the intercept; medians over ranks. (The local engine's per-action cost is ~10x
+    smaller: the distributed engine's send/recv/wait calls and batching are Python work.)
   * stage compute: each process profiles the stage module it would run (plan.build_stage
     of the same split points) at the run's micro-batch size: forward, backward, and the
     optimizer step, timed back to back, once alone (in turn) and once all at the same time.
@@ -214,15 +222,34 @@ def _wakeup_probe(rank: int, loaded: bool) -> float | None:
     return statistics.median(times)
 
 
-def _tiny_step_time(micro: int, steps: int) -> float:
-    """Median step time of a tiny MLP trained by the local engine at `micro` micro-batches."""
+TINY_SPLITS = {2: ["4"], 4: ["2", "4", "6"]}  # module names that start stages 1.. of the tiny MLP
+TINY_BYTES = 4 * 16 * 4  # one tiny message: a micro-batch of 4 x 16 floats
+
+
+def _tiny_pipe(stages: int, dp: int, micro: int):
+    """A tiny MLP (4 x Linear(16) + ReLU, Linear(16, 10)) on the distributed engine, `stages` x `dp`."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
-    x, y = torch.randn(4 * micro, 16), torch.randint(0, 10, (4 * micro,))
-    pipe = pipetrain.wrap(model, x[:4], stages=1, micro_batches=micro, engine="local", profile=False,
-                          optimizer=sgd)
-    pipe.step(x, y)
-    return _median_time(lambda: pipe.step(x, y), steps)
+    layers: list[torch.nn.Module] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 10))
+    x, y = torch.randn(4 * micro * dp, 16), torch.randint(0, 10, (4 * micro * dp,))
+    pipe = pipetrain.wrap(model, x[:4], stages=stages, micro_batches=micro, schedule="1f1b", data_parallel=dp,
+                          engine="distributed", partitioner=TINY_SPLITS[stages], profile=False, optimizer=sgd)
+    for _ in range(2):
+        pipe.step(x, y)
+    return pipe, x, y
+
+
+def _step_cpu(pipe, x, y, steps: int) -> float:
+    """Median process_time of one training step (all ranks step together, after a barrier)."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        c0 = time.process_time()
+        pipe.step(x, y)
+        times.append(time.process_time() - c0)
+    return statistics.median(times)
 
 
 def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
@@ -239,6 +266,7 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
         grads = [torch.zeros(max(1, n // 4), requires_grad=True)]
         grads[0].grad = torch.ones_like(grads[0])
         reducers[n] = GradientReducer(grads, my_pair, bucket_bytes=25 << 20, algorithm="flat")
+    tiny = {(stages, dp, m): _tiny_pipe(stages, dp, m) for stages, dp in RUNS[world] for m in TINY_MICRO}
     x, y = batch()
     pipes, profiles = {}, {}
     for stages, dp in RUNS[world]:
@@ -269,14 +297,16 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
             add(f"p2p {n}", _ping_pong(rank, n, 5))
         for n, reducer in reducers.items():
             dist.barrier()
+            c0 = time.process_time()
             add(f"reduce {n}", _median_time(reducer.reduce_now, 5))
+            add(f"reduce cpu {n}", (time.process_time() - c0) / 5)
         for turn in range(world):  # alone: one rank at a time, the others asleep in the barrier
             dist.barrier()
             if rank == turn:
-                for m in TINY_MICRO:
-                    add(f"tiny {m}", _tiny_step_time(m, 5))
                 for key, profile in profiles.items():
                     add(f"alone {key}", [statistics.median(v) for v in zip(*(profile.time() for _ in range(5)))])
+        for (stages, dp, m), (pipe, tx, ty) in tiny.items():
+            add(f"tiny {(stages, dp)} {m}", _step_cpu(pipe, tx, ty, 5))
         for key, profile in profiles.items():
             dist.barrier()
             add(f"profile {key}", [statistics.median(v) for v in zip(*(profile.time() for _ in range(5)))])
@@ -349,7 +379,7 @@ def main() -> None:
         s_fit, r_fit = message_cpu(n)
         print(f"  {n:>8} B: send {send[n] * 1e3:.3f}/{s_fit * 1e3:.3f}  receive {recv[n] * 1e3:.3f}/{r_fit * 1e3:.3f}")
     print("\nmicro-benchmarks (the fit; no validation step is timed here), medians over ranks x rounds:")
-    print(f"{'W':>2} {'alpha ms':>9} {'beta GB/s':>10} {'call ms':>8} {'ns/B':>6} {'action ms':>10} {'step ms':>8}"
+    print(f"{'W':>2} {'alpha ms':>9} {'beta GB/s':>10} {'call ms':>8} {'ns/B':>6}"
           "   samples: measured / fitted ms")
     clusters = {}
     for world in RUNS:
@@ -359,17 +389,36 @@ def main() -> None:
         alpha, beta = fit_link({n: max(t - sum(message_cpu(n)), 1e-9) for n, t in p2p.items()})
         call, per_byte = fit_line({n: max(t - ring_allreduce_time(n, 2, raw_beta, raw_alpha), 1e-9)
                                    for n, t in reduce.items()})
-        t_lo, t_hi = med(world, f"tiny {TINY_MICRO[0]}"), med(world, f"tiny {TINY_MICRO[1]}")
-        action = max(0.0, (t_hi - t_lo) / (2 * (TINY_MICRO[1] - TINY_MICRO[0])))
-        step = max(0.0, t_lo - 2 * TINY_MICRO[0] * action)
+        reduce_cpu = {n: med(world, f"reduce cpu {n}") for n in ALLREDUCE_SIZES}
+        cpu_call, cpu_byte = fit_line(reduce_cpu)
         links = [f"p2p {n}B {t * 1e3:.2f}/{(alpha + n / beta + sum(message_cpu(n))) * 1e3:.2f}"
                  for n, t in p2p.items()]
         links += [f"reduce {n}B {t * 1e3:.2f}/"
                   f"{(ring_allreduce_time(n, 2, raw_beta, raw_alpha) + call + n * per_byte) * 1e3:.2f}"
                   for n, t in reduce.items()]
-        print(f"{world:>2} {alpha * 1e3:>9.3f} {beta / 1e9:>10.3f} {call * 1e3:>8.3f} {per_byte * 1e9:>6.2f} "
-              f"{action * 1e3:>10.3f} {step * 1e3:>8.3f}   " + ", ".join(links))
-        clusters[world] = (alpha, beta, raw_alpha, raw_beta, action, step, call, per_byte)
+        links += [f"reduce CPU {n}B {t * 1e3:.2f}/{(cpu_call + n * cpu_byte) * 1e3:.2f}" for n, t in reduce_cpu.items()]
+        print(f"{world:>2} {alpha * 1e3:>9.3f} {beta / 1e9:>10.3f} {call * 1e3:>8.3f} {per_byte * 1e9:>6.2f}   " + ", ".join(links))
+        clusters[world] = (alpha, beta, raw_alpha, raw_beta, call, per_byte, cpu_call, cpu_byte)
+
+    print("\nruntime overheads (distributed engine, tiny MLP, CPU per step of each rank at "
+          f"{TINY_MICRO} micro-batches, ms) -> action, step")
+    actions = {}
+    for world, runs in RUNS.items():
+        for stages, dp in runs:
+            fits, shown = [], []
+            for rank in range(world):
+                k = rank % stages
+                lo, hi = (med(world, f"tiny {(stages, dp)} {m}", rank=rank) for m in TINY_MICRO)
+                slope = (hi - lo) / (TINY_MICRO[1] - TINY_MICRO[0])
+                # each neighbour stage: one tiny message sent and one taken per micro-batch
+                messages = ((k > 0) + (k < stages - 1)) * sum(message_cpu(TINY_BYTES))
+                fits.append(((slope - messages) / 2, lo - TINY_MICRO[0] * slope))
+                shown.append(f"{lo * 1e3:.1f}/{hi * 1e3:.1f}")
+            action = max(0.0, statistics.median(a for a, _ in fits))
+            step = max(0.0, statistics.median(b for _, b in fits))
+            actions[(world, stages, dp)] = (action, step)
+            print(f"  W{world} {stages} stages x {dp}: ranks " + "  ".join(shown)
+                  + f" -> action {action * 1e3:.3f} ms, step {step * 1e3:.3f} ms")
 
     wake = {False: med(4, "wake False"), True: med(4, "wake True")} if 4 in RUNS else None
     wakeup = max(0.0, wake[True] - wake[False]) if wake else 0.0
@@ -392,7 +441,7 @@ def main() -> None:
                     factors.append((cf + cb) / (f + b))
         effective[world] = min(float(cores), world / statistics.median(factors))
     for world, runs in RUNS.items():
-        alpha, beta, raw_alpha, raw_beta, action, step, call, per_byte = clusters[world]
+        alpha, beta, raw_alpha, raw_beta, call, per_byte, cpu_call, cpu_byte = clusters[world]
         for stages, dp in runs:
             label = f"W{world} {stages} stages x {dp}"
             work, old_work, factors = [], [], []
@@ -407,13 +456,15 @@ def main() -> None:
                 shape = dict(grad_bytes=tuple(profile.param_bytes), send_bytes=profile.send_bytes)
                 work.append(StageWork(forward=f, backward=b, update=u, **shape))
                 old_work.append(StageWork(forward=cf, backward=cb, update=cu, **shape))
-            overheads = RuntimeOverheads(action=action, step=step, report_bytes=8 * (2 + REPORT_KINDS * stages),
-                                         reduce_call=call, reduce_byte=per_byte)
+            action, step = actions[(world, stages, dp)]
 
             def predict(stage_work, n_cores):
                 # with shared cores messages cost CPU on both ends and the link keeps the rest;
                 # the old model (a core per rank) has only the raw ping-pong link
                 shared = n_cores is not None
+                overheads = RuntimeOverheads(action=action, step=step, report_bytes=8 * (2 + REPORT_KINDS * stages),
+                                             reduce_call=cpu_call if shared else call,
+                                             reduce_byte=cpu_byte if shared else per_byte)
                 a, b = (alpha, beta) if shared else (raw_alpha, raw_beta)
                 cpu = dict(send_cpu=send_fit[0], send_cpu_byte=send_fit[1], recv_cpu=recv_fit[0],
                            recv_cpu_byte=recv_fit[1]) if shared else {}
@@ -436,7 +487,7 @@ def main() -> None:
             for k, w in enumerate(work):
                 sizes = ([w.send_bytes] if k < stages - 1 else []) + ([work[k - 1].send_bytes] if k else [])
                 charged.append(MICRO * (w.forward + w.backward + 2 * action + sum(sum(message_cpu(n)) for n in sizes))
-                               + w.update + step)
+                               + w.update + step + (cpu_call + sum(w.grad_bytes) * cpu_byte if dp > 1 else 0.0))
             cpu_rows.append((label, [statistics.median(med(world, f"cpu run {(stages, dp)}", rank=r)
                                                        for r in range(k, world, stages)) for k in range(stages)],
                              charged))
@@ -453,7 +504,7 @@ def main() -> None:
         print(f"{label:<26} {n_cores:>5.2f} {got * 1e3:>12.2f} {pred * 1e3:>13.2f} {err(pred)} {full * 1e3:>11.2f} "
               f"{err(full)} {old * 1e3:>7.2f} {err(old)}   {busy}")
     print("\nCPU per step of one rank of each stage (ms; process_time around the validation step, median over "
-          "the stage's ranks) / what the model charges it (alone compute, overheads, message CPU)")
+          "the stage's ranks) / what the model charges it (alone compute, overheads, message CPU, reduction CPU)")
     for label, got, charged in cpu_rows:
         print(f"{label:<26} " + "  ".join(f"{a * 1e3:.1f}/{b * 1e3:.1f}" for a, b in zip(got, charged)))
 
