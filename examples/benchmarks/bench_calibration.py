@@ -37,7 +37,9 @@ time as each other (so they share the cores as the validation run's processes do
     optimizer step, timed back to back, once alone (in turn) and once all at the same time.
     Alone gives the compute times; all-at-once / alone is the measured contention, and
     W / contention the processors the job effectively gets (Cluster.cores; at most the
-    machine's cores; less when other work runs on it);
+    machine's cores; less when other work runs on it). The all-at-once process_time of
+    forward + backward is printed too (a diagnostic, not used: above the alone time it is
+    compute slowed by co-running ranks, e.g. shared caches, which the model does not charge);
   * wake-up latency (W > 2): ranks 0 and 1 ping-pong 4 B while ranks 2.. compute (so every
     core is busy when a message reaches its sleeping receiver), minus the same ping-pong
     while ranks 2.. sleep: the per-message delay Cluster.wakeup.
@@ -128,18 +130,18 @@ class StageProfile:
             out = self.module(*[t.detach().requires_grad_(grad) for t in self.inputs])
         return out if isinstance(out, tuple) else (out,)
 
-    def time(self) -> tuple[float, float, float]:
-        """(forward, backward, optimizer step) seconds of one micro-batch."""
-        t0 = time.perf_counter()
+    def time(self) -> tuple[float, ...]:
+        """(forward, backward, optimizer step) seconds of one micro-batch, wall then CPU (process_time)."""
+        t0, c0 = time.perf_counter(), time.process_time()
         out = self()
         if self.last:
             out = (torch.nn.functional.cross_entropy(out[0], self.target),)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         torch.autograd.backward(out, [torch.ones_like(t) for t in out])
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return t1 - t0, t2 - t1, time.perf_counter() - t2
+        return t1 - t0, t2 - t1, time.perf_counter() - t2, c1 - c0, c2 - c1, time.process_time() - c2
 
 
 def _port() -> int:
@@ -428,7 +430,7 @@ def main() -> None:
 
     print(f"\nstage compute (ms per micro-batch; optimizer once per step): each rank alone (in turn) and all W "
           f"at once -> measured contention; effective cores = W / contention (at most {cores})")
-    print(f"{'run':<26} {'stage':>5} {'fwd':>7} {'bwd':>7} {'opt':>7} {'all-at-once fwd+bwd':>20} {'contention':>10}")
+    print(f"{'run':<26} {'stage':>5} {'fwd':>7} {'bwd':>7} {'opt':>7} {'all-at-once fwd+bwd':>20} {'contention':>10} {'CPU ms':>9}")
     effective: dict[int, float] = {}
     cpu_rows = []
     for world, runs in RUNS.items():
@@ -436,8 +438,8 @@ def main() -> None:
         for stages, dp in runs:
             for k in range(stages):
                 for rank in range(k, world, stages):
-                    f, b, _ = med(world, f"alone {(stages, dp)}", rank=rank)
-                    cf, cb, _ = med(world, f"profile {(stages, dp)}", rank=rank)
+                    f, b, *_ = med(world, f"alone {(stages, dp)}", rank=rank)
+                    cf, cb, *_ = med(world, f"profile {(stages, dp)}", rank=rank)
                     factors.append((cf + cb) / (f + b))
         effective[world] = min(float(cores), world / statistics.median(factors))
     for world, runs in RUNS.items():
@@ -447,11 +449,11 @@ def main() -> None:
             work, old_work, factors = [], [], []
             for k in range(stages):
                 ranks = range(k, world, stages)  # stage k of every replica
-                f, b, u = [statistics.median(v) for v in zip(*(med(world, f"alone {(stages, dp)}", rank=r) for r in ranks))]
-                cf, cb, cu = [statistics.median(v) for v in zip(*(med(world, f"profile {(stages, dp)}", rank=r) for r in ranks))]
+                f, b, u, *_ = [statistics.median(v) for v in zip(*(med(world, f"alone {(stages, dp)}", rank=r) for r in ranks))]
+                cf, cb, cu, xf, xb, xu = [statistics.median(v) for v in zip(*(med(world, f"profile {(stages, dp)}", rank=r) for r in ranks))]
                 factors.append((cf + cb) / (f + b))
                 print(f"{label:<26} {k:>5} {f * 1e3:>7.2f} {b * 1e3:>7.2f} {u * 1e3:>7.2f} {(cf + cb) * 1e3:>20.2f} "
-                      f"{factors[-1]:>10.2f}")
+                      f"{factors[-1]:>10.2f} {(xf + xb) * 1e3:>9.2f}")
                 profile = StageProfile(make_plan(stages, BATCH // (MICRO * dp)), k, BATCH // (MICRO * dp))
                 shape = dict(grad_bytes=tuple(profile.param_bytes), send_bytes=profile.send_bytes)
                 work.append(StageWork(forward=f, backward=b, update=u, **shape))
