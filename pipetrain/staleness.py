@@ -204,10 +204,10 @@ class SpecTrainPolicy(StalenessPolicy):
         _accumulate(self.params, self.scratch)
 
     def extra_weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for _, p in self.params)
+        return sum(p.numel() * p.element_size() for _, p in self.params) if self.predicts else 0
 
     def versions_held(self) -> int:
-        return 1
+        return 1 if self.predicts else 0
 
 
 class SpecTrainForwardOnlyPolicy(StashPolicy):

@@ -94,8 +94,10 @@ def test_stash_holds_p_minus_k_versions_spectrain_one(stages):
     assert all(rt.policy.versions_held() == 0 for rt in pipe.runtimes.values())  # drained at the end
     pipe, results = run_async("spectrain", stages, steps=stages + 2)
     for v, rt in pipe.runtimes.items():
+        # One predicted copy per stage, none where both distances floor(k/2)+p-k-1 and floor(k/2) are 0.
+        copies = 1 if (v // 2 + stages - v - 1, v // 2) != (0, 0) else 0
         one_copy = sum(p.numel() * p.element_size() for p in rt.module.parameters())
-        assert rt.policy.versions_held() == 1 and results[-1].weight_version_bytes[v] == one_copy
+        assert rt.policy.versions_held() == copies and results[-1].weight_version_bytes[v] == copies * one_copy
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -182,3 +184,39 @@ def test_async_local_engine_is_deterministic(staleness):
     # The local engine is the reference the distributed one is compared with: two runs must agree bit for bit.
     runs = [run_async(staleness, 4, steps=9)[0].state_dict() for _ in range(2)]
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_spectrain_forward_only_predicts_p_minus_k_minus_1_and_reuses_it_backward(stages):
+    steps = 2 * stages + 1
+    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
+                          staleness="spectrain", spectrain_variant="forward-only", optimizer=RecordingSGD,
+                          partitioner="uniform", profile=False, engine="local")
+    seen = {v: [] for v in pipe.runtimes}
+    for v, rt in pipe.runtimes.items():
+        first = next(m for m in rt.module.modules() if isinstance(m, nn.Linear))
+        first.register_forward_hook(lambda m, i, o, v=v: seen[v].append(m.weight.detach().clone()))
+    list(pipe.train(stream(steps)))
+    batches = stream(steps)
+    for v, rt in pipe.runtimes.items():
+        opt, s = rt.optimizer, stages - v - 1
+        for t in range(steps):
+            u = max(0, t - s)
+            w = opt.weights[u][0]
+            expected = w if u == 0 else w - s * LR * opt.momenta[u][0]
+            torch.testing.assert_close(seen[v][t], expected, atol=1e-7, rtol=0, msg=f"stage {v} t={t}")
+    # The backward reuses the forward's prediction: the applied gradient is the gradient at those weights.
+    for t in range(steps):
+        model = make("mlp")
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for v, rt in pipe.runtimes.items():
+                s = stages - v - 1
+                u = max(0, t - s)
+                for i, name in enumerate(stage_names(pipe)[v]):
+                    w = rt.optimizer.weights[u][i]
+                    params[name].copy_(w if u == 0 else w - s * LR * rt.optimizer.momenta[u][i])
+        nn.functional.cross_entropy(model(batches[t][0]), batches[t][1]).backward()
+        for v, rt in pipe.runtimes.items():
+            for name, g in zip(stage_names(pipe)[v], rt.optimizer.grads[t]):
+                torch.testing.assert_close(g, params[name].grad, atol=1e-6, rtol=1e-5, msg=f"t={t} {name}")
