@@ -220,3 +220,18 @@ def test_spectrain_forward_only_predicts_p_minus_k_minus_1_and_reuses_it_backwar
         for v, rt in pipe.runtimes.items():
             for name, g in zip(stage_names(pipe)[v], rt.optimizer.grads[t]):
                 torch.testing.assert_close(g, params[name].grad, atol=1e-6, rtol=1e-5, msg=f"t={t} {name}")
+
+
+def test_spectrain_with_lars_predicts_from_its_scaled_momentum():
+    from pipetrain.optim import LARS
+
+    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=3, micro_batches=1, schedule="async-1f1b",
+                          staleness="spectrain", optimizer=lambda p: LARS(p, lr=0.1, momentum=0.9),
+                          partitioner="uniform", profile=False, engine="local")
+    results = list(pipe.train(stream(6)))
+    assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
+    rt = pipe.runtimes[0]
+    name, p = next(iter(rt.module.named_parameters()))
+    rt.policy.forward_weights(0)  # stage 0 of 3 predicts 0 // 2 + 3 - 0 - 1 = 2 updates ahead
+    expected = p.detach() - 2 * 0.1 * rt.optimizer.state[p]["momentum_buffer"]
+    torch.testing.assert_close(rt.policy.scratch[name].detach(), expected, atol=1e-7, rtol=0)
