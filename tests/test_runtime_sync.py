@@ -105,3 +105,49 @@ def test_runtime_holds_the_in_flight_micro_batches_the_schedule_documents(schedu
     # gpipe keeps all m micro-batches in flight at every stage; 1f1b at most p-k at stage k.
     pipe, _, _ = train_pipeline("mlp", 3, schedule, 4, steps=1, partitioner="uniform")
     assert [pipe.runtimes[k].peak_in_flight for k in range(3)] == expected
+
+
+class TwoInputsDictOut(torch.nn.Module):
+    """Takes (features, mask) and returns a dict: several inputs and a structured output pass through."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 4)
+
+    def forward(self, x, mask):
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h)) * mask  # the mask is needed two stages later
+        return {"logits": self.c(h), "norm": h.pow(2).mean(dim=1)}
+
+
+def dict_loss(out, y):
+    return torch.nn.functional.cross_entropy(out["logits"], y) + 0.1 * out["norm"].mean()
+
+
+def test_tuple_inputs_and_dict_outputs_pass_through():
+    g = torch.Generator().manual_seed(3)
+    x, mask = torch.randn(12, 8, generator=g), (torch.rand(12, 16, generator=g) > 0.3).float()
+    y = torch.randint(0, 4, (12,), generator=g)
+    torch.manual_seed(0)
+    model = TwoInputsDictOut()
+    reference = TwoInputsDictOut()
+    reference.load_state_dict(model.state_dict())
+    pipe = pipetrain.wrap(model, (x[:2], mask[:2]), stages=3, micro_batches=3, loss_fn=dict_loss, optimizer=sgd,
+                          partitioner="uniform", profile=False, engine="local")
+    opt = sgd(reference.parameters())
+    for _ in range(2):
+        loss = pipe.step((x, mask), y)
+        opt.zero_grad()
+        expected = 0.0
+        for xb, mb, yb in zip(x.tensor_split(3), mask.tensor_split(3), y.tensor_split(3)):
+            part = dict_loss(reference(xb, mb), yb) * len(xb) / len(x)
+            part.backward()
+            expected += part.item()
+        opt.step()
+        assert loss == pytest.approx(expected, abs=1e-6)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[key], value, atol=1e-5, rtol=0)
+    out = pipe.predict((x, mask))
+    assert set(out) == {"logits", "norm"} and out["logits"].shape == (12, 4)
