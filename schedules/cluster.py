@@ -18,6 +18,15 @@ the CPU a message costs the sending process and the receiving process when it ta
 (gloo over TCP copies on the caller's thread and the kernel's loopback stack burns CPU).
 With shared cores that work competes with compute (schedules.shared_cores), so they need
 `cores`; they are measured on the target, so not divided by `speed`.
+
+`interference` (>= 1; needs `cores`) is how much more CPU a rank's module compute takes when
+its node's ranks all compute at once than alone: co-running processes slow each other beyond
+sharing the processors (shared caches and memory bandwidth, sibling hyperthreads), and
+processor sharing only divides the cores. The shared-cores simulation multiplies every F and
+B's module compute by it (schedules.hybrid), so measure it with the ranks computing together
+for long enough that they really overlap: all-at-once process_time / alone process_time.
+It is applied to all compute, also when a rank happens to compute alone (most of a pipeline
+step's compute co-runs); runtime overheads and message CPU are measured in place, not scaled.
 """
 from __future__ import annotations
 
@@ -51,6 +60,7 @@ class Cluster:
     send_cpu_byte: float = 0.0   # sender CPU seconds per message byte
     recv_cpu: float = 0.0        # receiver CPU seconds per message
     recv_cpu_byte: float = 0.0   # receiver CPU seconds per message byte
+    interference: float = 1.0    # module compute's CPU co-running / alone (shared cores only)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -83,6 +93,12 @@ class Cluster:
             if value > 0 and self.cores is None:
                 raise ValueError(f"Cluster.{name} only applies when devices share cores; "
                                  "fix: set Cluster.cores too")
+        if isinstance(self.interference, bool) or not isinstance(self.interference, (int, float)) or not (
+                math.isfinite(self.interference) and self.interference >= 1):
+            raise ValueError(f"Cluster.interference must be a finite number >= 1 (co-running / alone CPU), "
+                             f"got {self.interference!r}")
+        if self.interference != 1 and self.cores is None:
+            raise ValueError("Cluster.interference only applies when devices share cores; fix: set Cluster.cores too")
         if not isinstance(self.overheads, RuntimeOverheads):
             raise TypeError(f"Cluster.overheads must be a RuntimeOverheads, got {type(self.overheads).__name__}")
 

@@ -18,9 +18,11 @@ pipeline is simulated at once (simulate_shared): compute actions of all ranks on
 a node share its cores, and messages to sleeping ranks pay cluster.wakeup while
 those cores are busy; each message costs the sender cluster.message_cpu(bytes)[0] of
 CPU and the receiver, when its F or B takes it, [1] (the same bytes come back as
-gradients). With replicas, the gradient reduction's runtime work (overheads.reduce_call +
-bytes x reduce_byte per bucket, measured as the reducer's CPU) is work of the stage's
-rank on its node's cores too (a REDUCE after the last backward, simulate_shared's
+gradients), and module compute (forward, backward) takes cluster.interference times
+its profiled time (co-running ranks slow each other beyond sharing the cores). With
+replicas, the gradient reduction's runtime work (overheads.reduce_call + bytes x
+reduce_byte per bucket, measured as the reducer's CPU) is work of the stage's rank
+on its node's cores too (a REDUCE after the last backward, simulate_shared's
 reduce_cpu), slowing whatever else runs there; the ring transfer time follows it.
 Every rank then runs its optimizer update and the step's
 fixed work at about the same time, so those are slowed by the node's fair share,
@@ -141,8 +143,9 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
     for k in range(p - 1):
         bandwidth, latency = cluster.link(k, k + 1)
         comm.append(latency + work[k].send_bytes / bandwidth)
-    costs = Costs(forward=[w.forward / speed + extra.action for w in work],
-                  backward=[w.backward / speed + extra.action for w in work], comm=comm)
+    slow = cluster.interference / speed  # interference is 1 unless cores are shared
+    costs = Costs(forward=[w.forward * slow + extra.action for w in work],
+                  backward=[w.backward * slow + extra.action for w in work], comm=comm)
     # with shared cores the reduction's CPU is simulated as a REDUCE action of each stage
     reduce_on_cores = cluster.cores is not None and replicas > 1
     plan = build(schedule, p, micro_batches, data_parallel=reduce_on_cores)

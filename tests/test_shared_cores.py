@@ -75,6 +75,22 @@ def test_hybrid_charges_message_cpu_by_bytes_by_hand():
     assert r.pipeline_time == pytest.approx(6.0 + 2 * (0.2 + 0.1))
 
 
+def test_interference_scales_module_compute_not_overheads_by_hand():
+    # 2 stages x 2 micro-batches (gpipe) on one core, f = 1, b = 2, action 0.25, interference 1.5:
+    # each F is 1.5 + 0.25 = 1.75 and each B 3 + 0.25 = 3.25 of work; the one core never idles
+    # (stage 1 waits only for stage 0's first F), so the pipeline is all 4 x (1.75 + 3.25) = 20
+    work = [StageWork(1.0, 2.0), StageWork(1.0, 2.0)]
+    base = dict(nodes=1, devices_per_node=2, intra_bandwidth=1e9, intra_latency=0.0, inter_bandwidth=1e9,
+                inter_latency=0.0, cores=1, overheads=RuntimeOverheads(action=0.25))
+    r = simulate_hybrid(work, Cluster(**base, interference=1.5), micro_batches=2, schedule="gpipe")
+    assert r.pipeline_time == pytest.approx(20.0)
+    assert simulate_hybrid(work, Cluster(**base), micro_batches=2, schedule="gpipe").pipeline_time == \
+        pytest.approx(4 * (1.25 + 2.25))  # interference 1 (default): the profiled compute
+    # with a core each: (m + p - 1)(F + B) = 3 x (1.75 + 3.25)
+    own = simulate_hybrid(work, Cluster(**{**base, "cores": 2}, interference=1.5), micro_batches=2, schedule="gpipe")
+    assert own.pipeline_time == pytest.approx(15.0)
+
+
 @pytest.mark.parametrize("kind,options", [("gpipe", {}), ("1f1b", {}), ("interleaved-1f1b", {}),
                                           ("zb-h1", {}), ("async-1f1b", {"mini_batches": 3})])
 def test_enough_cores_reproduce_simulate(kind, options):
@@ -159,5 +175,10 @@ def test_bad_cores_and_wakeup_are_errors_naming_the_field():
         Cluster(1, 2, 1e9, 0.0, 1e9, 0.0, recv_cpu=1e-4)
     with pytest.raises(ValueError, match="send_cpu as one dict"):
         simulate_shared(GPIPE_2x2, schedules.Costs(1.0, 2.0), [[0, 0]], cores=1, send_cpu=[{}])
-    round_trip = Cluster(1, 4, 1e9, 0.0, 1e9, 0.0, cores=1.5, wakeup=2e-3, send_cpu=1e-4, recv_cpu_byte=1e-9)
+    with pytest.raises(ValueError, match="Cluster.interference must be a finite number >= 1"):
+        Cluster(1, 2, 1e9, 0.0, 1e9, 0.0, cores=2, interference=0.9)
+    with pytest.raises(ValueError, match="interference only applies.*set Cluster.cores"):
+        Cluster(1, 2, 1e9, 0.0, 1e9, 0.0, interference=1.2)
+    round_trip = Cluster(1, 4, 1e9, 0.0, 1e9, 0.0, cores=1.5, wakeup=2e-3, send_cpu=1e-4, recv_cpu_byte=1e-9,
+                         interference=1.2)
     assert Cluster.from_json(round_trip.to_json()) == round_trip

@@ -34,17 +34,20 @@ time as each other (so they share the cores as the validation run's processes do
     smaller: the distributed engine's send/recv/wait calls and batching are Python work.)
   * stage compute: each process profiles the stage module it would run (plan.build_stage
     of the same split points) at the run's micro-batch size: forward, backward, and the
-    optimizer step, timed back to back, once alone (in turn) and once all at the same time.
-    Alone gives the compute times; all-at-once / alone is the measured contention, and
-    W / contention the processors the job effectively gets (Cluster.cores; at most the
-    machine's cores; less when other work runs on it). The all-at-once process_time of
-    forward + backward is printed too (a diagnostic, not used: above the alone time it is
-    compute slowed by co-running ranks, e.g. shared caches, which the model does not charge);
+    optimizer step, timed back to back, once alone (in turn) and once all at the same time
+    (for PROFILE_SECONDS, so the ranks overlap throughout). Alone gives the compute times.
+    All at once, forward + backward CPU (process_time) / alone CPU is the interference of
+    co-running ranks (shared caches, memory bandwidth): Cluster.interference of the layout,
+    median over its ranks; all-at-once CPU / wall is the share of a core a rank got, so
+    W x that share is the processors the job effectively gets (Cluster.cores; at most the
+    machine's cores; less when other work runs on it). Wall all-at-once / alone (contention)
+    = interference x W / cores is printed too;
   * wake-up latency (W > 2): ranks 0 and 1 ping-pong 4 B while ranks 2.. compute (so every
     core is busy when a message reaches its sleeping receiver), minus the same ping-pong
     while ranks 2.. sleep: the per-message delay Cluster.wakeup.
 The prediction simulates processor sharing (schedules.shared_cores): compute and message CPU
-of all ranks run at min(1, cores / running) of their alone speed. All measurements take turns in every
+of all ranks run at min(1, cores / running) of their alone speed, module compute taking
+interference x its alone time. All measurements take turns in every
 round (interleaved), and every number is a median over rounds, so background load drifts
 over all of them alike. The validation runs also report StepResult.busy_fraction (wall time
 inside forward/backward per step), printed against the simulated one.
@@ -82,6 +85,7 @@ GAP = 1e-3     # seconds between two messages of the message-CPU benchmark
 ALLREDUCE_SIZES = [4, 64 * 1024, 1 << 20, 4 << 20]
 TINY_MICRO = (2, 8)
 WAKE_SECONDS = 0.4
+PROFILE_SECONDS = 0.3  # all-at-once stage profile: long enough that every rank co-runs (~40+ micro-batches)
 REPORT_KINDS = 8  # per-stage lists the runtime's step report all-reduces (StepResult: 4 metrics + 4 byte kinds)
 
 
@@ -311,7 +315,7 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
             add(f"tiny {(stages, dp)} {m}", _step_cpu(pipe, tx, ty, 5))
         for key, profile in profiles.items():
             dist.barrier()
-            add(f"profile {key}", [statistics.median(v) for v in zip(*(profile.time() for _ in range(5)))])
+            add(f"profile {key}", _timed_burst(profile, PROFILE_SECONDS))
         for key, pipe in pipes.items():
             times, busy, cpu = [], [], []
             for _ in range(3):
@@ -329,6 +333,15 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
     if rank == 0:
         torch.save(box, Path(out) / "samples.pt")
     dist.destroy_process_group()
+
+
+def _timed_burst(profile: "StageProfile", seconds: float) -> list[float]:
+    """Medians of profile.time() called back to back for `seconds` (after a barrier, so every rank's
+    burst covers the same window and they co-run all along, not just for a few micro-batches)."""
+    samples, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        samples.append(profile.time())
+    return [statistics.median(v) for v in zip(*samples)]
 
 
 def measure_world(world: int, rounds: int) -> list[dict[str, list]]:
@@ -429,8 +442,10 @@ def main() -> None:
               f"while they compute -> Cluster.wakeup = {wakeup * 1e3:.3f} ms per message")
 
     print(f"\nstage compute (ms per micro-batch; optimizer once per step): each rank alone (in turn) and all W "
-          f"at once -> measured contention; effective cores = W / contention (at most {cores})")
-    print(f"{'run':<26} {'stage':>5} {'fwd':>7} {'bwd':>7} {'opt':>7} {'all-at-once fwd+bwd':>20} {'contention':>10} {'CPU ms':>9}")
+          f"at once -> measured contention (wall); interference = all CPU / alone CPU (fwd+bwd ms); effective cores = "
+          f"W x all-at-once CPU / wall (at most {cores})")
+    print(f"{'run':<26} {'stage':>5} {'fwd':>7} {'bwd':>7} {'opt':>7} {'all-at-once fwd+bwd':>20} {'contention':>10} "
+          f"{'alone CPU':>9} {'all CPU':>9} {'interference':>12}")
     effective: dict[int, float] = {}
     cpu_rows = []
     for world, runs in RUNS.items():
@@ -438,26 +453,28 @@ def main() -> None:
         for stages, dp in runs:
             for k in range(stages):
                 for rank in range(k, world, stages):
-                    f, b, *_ = med(world, f"alone {(stages, dp)}", rank=rank)
-                    cf, cb, *_ = med(world, f"profile {(stages, dp)}", rank=rank)
-                    factors.append((cf + cb) / (f + b))
-        effective[world] = min(float(cores), world / statistics.median(factors))
+                    cf, cb, _, xf, xb, _ = med(world, f"profile {(stages, dp)}", rank=rank)
+                    factors.append((xf + xb) / (cf + cb))  # share of a core a co-running rank gets
+        effective[world] = min(float(cores), world * statistics.median(factors))
     for world, runs in RUNS.items():
         alpha, beta, raw_alpha, raw_beta, call, per_byte, cpu_call, cpu_byte = clusters[world]
         for stages, dp in runs:
             label = f"W{world} {stages} stages x {dp}"
-            work, old_work, factors = [], [], []
+            work, old_work, factors, slowdowns = [], [], [], []
             for k in range(stages):
                 ranks = range(k, world, stages)  # stage k of every replica
-                f, b, u, *_ = [statistics.median(v) for v in zip(*(med(world, f"alone {(stages, dp)}", rank=r) for r in ranks))]
+                f, b, u, af, ab, _ = [statistics.median(v) for v in zip(*(med(world, f"alone {(stages, dp)}", rank=r) for r in ranks))]
                 cf, cb, cu, xf, xb, xu = [statistics.median(v) for v in zip(*(med(world, f"profile {(stages, dp)}", rank=r) for r in ranks))]
                 factors.append((cf + cb) / (f + b))
+                slowdowns.append((xf + xb) / (af + ab))
                 print(f"{label:<26} {k:>5} {f * 1e3:>7.2f} {b * 1e3:>7.2f} {u * 1e3:>7.2f} {(cf + cb) * 1e3:>20.2f} "
-                      f"{factors[-1]:>10.2f} {(xf + xb) * 1e3:>9.2f}")
+                      f"{factors[-1]:>10.2f} {(af + ab) * 1e3:>9.2f} {(xf + xb) * 1e3:>9.2f} {slowdowns[-1]:>12.2f}")
                 profile = StageProfile(make_plan(stages, BATCH // (MICRO * dp)), k, BATCH // (MICRO * dp))
                 shape = dict(grad_bytes=tuple(profile.param_bytes), send_bytes=profile.send_bytes)
                 work.append(StageWork(forward=f, backward=b, update=u, **shape))
                 old_work.append(StageWork(forward=cf, backward=cb, update=cu, **shape))
+            interference = max(1.0, statistics.median(slowdowns))
+            print(f"{label:<26} interference (median over stages) {interference:.2f}")
             action, step = actions[(world, stages, dp)]
 
             def predict(stage_work, n_cores):
@@ -472,7 +489,8 @@ def main() -> None:
                            recv_cpu_byte=recv_fit[1]) if shared else {}
                 cluster = Cluster(nodes=1, devices_per_node=world, intra_bandwidth=b, intra_latency=a,
                                   inter_bandwidth=b, inter_latency=a, name=f"this machine, {world} ranks",
-                                  overheads=overheads, cores=n_cores, wakeup=wakeup if shared else 0.0, **cpu)
+                                  overheads=overheads, cores=n_cores, wakeup=wakeup if shared else 0.0,
+                                  interference=interference if shared else 1.0, **cpu)
                 # The runtime's hybrid default: fused 25 MB buckets, launched during the last backward.
                 return simulate_hybrid(stage_work, cluster, replicas=dp, micro_batches=MICRO, schedule="1f1b",
                                        reduction=Reduction(bucket_bytes=25e6, overlap=True))
@@ -495,7 +513,7 @@ def main() -> None:
                              charged))
 
     print(f"\nvalidation: MLP {DEPTH} x Linear({WIDTH}), batch {BATCH}, {MICRO} micro-batches, 1f1b, gloo "
-          f"({args.rounds} rounds x 3 steps, median). predicted: alone times, processor sharing on the effective "
+          f"({args.rounds} rounds x 3 steps, median). predicted: alone times x interference, processor sharing on the effective "
           f"cores, wake-up, message CPU; also with all {cores} cores, and the old model (all-at-once times, a core "
           "per rank)")
     print(f"{'run':<26} {'cores':>5} {'measured ms':>12} {'predicted ms':>13} {'error':>7} "
