@@ -202,15 +202,17 @@ class Pipeline:
         for _ in drive({d: ex.run(sched.actions[d]) for d, ex in executors.items()}):
             pass
         self.transport.flush()
-        loss = self._mean_loss(feed, range(m))
-        result = self.reporter.local(loss, range(m), feed.mini_batch_size(0), time.perf_counter() - start,
+        loss_sum = self._loss_sum(feed, range(m))
+        result = self.reporter.local(loss_sum, range(m), feed.mini_batch_size(0), time.perf_counter() - start,
                                      _busy(executors))
         if self.distributed:
-            result = self.reporter.collect(*self.reporter.post(result))
+            result = self.reporter.collect(*self.reporter.post(result, loss_sum))
         return self._finish(result)
 
-    def _mean_loss(self, feed: Feed, micro_batches: range) -> float:
-        return sum(float(rt.losses.pop(g)) * feed.weight(g) for rt in self.runtimes.values() if rt.is_last
+    def _loss_sum(self, feed: Feed, micro_batches: range) -> float:
+        """Sum over samples of the loss (0 where this process has no last stage); mean = sum / samples
+        in every engine, so local and distributed report the same bits."""
+        return sum(float(rt.losses.pop(g)) * feed.size(g) for rt in self.runtimes.values() if rt.is_last
                    for g in micro_batches)
 
     def train(self, batches: Iterable) -> Iterator[StepResult]:
@@ -248,15 +250,16 @@ class Pipeline:
             while reported < done:
                 own = range(reported * m, (reported + 1) * m)
                 now = time.perf_counter()
-                result = self.reporter.local(self._mean_loss(feed, own), own, feed.mini_batch_size(reported),
-                                             now - start, _busy(executors))
+                loss_sum = self._loss_sum(feed, own)
+                result = self.reporter.local(loss_sum, own, feed.mini_batch_size(reported), now - start,
+                                             _busy(executors))
                 start = now
                 feed.release(reported)
                 reported += 1
                 if not self.distributed:
                     yield self._finish(result)
                     continue
-                pending.append(self.reporter.post(result))
+                pending.append(self.reporter.post(result, loss_sum))
                 while pending and pending[0][2].is_completed():
                     yield self._finish(self.reporter.collect(*pending.pop(0)))
         self.transport.flush()

@@ -27,9 +27,10 @@ class Reporter:
         self.replicas = replicas
         self._comm = counter.snapshot()
 
-    def local(self, loss: float, micro_batches: range, samples: int, seconds: float,
+    def local(self, loss_sum: float, micro_batches: range, samples: int, seconds: float,
               busy_seconds: dict[int, float]) -> StepResult:
-        """This process's view of one mini-batch (complete when it runs every stage)."""
+        """This process's view of one mini-batch (complete when it runs every stage); ``loss_sum``
+        is the loss summed over samples."""
         V = self.num_stages
         busy, lag, weight_bytes, act_bytes = [0.0] * V, [0.0] * V, [0] * V, [0] * V
         for v, rt in self.runtimes.items():
@@ -47,17 +48,17 @@ class Reporter:
             for v, rt in self.runtimes.items():
                 if rt.device.type == "cuda":
                     peak[v] = torch.cuda.max_memory_allocated(rt.device)
-        return StepResult(0, loss, samples, seconds, busy, lag, weight_bytes, act_bytes, comm, peak)
+        return StepResult(0, loss_sum / samples, samples, seconds, busy, lag, weight_bytes, act_bytes, comm, peak)
 
-    def post(self, result: StepResult) -> tuple[StepResult, torch.Tensor, Any]:
-        """Start summing over ranks: loss weighted by samples on last stages, per-stage numbers."""
+    def post(self, result: StepResult, loss_sum: float) -> tuple[StepResult, torch.Tensor, Any]:
+        """Start summing over ranks: the loss sums and sample counts of last stages, per-stage numbers."""
         V = self.num_stages
         is_last = any(rt.is_last for rt in self.runtimes.values())
         per_stage = [result.busy_fraction, result.version_lag, result.weight_version_bytes,
                      result.activation_bytes] + [result.comm_bytes[k] for k in COMM_KINDS]
         mine = torch.zeros(2 + len(per_stage) * V, dtype=torch.float64)
         if is_last:
-            mine[0], mine[1] = result.loss * result.samples, result.samples
+            mine[0], mine[1] = loss_sum, result.samples
         for i, values in enumerate(per_stage):
             for v in self.runtimes:
                 mine[2 + i * V + v] = values[v]

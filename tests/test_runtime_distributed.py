@@ -17,9 +17,12 @@ WORLD4 = [("skip", "1f1b", "none", 4), ("mlp", "interleaved-1f1b", "none", 4),
           ("skip", "async-1f1b", "spectrain", 1), ("tied", "gpipe", "none", 4)]
 
 
-def batches(name, steps=3, size=12):
+def batches(name, steps=3, size=12, last=7):
+    """Mini-batches of ``size`` and a shorter last one: the ranks must re-agree boundary shapes."""
     x, y = data(name, steps * size)
-    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
+    sizes = [size] * (steps - 1) + [last]
+    starts = [sum(sizes[:i]) for i in range(steps)]
+    return [(x[s:s + n], y[s:s + n]) for s, n in zip(starts, sizes)]
 
 
 def train(engine, stages, name, schedule, staleness, micro_batches):
