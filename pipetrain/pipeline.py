@@ -106,7 +106,8 @@ class Pipeline:
             self.tied = DistributedTiedSync(tied, self.runtimes, self.world.tied_groups(self.topology, tied),
                                             self.counter)
             agreement = DistributedOverflowAgreement()
-            self.reporter = Reporter(self.runtimes, V, self.counter, self.world.control, o.data_parallel)
+            self.reporter = Reporter(self.runtimes, V, self.counter, self.world.control, o.data_parallel,
+                                     self.world.device)
         else:
             self.transport = LocalTransport([self.device_of[self.topology.device_of(v)] for v in range(V)],
                                             self.counter)

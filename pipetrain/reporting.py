@@ -19,12 +19,13 @@ class Reporter:
     """Builds the result of each mini-batch from the stages this process runs."""
 
     def __init__(self, runtimes: dict[int, StageRuntime], num_stages: int, counter: CommCounter,
-                 group: Any = None, replicas: int = 1):
+                 group: Any = None, replicas: int = 1, device: torch.device | str = "cpu"):
         self.runtimes = runtimes
         self.num_stages = num_stages
         self.counter = counter
         self.group = group  # None: one process holds every stage
         self.replicas = replicas
+        self.device = device  # NCCL reduces device tensors only
         self._comm = counter.snapshot()
 
     def local(self, loss_sum: float, micro_batches: range, samples: int, seconds: float,
@@ -62,11 +63,13 @@ class Reporter:
         for i, values in enumerate(per_stage):
             for v in self.runtimes:
                 mine[2 + i * V + v] = values[v]
+        mine = mine.to(self.device)
         return result, mine, dist.all_reduce(mine, group=self.group, async_op=True)
 
     def collect(self, result: StepResult, total: torch.Tensor, work: Any) -> StepResult:
         """Finish ``post``: the global mean loss; per-stage numbers averaged over replicas (bytes summed)."""
         work.wait()
+        total = total.cpu()
         V, D = self.num_stages, self.replicas
         result.loss = float(total[0] / total[1])
         result.samples = int(total[1])
