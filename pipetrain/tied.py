@@ -45,11 +45,15 @@ class LocalTiedSync:
                 yield BLOCKED
             if key not in self.totals:
                 box = self.deposits.pop(key)
-                # Sum in stage order: the same order the two-rank all_reduce of the distributed engine adds in.
-                self.totals[key] = [functools.reduce(operator.add, [box[s] for s in sorted(box)]), len(self.tied[i])]
+                # Sum in stage order (the order the two-rank all_reduce of the distributed engine adds in),
+                # on the first copy's device: with several devices the copies live on different ones.
+                first = box[min(box)].device
+                total = functools.reduce(operator.add, [box[s].to(first) for s in sorted(box)])
+                self.totals[key] = [total, len(self.tied[i])]
             entry = self.totals[key]
             for s, name in copies:
-                self.runtimes[s].module.get_parameter(name).grad = entry[0].clone()
+                param = self.runtimes[s].module.get_parameter(name)
+                param.grad = entry[0].to(param.device, copy=True)
             entry[1] -= len(copies)
             if entry[1] == 0:
                 del self.totals[key]
