@@ -1,7 +1,7 @@
 """What one mini-batch of training reports, and writing it to TensorBoard."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 # What crosses the wire, by purpose: stage-to-stage activations and their gradients, gradient
 # sums of parameters tied across stages, and the data-parallel gradient reduction (payload bytes).
@@ -47,12 +47,6 @@ class StepResult:
     @property
     def samples_per_second(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else float("nan")
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        out["samples_per_second"] = self.samples_per_second
-        out["bytes_sent"] = self.bytes_sent
-        return out
 
 
 class TensorBoardLog:

@@ -47,9 +47,6 @@ class Topology:
     def chunk_of(self, stage: int) -> int:
         return stage // self.devices
 
-    def stage_of(self, device: int, chunk: int) -> int:
-        return chunk * self.devices + device
-
     def assemble(self, stage: int, received: dict[int, list[Any]]) -> tuple:
         """Stage inputs in the module's order from the values received on each incoming link."""
         by_name = {}
