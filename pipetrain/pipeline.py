@@ -106,8 +106,8 @@ class Pipeline:
             self.tied = DistributedTiedSync(tied, self.runtimes, self.world.tied_groups(self.topology, tied),
                                             self.counter)
             agreement = DistributedOverflowAgreement()
-            self.reporter = Reporter(self.runtimes, V, self.counter, self.world.control, o.data_parallel,
-                                     self.world.device)
+            self.reporter = Reporter(self.runtimes, V, self.counter, (self.world.control, self.world.report),
+                                     o.data_parallel, self.world.device)
         else:
             self.transport = LocalTransport([self.device_of[self.topology.device_of(v)] for v in range(V)],
                                             self.counter)
@@ -261,7 +261,7 @@ class Pipeline:
                     yield self._finish(result)
                     continue
                 pending.append(self.reporter.post(result, loss_sum))
-                while pending and pending[0][2].is_completed():
+                while pending and pending[0][1].is_completed():
                     yield self._finish(self.reporter.collect(*pending.pop(0)))
         self.transport.flush()
         for item in pending:

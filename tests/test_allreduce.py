@@ -14,6 +14,7 @@ from dist_harness import run_checks, run_world
 from pipetrain.allreduce import GradientReducer
 from pipetrain.buckets import assign_buckets
 from pipetrain.hierarchy import build_hierarchy_groups
+from pipetrain.reporting import SumExchange
 
 WORLD = 4
 SHAPES = [(7,), (3, 5), (1,), (13, 3), (2, 2, 3), (31,), (5, 1), (9,), (4, 4)]
@@ -176,6 +177,7 @@ def checks_on_rank(rank, world):
     pair_groups = [dist.new_group(r) for r in pairs]
     pair_h = [build_hierarchy_groups(r, nodes=1, per_node=2) for r in pairs]
     mine = rank % 2
+    report_groups = (dist.new_group(list(range(WORLD))), dist.new_group(list(range(WORLD))))
     checks = {
         "fused_flat_w4": lambda: _check_reduce_now(rank, "flat"),
         "per_tensor_w4": lambda: _check_reduce_now(rank, "per-tensor"),
@@ -194,8 +196,24 @@ def checks_on_rank(rank, world):
         "compress_bf16_flat": lambda: _check_compressed(rank, torch.bfloat16, "flat"),
         "compress_fp16_hierarchical": lambda: _check_compressed(rank, torch.float16, "hierarchical", hierarchy=world_h),
         "missing_grad_contributes_zeros": lambda: _check_missing_grad(rank),
+        "report_sums_in_flight": lambda: _check_report_sums(rank, report_groups),
     }
     return run_checks(checks)
+
+
+def _check_report_sums(rank, groups):
+    """Three step reports in flight at once (as in an async-1f1b stream), finished in order by
+    polling the oldest: each is the exact sum (integers in float64) on every rank."""
+    vectors = [torch.tensor([rank + 1.0, 10.0 * rank + step, 2.0 ** rank], dtype=torch.float64) for step in range(3)]
+    pending = [SumExchange(v.clone(), *groups) for v in vectors]
+    totals = []
+    while pending:
+        if pending[0].is_completed() or rank != 0:  # rank 0 (the root) polls; the others block
+            totals.append(pending.pop(0).wait())
+    for step, total in enumerate(totals):
+        expected = torch.tensor([sum(r + 1.0 for r in range(WORLD)), sum(10.0 * r + step for r in range(WORLD)),
+                                 sum(2.0 ** r for r in range(WORLD))], dtype=torch.float64)
+        assert torch.equal(total, expected), (step, total, expected)
 
 
 def _check_hybrid(rank, hierarchy):
@@ -209,7 +227,7 @@ CHECKS = [
     "fused_flat_w2_subgroups", "hierarchical_w2_subgroups", "overlap_flat_prepare", "overlap_hybrid_no_sync",
     "overlap_hierarchical", "overlap_per_tensor", "double_final_backward_raises", "uneven_weights_reduce_now",
     "uneven_weights_overlap_hierarchical", "compress_bf16_flat", "compress_fp16_hierarchical",
-    "missing_grad_contributes_zeros",
+    "missing_grad_contributes_zeros", "report_sums_in_flight",
 ]
 
 
