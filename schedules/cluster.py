@@ -27,6 +27,9 @@ B's module compute by it (schedules.hybrid), so measure it with the ranks comput
 for long enough that they really overlap: all-at-once process_time / alone process_time.
 It is applied to all compute, also when a rank happens to compute alone (most of a pipeline
 step's compute co-runs); runtime overheads and message CPU are measured in place, not scaled.
+
+`backend` is the torch.distributed backend the runtime uses there ("nccl" on GPUs, "gloo" on
+CPUs): it picks the collective of the runtime's end-of-step report (collectives_cost.report_time).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from dataclasses import asdict, dataclass, field, fields
 from schedules.overheads import RuntimeOverheads
 
 GBIT = 1e9 / 8  # bytes/s in one Gb/s
+BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Cluster:
     recv_cpu: float = 0.0        # receiver CPU seconds per message
     recv_cpu_byte: float = 0.0   # receiver CPU seconds per message byte
     interference: float = 1.0    # module compute's CPU co-running / alone (shared cores only)
+    backend: str = "nccl"        # torch.distributed backend of the runtime: "nccl" or "gloo"
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -99,6 +104,8 @@ class Cluster:
                              f"got {self.interference!r}")
         if self.interference != 1 and self.cores is None:
             raise ValueError("Cluster.interference only applies when devices share cores; fix: set Cluster.cores too")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Cluster.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not isinstance(self.overheads, RuntimeOverheads):
             raise TypeError(f"Cluster.overheads must be a RuntimeOverheads, got {type(self.overheads).__name__}")
 
@@ -170,7 +177,8 @@ PRESETS: dict[str, Cluster] = {
     # This kind of machine: CPU processes on one host talking gloo over loopback (measured
     # by examples/benchmarks/bench_calibration.py: ~0.7 ms per message, ~1 GB/s).
     "gloo-local4": Cluster(nodes=1, devices_per_node=4, intra_bandwidth=1e9, intra_latency=7e-4,
-                           inter_bandwidth=1e9, inter_latency=7e-4, speed=1.0, name="gloo-local4"),
+                           inter_bandwidth=1e9, inter_latency=7e-4, speed=1.0, name="gloo-local4",
+                           backend="gloo"),
 }
 
 

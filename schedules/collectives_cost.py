@@ -106,6 +106,21 @@ def hierarchical_allreduce_time(nbytes: float, group: Group, cluster: Cluster) -
     return intra + inter
 
 
+def report_time(nbytes: float, ranks: int, cluster: Cluster) -> float:
+    """Seconds of the runtime's end-of-step sum of nbytes over ranks 0..ranks-1
+    (pipetrain.reporting.SumExchange). NCCL: one flat ring all-reduce. gloo: a gather to rank 0
+    and a broadcast back, two message latencies (of the farthest rank's link) with rank 0
+    taking and then sending ranks - 1 messages one after another: their bytes through its link
+    and, where devices share cores, their CPU (Cluster.message_cpu)."""
+    if ranks <= 1:
+        return 0.0
+    if cluster.backend != "gloo":
+        return flat_allreduce_time(nbytes, Group.of_ranks(range(ranks), cluster), cluster)
+    bandwidth, latency = cluster.link(0, ranks - 1)
+    send_cpu, recv_cpu = cluster.message_cpu(nbytes)
+    return 2 * latency + (ranks - 1) * (2 * nbytes / bandwidth + send_cpu + recv_cpu)
+
+
 def allreduce_time(nbytes: float, group: Group, cluster: Cluster, hierarchical: bool = False) -> float:
     """Seconds of one all-reduce of nbytes over the group (flat or hierarchical ring)."""
     if hierarchical:

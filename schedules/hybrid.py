@@ -11,7 +11,7 @@ pipeline sits on consecutive ranks and mostly inside a node.
 The runtime's own costs (cluster.overheads) are added explicitly: `action` seconds
 to every F and B, and after the last stage finishes (its optimizer update,
 StageWork.update, included) the fixed `step` seconds plus the all_reduce of
-`report_bytes` over every rank that agrees on the loss.
+`report_bytes` that every rank sums to agree on the loss (collectives_cost.report_time).
 
 When the cluster's devices share processors (cluster.cores), every replica's
 pipeline is simulated at once (simulate_shared): compute actions of all ranks on
@@ -41,7 +41,8 @@ from typing import Sequence
 from schedules.actions import ActionKind
 from schedules.builders import build
 from schedules.cluster import Cluster
-from schedules.collectives_cost import Group, Reduction, allreduce_time, bucket_overhead, buckets, reduction_finish
+from schedules.collectives_cost import (Group, Reduction, allreduce_time, bucket_overhead, buckets, reduction_finish,
+                                       report_time)
 from schedules.costs import Costs
 from schedules.overheads import contention
 from schedules.simulate import SimResult, simulate, simulate_shared
@@ -98,7 +99,7 @@ class HybridResult:
     pipeline_time: float        # makespan of the pipeline schedule alone
     reduction_exposed: list[float]  # per stage: reduction time not hidden behind compute
     single_device_time: float   # one device, all samples of the step, no communication
-    step_overhead: float        # fixed runtime cost per step: overheads.step + the report all_reduce
+    step_overhead: float        # fixed runtime cost per step: overheads.step + the report (report_time)
     memory: list[float]         # predicted bytes per device of each stage
     sim: SimResult = field(repr=False)
 
@@ -187,7 +188,7 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
         ends.append(max(stage_end, finish) + tail * w.update / speed)
     fixed = tail * extra.step
     if extra.report_bytes > 0:  # every rank of the job takes part, after the slowest stage is done
-        fixed += allreduce_time(extra.report_bytes, Group.of_ranks(range(p * replicas), cluster), cluster)
+        fixed += report_time(extra.report_bytes, p * replicas, cluster)
     single = (replicas * micro_batches * sum(w.forward + w.backward for w in work)
               + sum(w.update for w in work)) / speed
     memory = [w.memory + peak * w.activation_memory for w, peak in zip(work, sim.peak_in_flight)]

@@ -11,9 +11,9 @@ bench_calibration.py measures them on this machine):
   device's next action like compute does.
 * step: fixed seconds per training step (building the executors, draining sends,
   collecting the loss), paid once after the last stage finishes.
-* report_bytes: size of the all_reduce over every rank of the job that the runtime
-  issues at the end of each step to agree on the loss and metrics (0: none); it is
-  costed by the cluster's all-reduce model.
+* report_bytes: size of the vector every rank of the job sums at the end of each step to
+  agree on the loss and metrics (0: none); costed by collectives_cost.report_time (an
+  all-reduce on NCCL, a gather + broadcast on gloo, as the runtime does).
 * reduce_call, reduce_byte: what one gradient reduction (one fused bucket) costs beyond
   the link's alpha-beta ring time: seconds per call (launching the collective, waiting
   on it) and seconds per byte (packing gradients into the bucket, scaling, the sums,

@@ -8,7 +8,7 @@ import pytest
 
 from schedules.cluster import GBIT, PRESETS, Cluster, load_cluster
 from schedules.collectives_cost import (Group, Reduction, allreduce_time, buckets, flat_allreduce_time,
-                                        hierarchical_allreduce_time, reduction_finish,
+                                        hierarchical_allreduce_time, reduction_finish, report_time,
                                         ring_allreduce_time)
 
 TWO_NODES = Cluster(nodes=2, devices_per_node=4, intra_bandwidth=10e9, intra_latency=1e-6,
@@ -122,6 +122,21 @@ def test_cluster_json_round_trip_and_errors(tmp_path):
         Cluster(1, 0, 1e9, 0.0, 1e9, 0.0)
     with pytest.raises(ValueError, match="inter_latency"):
         Cluster(1, 1, 1e9, 0.0, 1e9, -1.0)
+    with pytest.raises(ValueError, match="backend must be one of nccl, gloo"):
+        Cluster(1, 1, 1e9, 0.0, 1e9, 0.0, backend="mpi")
+
+
+def test_report_time_by_hand():
+    n = 272.0  # the runtime's report at 4 stages: 2 + 8 x 4 float64
+    # NCCL: the flat ring all-reduce over every rank of the job
+    assert report_time(n, 8, TWO_NODES) == pytest.approx(flat_allreduce_time(n, Group(2, 4), TWO_NODES))
+    assert report_time(n, 1, TWO_NODES) == 0.0
+    # gloo: gather to rank 0 and broadcast back over the farthest link (inter-node), rank 0
+    # moving 7 messages each way and paying 7 x (send + receive) CPU
+    cpu = Cluster(nodes=2, devices_per_node=4, intra_bandwidth=10e9, intra_latency=1e-6, inter_bandwidth=1e9,
+                  inter_latency=1e-5, cores=2, send_cpu=1e-4, send_cpu_byte=1e-9, recv_cpu=2e-4, backend="gloo")
+    assert report_time(n, 8, cpu) == pytest.approx(2 * 1e-5 + 7 * (2 * n / 1e9 + (1e-4 + n * 1e-9) + 2e-4))
+    assert report_time(n, 4, cpu) == pytest.approx(2 * 1e-6 + 3 * (2 * n / 10e9 + (1e-4 + n * 1e-9) + 2e-4))
 
 
 def test_link_inside_and_between_nodes():
