@@ -3,8 +3,10 @@
 Methods: "data-parallel" (the synchronous baseline: a one-stage pipeline is plain training;
 under torchrun stages=1 and data_parallel=world), "1f1b" (synchronous pipeline with a flush),
 and async-1f1b with "vanilla" (stale weights), "stash" (PipeDream weight stashing) and
-"spectrain" (weight prediction), the async ones with one micro-batch per mini-batch as in
-PipeDream/SpecTrain. Each method gets its own TensorBoard run under one log directory (so
+"spectrain" (weight prediction). The pipelines all split each mini-batch into the same
+micro-batches (so the same updates per epoch); `async_micro_batches=1` gives the papers'
+setting, one micro-batch per mini-batch, where stage k's weights are stages - k - 1 updates
+stale instead of a fraction of one. Each method gets its own TensorBoard run under one log directory (so
 TensorBoard overlays them), and the comparison ends with a PNG of the curves and the table
 the SpecTrain paper reports.
 """
@@ -24,10 +26,11 @@ from pipetrain.training import RunConfig, RunSummary, human_bytes, is_rank_zero,
 METHODS = ["data-parallel", "1f1b", "vanilla", "stash", "spectrain"]
 
 
-def method_config(base: RunConfig, method: str, world: int | None = None) -> RunConfig:
+def method_config(base: RunConfig, method: str, world: int | None = None,
+                  async_micro_batches: int | None = None) -> RunConfig:
     """``base`` changed to train with ``method``; ``world`` is the torchrun world size (None: local engine).
 
-    base.micro_batches is used by the synchronous 1f1b run only.
+    The async methods split a mini-batch into ``async_micro_batches`` (default base.micro_batches).
     """
     c = dataclasses.replace(base, label=method, staleness="none", schedule="1f1b")
     if method == "data-parallel":
@@ -35,15 +38,17 @@ def method_config(base: RunConfig, method: str, world: int | None = None) -> Run
     if method == "1f1b":
         return c
     if method in ("vanilla", "stash", "spectrain"):
-        return dataclasses.replace(c, schedule="async-1f1b", staleness=method, micro_batches=1)
+        m = base.micro_batches if async_micro_batches is None else async_micro_batches
+        return dataclasses.replace(c, schedule="async-1f1b", staleness=method, micro_batches=m)
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def compare(base: RunConfig, methods: Sequence[str], logdir: str | os.PathLike) -> dict[str, RunSummary]:
+def compare(base: RunConfig, methods: Sequence[str], logdir: str | os.PathLike,
+            async_micro_batches: int | None = None) -> dict[str, RunSummary]:
     """Train ``base`` with every method; method m logs to ``logdir/m``. Returns the summaries by method."""
     root = Path(logdir)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    configs = {m: method_config(base, m, world) for m in methods}  # all errors before any training
+    configs = {m: method_config(base, m, world, async_micro_batches) for m in methods}  # all errors before any training
     # Every rank checks, so under torchrun all stop together instead of rank 0 alone.
     taken = [m for m in methods if (root / m).is_dir() and any((root / m).iterdir())]
     if taken:
@@ -115,6 +120,9 @@ def add_arguments_compare(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(logdir="runs/compare")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--async-micro-batches", type=int,
+                        help="micro-batches per mini-batch of the async runs (default: --micro-batches; "
+                             "1 is the PipeDream/SpecTrain papers' setting)")
     parser.add_argument("--png", help="curves picture (default: <logdir>/compare.png)")
 
 
@@ -137,7 +145,7 @@ def config_from_compare_args(args: argparse.Namespace) -> tuple[RunConfig, list[
 def run_compare(args: argparse.Namespace) -> tuple[dict[str, RunSummary], Path | None]:
     """Train every method, then (rank 0) print the table, write the PNG and a results.json."""
     base, methods = config_from_compare_args(args)
-    summaries = compare(base, methods, args.logdir)
+    summaries = compare(base, methods, args.logdir, args.async_micro_batches)
     if not is_rank_zero():
         return summaries, None
     png = plot(summaries, args.png or Path(args.logdir) / "compare.png")

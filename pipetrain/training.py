@@ -286,7 +286,7 @@ def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pip
     parser.add_argument("--depth", type=int, help="layers (vgg 11/13/16/19, resnet 6n+2, transformer/lstm layers)")
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages (under torchrun: world / data-parallel)")
     parser.add_argument("--micro-batches", type=int, default=4,
-                        help="micro-batches per mini-batch" + ("" if pipeline else " for the sync 1f1b run"))
+                        help="micro-batches per mini-batch" + ("" if pipeline else " of the pipelined runs"))
     if pipeline:
         parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
         parser.add_argument("--staleness", default=None, choices=STALENESS,

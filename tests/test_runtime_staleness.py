@@ -10,6 +10,7 @@ from torch import nn
 
 import pipetrain
 from runtime_models import data, make
+from schedules import ActionKind, async_1f1b_actions
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -177,6 +178,48 @@ def test_async_with_several_micro_batches_accumulates_within_a_mini_batch():
     for v, rt in pipe2.runtimes.items():
         for name, g in zip(stage_names(pipe2)[v], rt.optimizer.grads[0]):
             torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, atol=1e-6, rtol=1e-5)
+
+
+def forward_versions(stages, micro_batches, steps):
+    """(stage, micro-batch) -> optimizer steps the stage takes before that micro-batch's forward,
+    read off the stage's action list (the one the runtime executes)."""
+    versions = {}
+    for k in range(stages):
+        done = 0
+        for a in async_1f1b_actions(k, stages, micro_batches, lambda t: t < steps):
+            if a.kind is ActionKind.STEP:
+                done += 1
+            elif a.kind is ActionKind.FORWARD:
+                versions[(k, a.micro_batch)] = done
+    return versions
+
+
+@pytest.mark.parametrize("stages,m", [(3, 2), (4, 4), (4, 8)])
+def test_stash_with_several_micro_batches_uses_each_micro_batch_forward_version(stages, m):
+    # Each update is the mean over the mini-batch's micro-batches of the unsplit model's gradient
+    # with every stage's weights as that stage's forward of the micro-batch saw them.
+    steps, size = 5, 2
+    batches = stream(steps, size=size * m)
+    pipe = pipetrain.wrap(make("mlp"), batches[0][0][:size], stages=stages, micro_batches=m,
+                          schedule="async-1f1b", staleness="stash", optimizer=RecordingSGD, partitioner="uniform",
+                          profile=False, engine="local")
+    results = list(pipe.train(batches))
+    versions = forward_versions(stages, m, steps)
+    # Stage k's forward runs stages - k - 1 micro-batches ahead of its backward, so within a
+    # mini-batch only that many micro-batches can straddle an update: the lag is below one step.
+    lags = [t - versions[(k, g)] for (k, g) in versions for t in [g // m]]
+    assert max(lags) == 1 and all(lag in (0, 1) for lag in lags)
+    for t in range(steps):
+        x, y = batches[t]
+        parts = [hand_gradients(pipe, t, x[j * size:(j + 1) * size], y[j * size:(j + 1) * size],
+                                {k: versions[(k, t * m + j)] for k in pipe.runtimes}) for j in range(m)]
+        for v, rt in pipe.runtimes.items():
+            for name, g in zip(stage_names(pipe)[v], rt.optimizer.grads[t]):
+                expected = sum(part[name] for part in parts) / m
+                torch.testing.assert_close(g, expected, atol=1e-6, rtol=1e-5, msg=f"t={t} stage {v} {name}")
+    # The reported lag is the mean over the mini-batch's micro-batches (steady state: the last one).
+    assert results[-2].version_lag == [sum(t - versions[(k, g)] for g in range(t * m, (t + 1) * m)) / m
+                                       for k in range(stages) for t in [steps - 2]]
 
 
 @pytest.mark.parametrize("staleness", ["vanilla", "stash", "spectrain"])
