@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from schedules.cluster import Cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "examples" / "benchmarks"
 
@@ -28,12 +30,21 @@ def test_jia_reproduction_matches_the_readme():
     assert "the model predicts 8.3% -> 99.1%" in (ROOT / "README.md").read_text()
 
 
-def test_calibration_runs_and_predicts_every_layout():
+def test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster(tmp_path):
     # One round of every micro-benchmark and validation run (W = 2 and 4 gloo processes). Timing
     # is noisy, so this checks that each validated layout gets a measured and a predicted step
     # time, not how close they are (README reports that, from full runs).
-    out = run_script("bench_calibration.py", "--rounds", "1", timeout=600)
+    saved = tmp_path / "this_machine.json"
+    out = run_script("bench_calibration.py", "--rounds", "1", "--save-cluster", str(saved), timeout=600)
     rows = re.findall(r"^(W\d \d stages x \d)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)%", out, re.M)
     assert [r[0] for r in rows] == ["W2 2 stages x 1", "W4 4 stages x 1", "W4 2 stages x 2"], out[-2000:]
     for label, cores, measured, predicted, _ in rows:
         assert 0 < float(cores) <= (os.cpu_count() or 1) and float(measured) > 0 and float(predicted) > 0, label
+    cluster = Cluster.from_json(saved.read_text())
+    assert (cluster.devices, cluster.backend, cluster.overheads.report_bytes) == (4, "gloo", 8 * (2 + 8 * 4))
+    assert cluster.cores is not None and cluster.overheads.action > 0 and cluster.send_cpu > 0
+    # the file is what `pipetrain plan --cluster` reads: it ranks layouts of a model on this machine
+    plan = subprocess.run([sys.executable, "-m", "pipetrain.cli", "plan", "vgg", "--cluster", str(saved),
+                           "--batch-size", "64", "--top", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert re.search(r"^\s+1\s+\d+\s+\d+\s+\d+\s+\d+\s+(1f1b|gpipe)", plan.stdout, re.M), plan.stdout

@@ -88,6 +88,7 @@ ALLREDUCE_SIZES = [4, 64 * 1024, 1 << 20, 4 << 20]
 TINY_MICRO = (2, 8)
 WAKE_SECONDS = 0.4
 PROFILE_SECONDS = 0.3  # all-at-once stage profile: long enough that every rank co-runs (~40+ micro-batches)
+SAVED_LAYOUT = (4, 4, 1)  # --save-cluster writes the cluster fitted for this (world, stages, replicas)
 REPORT_KINDS = 8  # per-stage lists the runtime's step report sums (StepResult: 4 metrics + 4 byte kinds)
 
 
@@ -371,6 +372,9 @@ def fit_link(p2p: dict[int, float]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--save-cluster", metavar="FILE",
+                        help="write the fitted model of this machine (4 ranks) as a Cluster JSON for "
+                             "`pipetrain plan MODEL --cluster FILE`")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     print(f"machine: {cores} cores; load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -385,6 +389,7 @@ def main() -> None:
         return statistics.median(values)
 
     rows = []
+    saved: Cluster | None = None  # the fitted cluster of SAVED_LAYOUT
     send = {n: med(2, f"cpu {n}", rank=0) for n in MESSAGE_SIZES}
     recv = {n: med(2, f"cpu {n}", rank=1) for n in MESSAGE_SIZES}
     send_fit, recv_fit = fit_line(send), fit_line(recv)
@@ -479,7 +484,7 @@ def main() -> None:
             print(f"{label:<26} interference (median over stages) {interference:.2f}")
             action, step = actions[(world, stages, dp)]
 
-            def predict(stage_work, n_cores):
+            def fitted_cluster(n_cores: float | None) -> Cluster:
                 # with shared cores messages cost CPU on both ends and the link keeps the rest;
                 # the old model (a core per rank) has only the raw ping-pong link
                 shared = n_cores is not None
@@ -489,14 +494,18 @@ def main() -> None:
                 a, b = (alpha, beta) if shared else (raw_alpha, raw_beta)
                 cpu = dict(send_cpu=send_fit[0], send_cpu_byte=send_fit[1], recv_cpu=recv_fit[0],
                            recv_cpu_byte=recv_fit[1]) if shared else {}
-                cluster = Cluster(nodes=1, devices_per_node=world, intra_bandwidth=b, intra_latency=a,
-                                  inter_bandwidth=b, inter_latency=a, name=f"this machine, {world} ranks",
-                                  overheads=overheads, cores=n_cores, wakeup=wakeup if shared else 0.0,
-                                  interference=interference if shared else 1.0, backend="gloo", **cpu)
-                # The runtime's hybrid default: fused 25 MB buckets, launched during the last backward.
-                return simulate_hybrid(stage_work, cluster, replicas=dp, micro_batches=MICRO, schedule="1f1b",
-                                       reduction=Reduction(bucket_bytes=25e6, overlap=True))
+                return Cluster(nodes=1, devices_per_node=world, intra_bandwidth=b, intra_latency=a,
+                               inter_bandwidth=b, inter_latency=a, name=f"this machine, {world} ranks",
+                               overheads=overheads, cores=n_cores, wakeup=wakeup if shared else 0.0,
+                               interference=interference if shared else 1.0, backend="gloo", **cpu)
 
+            def predict(stage_work, n_cores):
+                # The runtime's hybrid default: fused 25 MB buckets, launched during the last backward.
+                return simulate_hybrid(stage_work, fitted_cluster(n_cores), replicas=dp, micro_batches=MICRO,
+                                       schedule="1f1b", reduction=Reduction(bucket_bytes=25e6, overlap=True))
+
+            if (world, stages, dp) == SAVED_LAYOUT:
+                saved = fitted_cluster(effective[world])
             pred = predict(work, effective[world])
             busy = [sum(e - s for e, s, a in zip(pred.sim.end[k], pred.sim.start[k], pred.sim.schedule.actions[k])
                         if a.kind.value in ("F", "B")) / pred.step_time for k in range(stages)]
@@ -529,6 +538,11 @@ def main() -> None:
           "the stage's ranks) / what the model charges it (alone compute, overheads, message CPU, reduction CPU)")
     for label, got, charged in cpu_rows:
         print(f"{label:<26} " + "  ".join(f"{a * 1e3:.1f}/{b * 1e3:.1f}" for a, b in zip(got, charged)))
+    if args.save_cluster:
+        Path(args.save_cluster).write_text(saved.to_json())
+        print(f"\nthe fitted model of this machine ({SAVED_LAYOUT[0]} ranks) is in {args.save_cluster}; "
+              f"rank layouts on it with: pipetrain plan MODEL --cluster {args.save_cluster}")
+
 
 if __name__ == "__main__":
     main()
