@@ -78,7 +78,8 @@ class DistributedTransport:
                  device: torch.device, counter: CommCounter, dynamic_shapes: bool = False,
                  timeout: float = 30.0):
         self.topology = topology
-        self.rank_of = rank_of
+        # Looked up for every message: evaluated once per stage here.
+        self.rank_of = [rank_of(v) for v in range(topology.num_stages)].__getitem__
         self.groups = groups
         self.device = device
         self.dynamic_shapes = dynamic_shapes
@@ -204,6 +205,8 @@ class DistributedTransport:
             self._wait(w, link, kind, micro_batch)
         if kind == GRAD:
             return buffers
+        if spec.is_leaf():  # the common case of one tensor: no tree to rebuild
+            return buffers[0] if described[0][0] == "t" else described[0][1]
         it = iter(buffers)
         leaves = [next(it) if d[0] == "t" else d[1] for d in described]
         return pytree.tree_unflatten(leaves, spec)
