@@ -28,7 +28,7 @@ class DeviceExecutor:
     def __init__(self, device: int, stages: dict[int, StageRuntime], topology: Topology, transport: Any,
                  feed: Feed, step: Callable[[int], Iterator[str]], reduce: Callable[[int], None] | None = None,
                  before_backward: Callable[[bool], None] | None = None, send_dtype: torch.dtype | None = None,
-                 train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0):
+                 train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0, split_backward: bool = False):
         self.device = device
         self.stages = stages  # chunk -> runtime
         self.topology = topology
@@ -38,6 +38,7 @@ class DeviceExecutor:
         self.reduce = reduce
         self.before_backward = before_backward
         self.send_dtype = send_dtype
+        self.split_backward = split_backward  # zero-bubble: B computes input gradients, W weight gradients
         self.train = train
         self.loss_scale = loss_scale
         self.outputs: dict[tuple[int, int], Any] = {}       # (stage, micro-batch) -> forward outputs to send
@@ -49,6 +50,7 @@ class DeviceExecutor:
         self._handlers = {
             ActionKind.FORWARD: self._forward,
             ActionKind.BACKWARD: self._backward,
+            ActionKind.WEIGHT: self._weight,
             ActionKind.SEND_ACT: self._send_act,
             ActionKind.RECV_ACT: self._recv_act,
             ActionKind.SEND_GRAD: self._send_grad,
@@ -62,7 +64,7 @@ class DeviceExecutor:
             handler = self._handlers.get(action.kind)
             if handler is None:
                 raise ValueError(f"the runtime cannot execute action {action} ({action.kind.name}); "
-                                 "use gpipe, 1f1b, interleaved-1f1b or async-1f1b")
+                                 "use gpipe, 1f1b, interleaved-1f1b, zb-h1 or async-1f1b")
             yield from handler(action)
             yield STEPPED if action.kind == ActionKind.STEP else DONE
 
@@ -133,7 +135,7 @@ class DeviceExecutor:
             # The last micro-batch of a mini-batch may start the data-parallel reduction during its backward.
             self.before_backward((g + 1) % self.feed.micro_batches == 0)
         start = time.perf_counter()
-        input_grads = stage.backward(g, grads, loss_scale=self.loss_scale())
+        input_grads = stage.backward(g, grads, loss_scale=self.loss_scale(), split=self.split_backward)
         self.busy_seconds[stage.index] += time.perf_counter() - start
         if stage.index > 0:
             self.input_grads[(stage.index, g)] = input_grads
@@ -152,6 +154,13 @@ class DeviceExecutor:
                 grads = [next(it) for _ in range(counts[name])]
                 sums[name] = [a + b for a, b in zip(sums[name], grads)] if name in sums else grads
         return [t for n in self.topology.outputs[stage.index] for t in sums.get(n, [])]
+
+    def _weight(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        start = time.perf_counter()
+        stage.backward_weight(a.micro_batch)
+        self.busy_seconds[stage.index] += time.perf_counter() - start
+        return iter(())
 
     def _send_grad(self, a: Action) -> Iterator[str]:
         stage = self._stage(a)

@@ -6,8 +6,8 @@ from typing import Any, Callable
 
 import torch
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "async-1f1b")
-SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b")
+SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 STALENESS = ("none", "vanilla", "stash", "spectrain")
 PARTITIONERS = ("graph", "time", "params", "uniform")
 PRECISIONS = ("fp32", "bf16", "fp16")

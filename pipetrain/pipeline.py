@@ -120,8 +120,9 @@ class Pipeline:
         self.reducers = {}
         if o.data_parallel > 1:
             # Hooks see gradients only when autograd accumulates them: not with staleness policies
-            # (they add per-version gradients by hand) nor across interleaved chunks.
-            overlap = o.overlap and o.staleness == "none" and o.chunks_per_device == 1
+            # (they add per-version gradients by hand), nor across interleaved chunks, nor when
+            # zero-bubble W passes set the weight gradients.
+            overlap = o.overlap and o.staleness == "none" and o.chunks_per_device == 1 and o.schedule != "zb-h1"
             self.reducers = {d: StageReducer([self.runtimes[v] for v in self._stages_on(d)],
                                              self.world.data_parallel_group, self.world.hierarchy, o,
                                              self.counter, overlap)
@@ -174,7 +175,8 @@ class Pipeline:
             before_backward=self.reducers[d].before_backward if d in self.reducers else None,
             send_dtype=self.precision.activation_dtype if self.precision.autocast_dtype is not None else None,
             train=train,
-            loss_scale=(lambda s=scaler_of[d]: s.scale_value) if scaler_of[d] is not None else (lambda: 1.0))
+            loss_scale=(lambda s=scaler_of[d]: s.scale_value) if scaler_of[d] is not None else (lambda: 1.0),
+            split_backward=self.options.schedule == "zb-h1")
             for d in self.devices_here}
 
     def _shard(self, x: Any, y: Any) -> tuple[Any, Any, float]:

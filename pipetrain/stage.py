@@ -10,6 +10,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
+from pipetrain import split_backward
 from pipetrain.staleness import StalenessPolicy
 
 
@@ -80,6 +81,9 @@ class StageRuntime:
         self.peak_in_flight = 0
         self.peak_activation_bytes = 0
         self.version_lags: dict[int, int] = {}  # micro-batch -> optimizer steps between its forward and backward
+        # Zero-bubble: micro-batch -> (what its W needs, activation bytes held until then).
+        self.weight_pending: dict[int, tuple[list, int]] = {}
+        self._split_ok: bool | None = None  # whether this stage's graph splits into B and W (checked once)
 
     @property
     def is_last(self) -> bool:
@@ -165,21 +169,43 @@ class StageRuntime:
         return pytree.tree_map(leaf, value), created
 
     def backward(self, micro_batch: int, output_grads: list[torch.Tensor] | None,
-                 loss_scale: float = 1.0) -> list[list[torch.Tensor]]:
+                 loss_scale: float = 1.0, split: bool = False) -> list[list[torch.Tensor]]:
         """Backward ``micro_batch`` given the gradients of its floating outputs (in output order);
-        returns, per input, the gradients of its floating tensors (zeros where unused)."""
+        returns, per input, the gradients of its floating tensors (zeros where unused). With
+        ``split`` (zero-bubble B) the weight gradients wait for ``backward_weight``."""
         saved = self.in_flight.pop(micro_batch)
         self.policy.before_backward(micro_batch)
         self.version_lags[micro_batch] = self.policy.updates - saved.update
         if self.is_last:
             tensors = [saved.outputs[0] * loss_scale] if loss_scale != 1.0 else saved.outputs
-            torch.autograd.backward(tensors)
+            grads = None
         else:
             pairs = [(t, g) for t, g in zip(saved.outputs, output_grads) if t.requires_grad and g is not None]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
+            tensors, grads = [t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs]
+        inputs = [leaf for leaves in saved.input_leaves for leaf in leaves]
+        if tensors and split and self._splits(tensors, inputs):
+            groups = split_backward.backward_input(tensors, grads, inputs, self._weights())
+            self.weight_pending[micro_batch] = (groups, saved.activation_bytes)
+        elif tensors:
+            torch.autograd.backward(tensors, grads)
         self.policy.after_backward(micro_batch)
         return [[l.grad if l.grad is not None else torch.zeros_like(l) for l in ls] for ls in saved.input_leaves]
 
+    def backward_weight(self, micro_batch: int) -> None:
+        """Zero-bubble W of ``micro_batch``: its weight gradients (nothing if its B ran whole)."""
+        pending = self.weight_pending.pop(micro_batch, None)
+        if pending is not None:
+            split_backward.backward_weight(self._weights(), pending[0])
+
+    def _weights(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _splits(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+        # The graph has the same shape for every micro-batch, so one check serves them all.
+        if self._split_ok is None:
+            self._split_ok = split_backward.split_is_complete(outputs, inputs, self._weights())
+        return self._split_ok
+
     def activation_bytes(self) -> int:
-        return sum(f.activation_bytes for f in self.in_flight.values())
+        return (sum(f.activation_bytes for f in self.in_flight.values())
+                + sum(held for _, held in self.weight_pending.values()))

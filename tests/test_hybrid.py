@@ -20,6 +20,7 @@ def hybrid_scenarios(rank, world):
         "gpipe-flat-no-overlap": dict(schedule="gpipe", allreduce="flat", overlap=False),
         "interleaved-hierarchical": dict(schedule="interleaved-1f1b", allreduce="hierarchical", hierarchy=(1, 2)),
         "1f1b-per-tensor-bf16-compressed": dict(schedule="1f1b", allreduce="per-tensor", compress="bf16"),
+        "zb-h1-flat": dict(schedule="zb-h1", allreduce="flat"),
     }.items():
         pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                               optimizer=sgd, partitioner="uniform", profile=False, engine="distributed", **kw)
@@ -54,7 +55,7 @@ def hybrid(tmp_path_factory):
 
 
 @pytest.mark.parametrize("key", ["1f1b-hybrid", "gpipe-flat-no-overlap", "interleaved-hierarchical",
-                                 "1f1b-per-tensor-bf16-compressed"])
+                                 "1f1b-per-tensor-bf16-compressed", "zb-h1-flat"])
 def test_pipeline_x_data_parallel_equals_one_process_on_the_global_batch(hybrid, key):
     bs = batches("convbn")
     for replica in range(2):

@@ -12,9 +12,10 @@ WORLD2 = [
     ("skip", "async-1f1b", "vanilla", 1), ("skip", "async-1f1b", "stash", 1), ("skip", "async-1f1b", "spectrain", 1),
     ("skip", "async-1f1b", "stash", 2),
     ("convbn", "1f1b", "none", 4), ("tied", "1f1b", "none", 4), ("tied", "async-1f1b", "stash", 1),
+    ("skip", "zb-h1", "none", 4),
 ]
 WORLD4 = [("skip", "1f1b", "none", 4), ("mlp", "interleaved-1f1b", "none", 4),
-          ("skip", "async-1f1b", "spectrain", 1), ("tied", "gpipe", "none", 4)]
+          ("skip", "async-1f1b", "spectrain", 1), ("tied", "gpipe", "none", 4), ("convbn", "zb-h1", "none", 4)]
 
 
 def batches(name, steps=3, size=12, last=7):

@@ -5,7 +5,7 @@ import torch
 import pipetrain
 from runtime_models import data, loss_fn, make, reference_training, sgd
 
-SCHEDULES = [("gpipe", 4), ("1f1b", 4), ("interleaved-1f1b", 4)]
+SCHEDULES = [("gpipe", 4), ("1f1b", 4), ("interleaved-1f1b", 4), ("zb-h1", 4)]
 
 
 def batches(name, steps=3, size=12, seed=1):

@@ -9,6 +9,7 @@ PipelineStage wraps the very stage modules that plan builds, so both frameworks 
 same code on the same two halves with the same micro-batches. Variants, all in one run:
 
   pipetrain 1f1b            pipe.step(x, y) per mini-batch (flushes every step)
+  pipetrain zb-h1           the same with the zero-bubble schedule (backward split into B and W)
   torch Schedule1F1B        schedule.step(...) then optimizer.step() per mini-batch
   pipetrain async-1f1b      pipe.train(stream) with staleness "stash" and "spectrain"; one
                             stream per round, so its fill and drain count once per round
@@ -44,6 +45,7 @@ from pipetrain.models.vgg import VGG
 
 WORLD = 2
 PT_1F1B = "pipetrain 1f1b"
+PT_ZB = "pipetrain zb-h1"
 TORCH_1F1B = "torch Schedule1F1B"
 PT_STASH = "pipetrain async-1f1b stash"
 PT_SPEC = "pipetrain async-1f1b spectrain"
@@ -132,6 +134,7 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     torch_step = torch_pipeline(pt_sync.plan.build_stage(rank), rank, m)
     first = check_same_loss(pt_sync.step, torch_step, batches[0], rank)
     stash, spec = wrap("async-1f1b", "stash"), wrap("async-1f1b", "spectrain")
+    zero_bubble = wrap("zb-h1")
 
     def stream(pipe) -> Callable[[list], None]:
         def run(bs: list) -> None:
@@ -145,7 +148,8 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
                 step(x, y)
         return run
 
-    variants = {PT_1F1B: each(pt_sync.step), TORCH_1F1B: each(torch_step), PT_STASH: stream(stash),
+    variants = {PT_1F1B: each(pt_sync.step), TORCH_1F1B: each(torch_step), PT_ZB: each(zero_bubble.step),
+                PT_STASH: stream(stash),
                 PT_SPEC: stream(spec), SINGLE: each(single_process(copy.deepcopy(model), rank, 1)),
                 SINGLE_MB: each(single_process(copy.deepcopy(model), rank, m))}
     per_round = max(1, args.steps // args.rounds)
@@ -186,6 +190,8 @@ def report(seconds: dict[str, list[float]], cpu_per_step: torch.Tensor, steps_pe
 
     print("\nthroughput ratios (median over rounds of the ratio within a round)")
     print(f"  pipetrain 1f1b / torch Schedule1F1B:             {ratio(PT_1F1B, TORCH_1F1B)}")
+    print(f"  pipetrain zb-h1 / pipetrain 1f1b:                {ratio(PT_ZB, PT_1F1B)}")
+    print(f"  pipetrain zb-h1 / torch Schedule1F1B:            {ratio(PT_ZB, TORCH_1F1B)}")
     print(f"  pipetrain async-1f1b stash / pipetrain 1f1b:     {ratio(PT_STASH, PT_1F1B)}")
     print(f"  pipetrain async-1f1b spectrain / pipetrain 1f1b: {ratio(PT_SPEC, PT_1F1B)}")
     print(f"  pipetrain 1f1b (2 procs) / single process:       {ratio(PT_1F1B, SINGLE)}")
