@@ -79,7 +79,7 @@ def test_example_inputs_of_the_wrong_shape():
 
 
 @pytest.mark.parametrize("option,value,valid", [
-    ("schedule", "pipedream", "gpipe, 1f1b, interleaved-1f1b, async-1f1b"),
+    ("schedule", "pipedream", "gpipe, 1f1b, interleaved-1f1b, zb-h1, async-1f1b"),
     ("staleness", "predict", "none, vanilla, stash, spectrain"),
     ("partitioner", "balanced", "graph, time, params, uniform"),
     ("precision", "fp8", "fp32, bf16, fp16"),
