@@ -88,7 +88,9 @@ class _Model:
         return StageWork(forward=sum(self.fwd[i:j]) * scale, backward=total_bwd * scale,
                          grad_bytes=tuple(grads), ready_fraction=tuple(ready),
                          send_bytes=seg["sent"] * scale, memory=seg["params"] * param_memory_factor,
-                         activation_memory=(seg["memory"] - seg["params"]) * scale)
+                         activation_memory=(seg["memory"] - seg["params"]) * scale,
+                         # the runtime's first stage has no input gradient to split off (zb-h1)
+                         weight_fraction=0.0 if i == 0 else 0.5)
 
 
 def _grad_tensors(graph: CostGraph | nx.DiGraph, names: list[str], nodes: list[dict]) -> list[list[float]]:

@@ -47,7 +47,8 @@ from schedules.costs import Costs
 from schedules.overheads import contention
 from schedules.simulate import SimResult, simulate, simulate_shared
 
-HYBRID_KINDS = ("gpipe", "1f1b")
+HYBRID_KINDS = ("gpipe", "1f1b", "zb-h1")
+GRADIENT_KINDS = (ActionKind.BACKWARD, ActionKind.WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ class StageWork:
     proportional to cumulative bytes). send_bytes: activation bytes sent to the next stage
     (gradients of the same size come back). memory: parameter-related bytes the stage keeps
     (weights, gradients, optimizer state); activation_memory: bytes held per in-flight
-    micro-batch.
+    micro-batch. weight_fraction: share of the backward that is weight-gradient work, which
+    zb-h1 runs later as W (0: the stage's backward cannot be split, as pipetrain's first
+    stage, whose inputs carry no gradient).
     """
 
     forward: float
@@ -70,6 +73,7 @@ class StageWork:
     memory: float = 0.0
     activation_memory: float = 0.0
     update: float = 0.0
+    weight_fraction: float = 0.5
 
     def ready(self) -> list[float]:
         """ready_fraction, or the cumulative-bytes default."""
@@ -145,8 +149,12 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
         bandwidth, latency = cluster.link(k, k + 1)
         comm.append(latency + work[k].send_bytes / bandwidth)
     slow = cluster.interference / speed  # interference is 1 unless cores are shared
+    split = schedule == "zb-h1"  # B: the input-gradient part; W: the weight-gradient part
+    w_share = [w.weight_fraction if split else 0.0 for w in work]
     costs = Costs(forward=[w.forward * slow + extra.action for w in work],
-                  backward=[w.backward * slow + extra.action for w in work], comm=comm)
+                  backward=[w.backward * (1 - f) * slow + extra.action for w, f in zip(work, w_share)],
+                  weight=[w.backward * f * slow + (extra.action if split else 0.0) for w, f in zip(work, w_share)],
+                  comm=comm)
     # with shared cores the reduction's CPU is simulated as a REDUCE action of each stage
     reduce_on_cores = cluster.cores is not None and replicas > 1
     plan = build(schedule, p, micro_batches, data_parallel=reduce_on_cores)
@@ -170,11 +178,13 @@ def simulate_hybrid(work: Sequence[StageWork], cluster: Cluster, *, replicas: in
     sim = max(sims, key=lambda s: s.makespan)
     exposed, ends = [], []
     for k, w in enumerate(work):
-        last_b = max(i for i, a in enumerate(plan.actions[k]) if a.kind is ActionKind.BACKWARD)
+        # gradients are final during the last backward (after the last W with zb-h1)
+        last_b = max(i for i, a in enumerate(plan.actions[k]) if a.kind in GRADIENT_KINDS)
         # the reduction waits for the replica whose last backward ends last
         latest = max(sims, key=lambda s: s.end[k][last_b])
         b_start, b_end = latest.start[k][last_b], latest.end[k][last_b]
-        ready = [b_start + f * (b_end - b_start) for f in w.ready()]
+        # zb-h1 sets weight gradients outside autograd's accumulation, so the runtime reduces after the last W
+        ready = [b_end] * len(w.grad_bytes) if split else [b_start + f * (b_end - b_start) for f in w.ready()]
         group = Group.of_ranks([r * p + k for r in range(replicas)], cluster)
         stage_end = max(s.end[k][-1] for s in sims) if plan.actions[k] else 0.0
         if reduce_on_cores:  # the REDUCE's CPU is in stage_end; the buckets' ring transfers follow it

@@ -11,6 +11,7 @@ from partitioners.errors import PartitionError
 from partitioners.layout import MICRO_BATCHES, evaluate_layout, format_ranking, plan_layout, search_layouts
 from schedules.cluster import Cluster
 from schedules.collectives_cost import Reduction
+from schedules.hybrid import HYBRID_KINDS
 
 CLUSTER = Cluster(nodes=2, devices_per_node=2, intra_bandwidth=1e9, intra_latency=1e-4,
                   inter_bandwidth=1e8, inter_latency=1e-3)
@@ -37,7 +38,7 @@ def brute_force(g: nx.DiGraph, cluster: Cluster, batch: int, reduction: Reductio
                 for m in MICRO_BATCHES:
                     if batch % (replicas * m):
                         continue
-                    for kind in ("gpipe", "1f1b"):
+                    for kind in HYBRID_KINDS:
                         lay = evaluate_layout(g, cluster, cuts, replicas=replicas, micro_batches=m,
                                               schedule=kind, batch_size=batch, profiled_batch=4,
                                               reduction=reduction)
@@ -93,4 +94,4 @@ def test_ranking_and_bad_input():
     with pytest.raises(ValueError, match="batch_size"):
         search_layouts(g, CLUSTER, batch_size=0, profiled_batch=4)
     with pytest.raises(ValueError, match="cannot be planned"):
-        search_layouts(g, CLUSTER, batch_size=16, profiled_batch=4, schedules=["zb-h1"])
+        search_layouts(g, CLUSTER, batch_size=16, profiled_batch=4, schedules=["async-1f1b"])
