@@ -6,9 +6,9 @@ and async-1f1b with "vanilla" (stale weights), "stash" (PipeDream weight stashin
 "spectrain" (weight prediction). The pipelines all split each mini-batch into the same
 micro-batches (so the same updates per epoch); `async_micro_batches=1` gives the papers'
 setting, one micro-batch per mini-batch, where stage k's weights are stages - k - 1 updates
-stale instead of a fraction of one. Each method gets its own TensorBoard run under one log directory (so
-TensorBoard overlays them), and the comparison ends with a PNG of the curves and the table
-the SpecTrain paper reports.
+stale instead of a fraction of one. Each method gets its own TensorBoard run under one log
+directory (so TensorBoard overlays them), and the comparison ends with a PNG of the curves and
+the table the SpecTrain paper reports.
 """
 from __future__ import annotations
 

@@ -38,8 +38,9 @@ class SumExchange:
         self.parts = ([torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
                       if dist.get_rank() == self.root else None)
         self.gathered = dist.gather(mine, self.parts, dst=self.root, group=group, async_op=True)
-        if self.parts is None:
-            self.broadcast = dist.broadcast(mine, src=self.root, group=broadcast_group, async_op=True)
+        if self.parts is None:  # the total arrives in a buffer of its own, not over the part being sent
+            self.total = torch.empty_like(mine)
+            self.broadcast = dist.broadcast(self.total, src=self.root, group=broadcast_group, async_op=True)
 
     def _send_total(self) -> None:
         self.total = torch.stack(self.parts).sum(0)
