@@ -135,7 +135,8 @@ def config_from_compare_args(args: argparse.Namespace) -> tuple[RunConfig, list[
                      width=args.width,
                      depth=args.depth, stages=args.stages, micro_batches=args.micro_batches,
                      precision=args.precision, partitioner=args.partitioner, epochs=args.epochs,
-                     batch_size=args.batch_size, lr=args.lr, seed=args.seed, train_samples=args.train_samples,
+                     batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
+                     train_samples=args.train_samples,
                      val_samples=args.val_samples, progress=args.progress,
                      # Estimated layer costs: every method gets the same partition (timings are noisy).
                      profile=False)

@@ -14,7 +14,7 @@ import argparse
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ from pipetrain.options import PARTITIONERS, PRECISIONS, SCHEDULES, STALENESS
 
 # Settings for models without their own DEFAULT_HPARAMS entry (torchvision ResNets use the ResNet ones).
 _HPARAMS_FALLBACK = {"resnet18": "resnet", "resnet50": "resnet"}
+OPTIMIZERS = ("sgd", "adam")
+ADAM_LR = 1e-3  # torch.optim.Adam's default
 
 
 @dataclass
@@ -54,6 +56,7 @@ class RunConfig:
     batch_size: int | None = None
     lr: float | None = None
     momentum: float = 0.9
+    optimizer: str = "sgd"  # "sgd" (with momentum) or "adam"
     seed: int = 0
     train_samples: int | None = None  # train on the first N samples of the train split (quick runs)
     val_samples: int | None = None
@@ -71,12 +74,15 @@ class RunConfig:
             raise ValueError(f"resume must be 'never' or 'auto', got {self.resume!r}")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ValueError("resume='auto' needs a checkpoint directory (--checkpoint-dir)")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         hp = DEFAULT_HPARAMS[_HPARAMS_FALLBACK.get(self.model, self.model)]
         out = RunConfig(**asdict(self))
         out.dataset = self.dataset or DEFAULT_DATASET[self.model]
         out.epochs = hp["epochs"] if self.epochs is None else self.epochs
         out.batch_size = hp["batch_size"] if self.batch_size is None else self.batch_size
-        out.lr = hp["lr"] if self.lr is None else self.lr
+        if self.lr is None:  # the families' tuned rates are SGD's; Adam gets torch's default
+            out.lr = hp["lr"] if self.optimizer == "sgd" else ADAM_LR
         return out
 
     def describe(self) -> str:
@@ -206,12 +212,11 @@ def run(config: RunConfig) -> RunSummary:
     loader = make_loader(train, c.batch_size, shuffle=True, seed=c.seed, drop_last=True)
     x0, _ = default_collate([train[i] for i in range(c.batch_size)])
     example = x0[:max(1, c.batch_size // (c.micro_batches * c.data_parallel))]
-    lr, momentum = c.lr, c.momentum
     pipe = pipetrain.wrap(
         model, example, stages=c.stages, micro_batches=c.micro_batches, schedule=c.schedule, staleness=c.staleness,
         partitioner=c.partitioner, loss_fn=F.cross_entropy, precision=c.precision, data_parallel=c.data_parallel,
         engine=c.engine, logdir=c.logdir, seed=c.seed, profile=c.profile and c.partitioner in ("graph", "time"),
-        optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum))
+        optimizer=optimizer_factory(c.optimizer, c.lr, c.momentum))
     rank0 = is_rank_zero()
     val_log = None
     if c.logdir and rank0:
@@ -275,6 +280,13 @@ def run(config: RunConfig) -> RunSummary:
     return summary
 
 
+def optimizer_factory(name: str, lr: float, momentum: float) -> Callable[[Any], torch.optim.Optimizer]:
+    """The ``optimizer=`` factory of wrap() for RunConfig.optimizer."""
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
 def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pipeline: bool = True) -> None:
     """The options every training entry point shares (``pipeline=False`` leaves out the schedule ones)."""
     parser.add_argument("--model", default=models[0], choices=list(models))
@@ -299,7 +311,8 @@ def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pip
     parser.add_argument("--partitioner", default="graph", choices=PARTITIONERS)
     parser.add_argument("--epochs", type=int, help="default: the model family's DEFAULT_HPARAMS")
     parser.add_argument("--batch-size", type=int, help="global mini-batch size")
-    parser.add_argument("--lr", type=float, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="sgd (momentum 0.9) or adam")
+    parser.add_argument("--lr", type=float, help="learning rate (default: the family's SGD rate; 1e-3 with adam)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-samples", type=int, help="use only the first N training samples")
     parser.add_argument("--val-samples", type=int, help="use only the first N validation samples")
@@ -315,7 +328,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         width=args.width, depth=args.depth,
         stages=args.stages, micro_batches=args.micro_batches, schedule=args.schedule, staleness=staleness,
         precision=args.precision, data_parallel=args.data_parallel, partitioner=args.partitioner,
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
         train_samples=args.train_samples, val_samples=args.val_samples, logdir=args.logdir,
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, progress=args.progress)
 

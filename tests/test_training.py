@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _example_runs import CASES, COMMON, decreased, run_example, scalars
-from pipetrain.training import RunConfig, evaluate, run
+from pipetrain.training import RunConfig, evaluate, optimizer_factory, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
@@ -72,3 +72,16 @@ def test_missing_cifar_exits_with_the_path_and_the_download_flag(tmp_path):
         example_main(["vgg"], "vgg", ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--no-progress"])
     message = str(info.value)
     assert str(tmp_path / "cifar-10-batches-py") in message and "--download" in message
+
+
+def test_adam_option_trains_with_adam_and_its_default_rate():
+    assert RunConfig(optimizer="adam").resolved().lr == 1e-3  # the families' tuned rates are SGD's
+    assert RunConfig(optimizer="adam", lr=0.01).resolved().lr == 0.01
+    assert RunConfig().resolved().lr == 0.05  # vgg's SGD rate
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'; choose one of sgd, adam"):
+        RunConfig(optimizer="rmsprop").resolved()
+    opt = optimizer_factory("adam", 0.002, 0.9)([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(opt, torch.optim.Adam) and opt.param_groups[0]["lr"] == 0.002
+    # SpecTrain predicts with Adam's smoothed update: an async run trains end to end
+    summary = run(tiny(optimizer="adam", lr=None, staleness="spectrain", epochs=1))
+    assert summary.steps == 6 and all(torch.isfinite(torch.tensor(summary.step_losses)))
