@@ -5,7 +5,7 @@ on one model, data and seed (the same as `pipetrain compare`).
     torchrun --standalone --nproc-per-node 4 examples/compare_staleness.py --model lstm --stages 4
     tensorboard --logdir runs/vgg
 """
-from pipetrain.compare import main
+from pipetrain.apps.compare import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -4,7 +4,7 @@
     python examples/lstm.py --model lstm-lm --epochs 2
     torchrun --standalone --nproc-per-node 2 examples/lstm.py --stages 2 --checkpoint-dir ckpt --resume auto
 """
-from pipetrain.training import example_main
+from pipetrain.apps.training import example_main
 
 if __name__ == "__main__":
     example_main(["lstm", "lstm-lm"], __doc__.splitlines()[0])

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 4 examples/resnet.py --stages 2 --data-parallel 2
     python examples/resnet.py --model resnet18 --dataset cifar10 --data-dir data
 """
-from pipetrain.training import example_main
+from pipetrain.apps.training import example_main
 
 if __name__ == "__main__":
     example_main(["resnet", "resnet18", "resnet50"], __doc__.splitlines()[0])

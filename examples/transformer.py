@@ -4,7 +4,7 @@
     python examples/transformer.py --model transformer-lm --stages 2
     torchrun --standalone --nproc-per-node 2 examples/transformer.py --stages 2
 """
-from pipetrain.training import example_main
+from pipetrain.apps.training import example_main
 
 if __name__ == "__main__":
     example_main(["transformer", "transformer-lm"], __doc__.splitlines()[0])

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 4 examples/vgg.py --stages 4
     python examples/vgg.py --dataset cifar10 --data-dir data --width 64 --depth 16
 """
-from pipetrain.training import example_main
+from pipetrain.apps.training import example_main
 
 if __name__ == "__main__":
     example_main(["vgg"], __doc__.splitlines()[0])

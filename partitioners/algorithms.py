@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .chain import Chain
+from .chain import Chain, allreduce_time
 from .errors import PartitionError
 
 
@@ -124,7 +124,7 @@ def _evaluate(rows: SegmentCosts, cuts: list[int], bandwidth: float, replicas: l
         if memory_limit is not None and memory > memory_limit:
             return np.inf
         r = replicas[k]
-        ring = 4.0 * (r - 1) / r * params / allreduce_bandwidth if allreduce_bandwidth else 0.0
+        ring = allreduce_time(params, r, allreduce_bandwidth)
         worst = max(worst, max(compute + moved / bandwidth, ring) / r)
     return worst
 
@@ -136,7 +136,7 @@ def _dp(chain: Chain, rows: SegmentCosts, p: int, bandwidth: float, replicas: li
     of the first s stages covering positions [0, j)."""
     n = chain.n
     r = np.asarray(replicas, float)[:, None]
-    ring = 4.0 * (r - 1) / r / allreduce_bandwidth if allreduce_bandwidth else np.zeros_like(r)
+    ring = np.array([allreduce_time(1.0, int(k), allreduce_bandwidth) for k in replicas])[:, None]  # s/byte
     span = bound * float(r.max())
     f = np.full((p + 1, n + 1), np.inf)
     f[0, 0] = 0.0

@@ -6,8 +6,8 @@ A stage is a contiguous segment [i, j) of the order. Its cost model:
   sent     = bytes of every value produced in [i, j) and consumed at or after j
   memory   = parameter bytes + output-activation bytes of its nodes + received bytes
   time     = max(compute + (received + sent) / bandwidth, allreduce) / replicas
-where allreduce = 4 (r - 1) / r * parameter bytes / allreduce_bandwidth for a stage
-with r > 1 replicas (a ring all-reduce, as in PipeDream's planner). get_attr values
+where allreduce = 2 (r - 1) / r * parameter bytes / allreduce_bandwidth for a stage
+with r > 1 replicas (a ring all-reduce: schedules.cluster.reductions.ring_allreduce_time). get_attr values
 (parameters) are copied to every stage that uses them and never sent.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
+
+from schedules.cluster.reductions import ring_allreduce_time
 
 from .errors import PartitionError
 from .graph import CostGraph
@@ -108,7 +110,8 @@ def stage_time(seg: dict[str, float], bandwidth: float, replicas: int = 1,
 
 
 def allreduce_time(param_bytes: float, replicas: int, allreduce_bandwidth: float | None) -> float:
-    """Ring all-reduce seconds of a stage's gradients over `replicas` copies."""
-    if replicas <= 1 or allreduce_bandwidth is None:
+    """Ring all-reduce seconds of a stage's gradients over `replicas` copies: the cluster model's
+    formula (schedules.cluster.reductions) without latency, so planners and simulator agree."""
+    if allreduce_bandwidth is None:
         return 0.0
-    return 4.0 * (replicas - 1) / replicas * param_bytes / allreduce_bandwidth
+    return ring_allreduce_time(param_bytes, replicas, allreduce_bandwidth, latency=0.0)

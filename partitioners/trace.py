@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .cost import estimate, measure, value_bytes
+from .profiling import estimate, measure, value_bytes
 from .errors import TraceError
 from .graph import CostGraph
 

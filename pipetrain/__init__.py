@@ -5,11 +5,13 @@ balanced stages and trains it with GPipe, 1F1B, interleaved 1F1B or asynchronous
 (with PipeDream weight stashing or SpecTrain weight prediction), in one process or one
 process per stage under torchrun.
 """
+from importlib.metadata import version
+
 from pipetrain.api import wrap
 from pipetrain.checkpoint import export_state_dict
-from pipetrain.metrics import StepResult
+from pipetrain.runtime.metrics import StepResult
 from pipetrain.options import PipelineOptions
 from pipetrain.pipeline import Pipeline
 
 __all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult", "export_state_dict"]
-__version__ = "0.1.0"
+__version__ = version("pipetrain")  # one source: pyproject.toml

@@ -15,14 +15,55 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
-import torch.distributed as dist
+
+from partitioners import Plan
+from pipetrain.options import PipelineOptions
+from pipetrain.runtime.precision import DynamicLossScaler
+from pipetrain.runtime.staleness import StalenessPolicy
 
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are removed after a successful save
+
+
+@dataclass
+class StageState:
+    """What a checkpoint stores of one stage and restores into it."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    policy: StalenessPolicy  # its ``updates`` count is saved and restored
+    scaler: DynamicLossScaler | None  # the fp16 loss scaler of the stage's device
+
+
+@dataclass
+class CheckpointRole:
+    """This process's part in a save: which files it writes and how it waits for the others."""
+
+    writes_stages: bool    # replicas hold identical stages: only replica 0 writes them
+    writes_manifest: bool  # one process publishes the step
+    engine: str            # "local" | "distributed", recorded in the manifest
+    barrier: Callable[[], None]
+    streaming: bool        # an async-1f1b stream is running: micro-batches are in flight
+
+
+class Checkpointable(Protocol):
+    """What ``save_pipeline`` and ``load_pipeline`` need of a pipeline (pipetrain.Pipeline)."""
+
+    plan: Plan
+    options: PipelineOptions
+    updates: int
+
+    def checkpoint_stages(self) -> dict[int, StageState]:
+        """The stages this process holds, by virtual stage index."""
+
+    def checkpoint_role(self) -> CheckpointRole:
+        """This process's part in a save."""
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -107,41 +148,42 @@ def export_state_dict(root: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pipeline(pipe: Any, path: str | os.PathLike) -> Path:
+def save_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> Path:
     """Write ``pipe``'s checkpoint of its current step under ``path`` and publish it."""
-    if pipe.in_stream:
+    role = pipe.checkpoint_role()
+    if role.streaming:
         raise RuntimeError("save() was called while train() streams async-1f1b mini-batches; micro-batches "
                            "are in flight then. Save between train() calls (the pipeline drains when the "
                            "stream ends), e.g. train on an epoch, save, train on the next")
     root = Path(path)
     target = step_dir(root, pipe.updates)
     target.mkdir(parents=True, exist_ok=True)
-    world = pipe.world
-    if world is None or world.replica == 0:  # replicas hold identical stages
-        for v in pipe.runtimes:
-            atomic_save(_stage_payload(pipe, v), target / f"stage{v}.pt")
-    _barrier(pipe)
-    if world is None or world.rank == 0:
-        atomic_write_text(json.dumps(_manifest(pipe), indent=1), target / "manifest.json")
+    if role.writes_stages:
+        for v, stage in pipe.checkpoint_stages().items():
+            atomic_save(_stage_payload(stage), target / f"stage{v}.pt")
+    role.barrier()
+    if role.writes_manifest:
+        atomic_write_text(json.dumps(_manifest(pipe, role), indent=1), target / "manifest.json")
         publish(root, pipe.updates)
-    _barrier(pipe)
+    role.barrier()
     return target
 
 
-def load_pipeline(pipe: Any, path: str | os.PathLike) -> None:
+def load_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> None:
     """Load the newest checkpoint under ``path`` into ``pipe``, whatever stage layout saved it."""
     source = latest(path) or Path(path)
     if not (source / "manifest.json").exists():
         raise FileNotFoundError(f"no checkpoint under {path}: expected {path}/latest or a manifest.json")
     manifest = read_manifest(source)
     same_layout = manifest["plan_layout"] == _plan_layout(pipe)
-    wanted = sorted(pipe.runtimes) if same_layout else range(manifest["stages"])
+    stages = pipe.checkpoint_stages()
+    wanted = sorted(stages) if same_layout else range(manifest["stages"])
     files = {v: torch.load(source / f"stage{v}.pt", weights_only=True, map_location="cpu") for v in wanted}
     module_state = {k: t for f in files.values() for k, t in f["module"].items()}
     optimizer_state = {k: st for f in files.values() for k, st in f["optimizer"]["state"].items()}
     groups = next((f["optimizer"]["groups"] for f in files.values() if f["optimizer"]["groups"]), [])
-    for v, rt in pipe.runtimes.items():
-        own = rt.module.state_dict()
+    for v, stage in stages.items():
+        own = stage.module.state_dict()
         problems = [k for k in own if k not in module_state or module_state[k].shape != own[k].shape]
         if problems:
             k = problems[0]
@@ -149,15 +191,15 @@ def load_pipeline(pipe: Any, path: str | os.PathLike) -> None:
             raise ValueError(f"checkpoint {source} does not fit this model: {k} has shape {tuple(own[k].shape)} "
                              f"here but {found} in the checkpoint ({len(problems)} mismatching entries); "
                              "load a checkpoint of the same model")
-        rt.module.load_state_dict({k: module_state[k] for k in own})
-        load_optimizer_state(rt.optimizer, optimizer_state, groups, _param_names(rt.module))
-        rt.policy.updates = files[v]["updates"] if same_layout else manifest["step"]
+        stage.module.load_state_dict({k: module_state[k] for k in own})
+        load_optimizer_state(stage.optimizer, optimizer_state, groups, _param_names(stage.module))
+        stage.policy.updates = files[v]["updates"] if same_layout else manifest["step"]
     scaler_state = next(iter(files.values()))["scaler"]
-    for stepper in pipe.steppers.values():
-        if stepper.scaler is not None and scaler_state:
-            stepper.scaler.load_state_dict(scaler_state)
-    if same_layout and pipe.runtimes:
-        torch.set_rng_state(files[min(pipe.runtimes)]["rng"])
+    for stage in stages.values():
+        if stage.scaler is not None and scaler_state:
+            stage.scaler.load_state_dict(scaler_state)
+    if same_layout and stages:
+        torch.set_rng_state(files[min(stages)]["rng"])
     pipe.updates = manifest["step"]
 
 
@@ -165,33 +207,24 @@ def _param_names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
 
 
-def _stage_payload(pipe: Any, v: int) -> dict:
-    rt = pipe.runtimes[v]
-    scaler = pipe.steppers[pipe.topology.device_of(v)].scaler
-    return {"module": rt.module.state_dict(),
-            "optimizer": optimizer_state_by_name(rt.optimizer, _param_names(rt.module)),
-            "updates": rt.policy.updates, "scaler": scaler.state_dict() if scaler is not None else {},
+def _stage_payload(stage: StageState) -> dict:
+    return {"module": stage.module.state_dict(),
+            "optimizer": optimizer_state_by_name(stage.optimizer, _param_names(stage.module)),
+            "updates": stage.policy.updates, "scaler": stage.scaler.state_dict() if stage.scaler is not None else {},
             "rng": torch.get_rng_state()}
 
 
-def _plan_layout(pipe: Any) -> list:
+def _plan_layout(pipe: Checkpointable) -> list:
     """What decides which parameters a stage file holds."""
     plan = json.loads(pipe.plan.to_json())
     return [plan["order"], plan["cuts"]]
 
 
-def _manifest(pipe: Any) -> dict:
-    from pipetrain import __version__
-
+def _manifest(pipe: Checkpointable, role: CheckpointRole) -> dict:
     o = pipe.options
-    return {"format": FORMAT, "step": pipe.updates, "stages": pipe.topology.num_stages,
+    return {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages,
             "devices": o.stages, "data_parallel": o.data_parallel, "plan_layout": _plan_layout(pipe),
             "plan": pipe.plan.to_json(), "schedule": o.schedule, "staleness": o.staleness,
             "micro_batches": o.micro_batches, "precision": o.precision,
-            "engine": "distributed" if pipe.distributed else "local",
-            "versions": {"pipetrain": __version__, "torch": torch.__version__}}
-
-
-def _barrier(pipe: Any) -> None:
-    if pipe.world is not None:
-        dist.barrier(group=pipe.world.checkpoint)
+            "engine": role.engine,
+            "versions": {"pipetrain": version("pipetrain"), "torch": torch.__version__}}

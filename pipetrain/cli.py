@@ -1,9 +1,10 @@
 """The `pipetrain` command. Each subcommand is a pair of small functions:
-`_add_<name>(subparsers)` declares its arguments and `_run_<name>(args)` runs it;
-add a new subcommand by writing the pair and listing it in SUBCOMMANDS."""
+`_add_<name>(subparsers)` declares its arguments and `_run_<name>(args)` runs it (`_app` makes
+the pair for an application in pipetrain.apps); list a new subcommand in SUBCOMMANDS."""
 from __future__ import annotations
 
 import argparse
+import importlib
 from typing import Callable, Sequence
 
 
@@ -42,10 +43,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
     result = schedules.simulate(schedule, costs)
     print(result.summary())
     if args.trace:
-        result.to_chrome_trace(args.trace)
+        schedules.write_chrome_trace(result, args.trace)
         print(f"wrote Chrome trace {args.trace}")
     if args.png:
-        result.to_png(args.png)
+        schedules.write_png(result, args.png)
         print(f"wrote timeline {args.png}")
     return 0
 
@@ -54,7 +55,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     import schedules.cluster
 
     p = sub.add_parser("plan", help="rank pipeline x data-parallel layouts of a model on a cluster")
-    p.add_argument("model", help="a torchvision model name (resnet50, vgg16, ...) or a pipetrain.models name")
+    p.add_argument("model", help="a torchvision model name (resnet50, vgg16, ...) or a pipetrain.apps.models name")
     p.add_argument("--cluster", required=True,
                    help=f"cluster JSON file or preset ({', '.join(schedules.cluster.PRESETS)})")
     p.add_argument("--batch-size", type=int, required=True, help="global mini-batch size")
@@ -69,18 +70,18 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _plan_model(name: str):
-    """(model, one-sample example input) for a torchvision or pipetrain.models name."""
+    """(model, one-sample example input) for a torchvision or pipetrain.apps.models name."""
     import torch
     import torchvision
 
     if name in torchvision.models.list_models(module=torchvision.models):
         return torchvision.models.get_model(name, weights=None), torch.randn(2, 3, 224, 224)
-    from pipetrain.data import dataset_info
-    from pipetrain.models import DEFAULT_DATASET, MODELS, build_model
+    from pipetrain.apps.datasets import dataset_info
+    from pipetrain.apps.models import DEFAULT_DATASET, MODELS, build_model
 
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: not a torchvision classification model nor one of "
-                         f"pipetrain.models {MODELS}")
+                         f"pipetrain.apps.models {MODELS}")
     info = dataset_info(DEFAULT_DATASET[name])
     shape = (2, *info.input_shape)
     x = torch.zeros(shape, dtype=torch.long) if info.kind == "text" else torch.randn(shape)
@@ -91,9 +92,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     import dataclasses
 
     import partitioners
-    from partitioners.layout import format_ranking, search_layouts
+    from partitioners.planners.layout import format_ranking, search_layouts
     from schedules.cluster import load_cluster
-    from schedules.collectives_cost import Reduction
+    from schedules.cluster.reductions import Reduction
 
     cluster = load_cluster(args.cluster)
     if args.nodes is not None:
@@ -112,42 +113,27 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_compare(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pipetrain.compare import add_arguments_compare
+def _app(name: str, module: str, add: str, run: str, help: str) -> tuple[Callable, Callable[[argparse.Namespace], int]]:
+    """A subcommand whose arguments and body live in pipetrain.apps.<module> (imported when used)."""
+    def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        getattr(importlib.import_module(f"pipetrain.apps.{module}"), add)(p)
+        return p
 
-    p = sub.add_parser("compare", help="train one model with data parallelism, sync 1f1b and async "
-                                       "vanilla/stash/spectrain; TensorBoard runs, PNG and table")
-    add_arguments_compare(p)
-    return p
+    def run_app(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"pipetrain.apps.{module}"), run)(args) or 0
 
-
-def _run_compare(args: argparse.Namespace) -> int:
-    from pipetrain.compare import run_compare
-
-    run_compare(args)
-    return 0
-
-
-def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pipetrain.demo import add_arguments
-
-    p = sub.add_parser("demo", help="`pipetrain compare` on offline datasets (vgg, resnet, lstm) in a few "
-                                    "minutes (make demo)")
-    add_arguments(p)
-    return p
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from pipetrain.demo import run_demo
-
-    return run_demo(args)
+    return add_parser, run_app
 
 
 SUBCOMMANDS: dict[str, tuple[Callable, Callable[[argparse.Namespace], int]]] = {
     "simulate": (_add_simulate, _run_simulate),
     "plan": (_add_plan, _run_plan),
-    "compare": (_add_compare, _run_compare),
-    "demo": (_add_demo, _run_demo),
+    "compare": _app("compare", "compare", "add_arguments_compare", "run_compare",
+                    "train one model with data parallelism, sync 1f1b and async vanilla/stash/spectrain; "
+                    "TensorBoard runs, PNG and table"),
+    "demo": _app("demo", "demo", "add_arguments", "run_demo",
+                 "`pipetrain compare` on offline datasets (vgg, resnet, lstm) in a few minutes (make demo)"),
 }
 
 

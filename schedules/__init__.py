@@ -5,16 +5,17 @@ Pure Python (no torch): the runtime executes the same lists this package builds.
 from schedules.actions import Action, ActionKind
 from schedules.builders import BUILDERS, async_1f1b_actions, build
 from schedules.cluster import PRESETS, Cluster, load_cluster
-from schedules.collectives_cost import Reduction
+from schedules.cluster.reductions import Reduction
 from schedules.costs import Costs
-from schedules.hybrid import HybridResult, StageWork, simulate_hybrid
-from schedules.overheads import RuntimeOverheads
+from schedules.cluster.step import ClusterStepResult, StageWork, simulate_cluster_step
+from schedules.cluster.overheads import RuntimeOverheads
 from schedules.schedule import Schedule, ScheduleError
 from schedules.simulate import SimResult, simulate
+from schedules.trace_export import write_chrome_trace, write_png
 from schedules.validate import validate
 
 __all__ = [
-    "Action", "ActionKind", "BUILDERS", "Cluster", "Costs", "HybridResult", "PRESETS", "Reduction", "RuntimeOverheads", "StageWork",
-    "load_cluster", "simulate_hybrid", "Schedule", "ScheduleError", "SimResult",
-    "async_1f1b_actions", "build", "simulate", "validate",
+    "Action", "ActionKind", "BUILDERS", "Cluster", "Costs", "ClusterStepResult", "PRESETS", "Reduction", "RuntimeOverheads", "StageWork",
+    "load_cluster", "simulate_cluster_step", "Schedule", "ScheduleError", "SimResult",
+    "async_1f1b_actions", "build", "simulate", "validate", "write_chrome_trace", "write_png",
 ]

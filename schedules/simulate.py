@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Sequence
 
 from schedules.actions import ActionKind
 from schedules.costs import Costs
-from schedules.execution import Timeline, execute
+from schedules.timeline import Timeline, execute
 from schedules.gc_pause import gc_paused
 from schedules.schedule import Schedule
-from schedules.shared_cores import execute_shared
 from schedules.validate import check_structure, raise_if_deadlocked
 
 F, B, W, STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP
@@ -67,52 +65,25 @@ class SimResult:
                          f"{self.peak_in_flight[k]:>14}  {lag:>12}")
         return "\n".join(lines)
 
-    def to_chrome_trace(self, path: str) -> None:
-        """Write a Chrome trace (open in Perfetto or chrome://tracing)."""
-        from schedules.trace_export import write_chrome_trace
-        write_chrome_trace(self, path)
-
-    def to_png(self, path: str) -> None:
-        """Write a timeline picture (needs matplotlib)."""
-        from schedules.trace_export import write_png
-        write_png(self, path)
-
 
 @gc_paused()
 def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     """Validate `schedule` (raises ScheduleError), then simulate it under `costs`."""
     check_structure(schedule)
     p = schedule.stages
-    split = _is_split(schedule)
-    per_device = _per_device(schedule, costs, split)
+    split = is_split(schedule)
+    per_device = compute_per_device(schedule, costs, split)
     timeline = execute(schedule, per_device, costs.latency(p, wraps=schedule.chunks > 1))
-    return _result(schedule, costs, timeline, split)
+    return result_of_timeline(schedule, costs, timeline, split)
 
 
-@gc_paused()
-def simulate_shared(schedule: Schedule, costs: Costs, placement: Sequence[Sequence[int]], cores: float,
-                    wakeup: float = 0.0, send_cpu: Sequence[dict[ActionKind, float]] | None = None,
-                    recv_cpu: Sequence[dict[ActionKind, float]] | None = None,
-                    reduce_cpu: Sequence[float] | None = None) -> list[SimResult]:
-    """Simulate one copy of `schedule` per row of `placement` (replica r's device d on node
-    placement[r][d]) where each node's devices share `cores` processors and a message to a
-    sleeping device waits `wakeup` seconds when the node's cores are busy (schedules.shared_cores).
-    send_cpu[d] / recv_cpu[d]: CPU seconds device d spends per SEND_ACT / SEND_GRAD and to take the
-    message of an F / B, sharing the cores like compute; reduce_cpu[d]: CPU seconds of each REDUCE. One SimResult per replica; with cores >=
-    devices per node, wakeup 0 and no message CPU each equals simulate()."""
-    check_structure(schedule)
-    split = _is_split(schedule)
-    timelines = execute_shared(schedule, _per_device(schedule, costs, split),
-                               costs.latency(schedule.stages, wraps=schedule.chunks > 1), placement, cores, wakeup,
-                               send_cpu, recv_cpu, reduce_cpu)
-    return [_result(schedule, costs, timeline, split) for timeline in timelines]
-
-
-def _is_split(schedule: Schedule) -> bool:
+def is_split(schedule: Schedule) -> bool:
+    """True when the backward is split into B and W actions (zero-bubble schedules)."""
     return any(W in map(_kind, actions) for actions in schedule.actions)
 
 
-def _per_device(schedule: Schedule, costs: Costs, split: bool) -> list[dict[ActionKind, float]]:
+def compute_per_device(schedule: Schedule, costs: Costs, split: bool) -> list[dict[ActionKind, float]]:
+    """Seconds of one F, B and W action on each device (a chunk does 1/chunks of its device's work)."""
     fwd, bwd, wgt = costs.compute(schedule.stages)
     return [{F: fwd[d] / schedule.chunks,
              B: (bwd[d] if split else bwd[d] + wgt[d]) / schedule.chunks,
@@ -120,7 +91,8 @@ def _per_device(schedule: Schedule, costs: Costs, split: bool) -> list[dict[Acti
             for d in range(schedule.stages)]
 
 
-def _result(schedule: Schedule, costs: Costs, timeline: Timeline, split: bool) -> SimResult:
+def result_of_timeline(schedule: Schedule, costs: Costs, timeline: Timeline, split: bool) -> SimResult:
+    """The SimResult of an executed timeline (raises ScheduleError if it deadlocked)."""
     p = schedule.stages
     raise_if_deadlocked(schedule, timeline)
     makespan = max((ends[-1] for ends in timeline.end if ends), default=0.0)

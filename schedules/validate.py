@@ -15,7 +15,7 @@ from collections import defaultdict
 from operator import attrgetter
 
 from schedules.actions import Action, ActionKind
-from schedules.execution import Timeline, execute
+from schedules.timeline import Timeline, execute
 from schedules.gc_pause import gc_paused
 from schedules.schedule import Schedule, ScheduleError
 

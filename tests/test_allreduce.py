@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_checks, run_world
-from pipetrain.allreduce import GradientReducer
-from pipetrain.buckets import assign_buckets
-from pipetrain.hierarchy import build_hierarchy_groups
-from pipetrain.reporting import SumExchange
+from pipetrain.allreduce.reducer import GradientReducer
+from pipetrain.allreduce.buckets import assign_buckets
+from pipetrain.allreduce.hierarchy import build_hierarchy_groups
+from pipetrain.comm.reporting import SumExchange
 
 WORLD = 4
 SHAPES = [(7,), (3, 5), (1,), (13, 3), (2, 2, 3), (31,), (5, 1), (9,), (4, 4)]

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from schedules.cluster import GBIT, PRESETS, Cluster, load_cluster
-from schedules.collectives_cost import (Group, Reduction, allreduce_time, buckets, flat_allreduce_time,
+from schedules.cluster.reductions import (Group, Reduction, allreduce_time, buckets, flat_allreduce_time,
                                         hierarchical_allreduce_time, reduction_finish, report_time,
                                         ring_allreduce_time)
 

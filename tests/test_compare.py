@@ -6,8 +6,8 @@ import pytest
 
 from _example_runs import scalars
 from pipetrain.cli import main
-from pipetrain.compare import METHODS, format_table, method_config
-from pipetrain.training import RunConfig
+from pipetrain.apps.compare import METHODS, format_table, method_config
+from pipetrain.apps.training import RunConfig
 
 TINY = ["--model", "vgg", "--width", "4", "--stages", "2", "--micro-batches", "2", "--train-samples", "64",
         "--val-samples", "24", "--batch-size", "16", "--epochs", "2", "--partitioner", "params", "--no-progress"]
@@ -70,7 +70,7 @@ def test_unknown_method_is_a_clear_error(tmp_path):
 
 
 def test_table_has_one_row_per_method():
-    from pipetrain.training import EpochRecord, RunSummary
+    from pipetrain.apps.training import EpochRecord, RunSummary
 
     s = RunSummary(RunConfig(model="vgg", dataset="digits"), steps=2, samples=100, train_seconds=2.0, bytes_sent=3000)
     s.epochs = [EpochRecord(1, 1, 0.9, 0.8, 0.5, 50.0, 0), EpochRecord(2, 2, 0.7, 0.85, 0.6, 50.0, 0)]

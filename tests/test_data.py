@@ -1,4 +1,4 @@
-"""Tests for pipetrain.data: sizes, shapes, label ranges, split determinism, offline use, errors."""
+"""Tests for pipetrain.apps.datasets: sizes, shapes, label ranges, split determinism, offline use, errors."""
 
 import subprocess
 import sys
@@ -8,9 +8,9 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-import pipetrain.data
+import pipetrain.apps.datasets
 
-from pipetrain.data import (
+from pipetrain.apps.datasets import (
     DATASETS,
     DatasetNotFoundError,
     dataset_info,
@@ -66,7 +66,7 @@ def test_digits_is_upscaled_sklearn_image():
 
 
 def test_mnist1d_is_benchmark_and_keeps_global_rng():
-    pipetrain.data._mnist1d.cache_clear()  # force generation inside this test
+    pipetrain.apps.datasets._mnist1d.cache_clear()  # force generation inside this test
     np.random.seed(123)
     expected = np.random.rand()
     np.random.seed(123)
@@ -90,7 +90,7 @@ def test_no_network_while_loading(tmp_path):
         "import socket\n"
         "def refuse(*a, **k): raise OSError('network access attempted')\n"
         "socket.socket.connect = refuse\nsocket.create_connection = refuse\nsocket.getaddrinfo = refuse\n"
-        "from pipetrain.data import load_dataset\n"
+        "from pipetrain.apps.datasets import load_dataset\n"
         "for name in ('digits', 'mnist1d', 'text'):\n"
         "    for split in ('train', 'val'):\n"
         "        load_dataset(name, split=split)\n"

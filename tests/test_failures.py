@@ -33,7 +33,7 @@ def _rank(rank, port, out, mode):
                 time.sleep(120)  # hang
             fail.calls += 1
         fail.calls = 0
-        pipe.runtimes[VICTIM].module.register_forward_pre_hook(fail)
+        pipe._runtimes[VICTIM].module.register_forward_pre_hook(fail)
     try:
         pipe.step(x, y)
         Path(out, f"rank{rank}").write_text("finished")

@@ -35,16 +35,16 @@ def hybrid_scenarios(rank, world):
     pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                           precision="fp16", optimizer=sgd, partitioner="uniform", profile=False,
                           engine="distributed")
-    step = pipe.steppers[pipe.world.pipeline_device]
+    step = pipe._steppers[pipe._engine.world.position]
     if rank == 3:
-        param = next(iter(pipe.runtimes[1].module.parameters()))
+        param = next(iter(pipe._runtimes[1].module.parameters()))
         param.register_hook(lambda g: g * float("inf") if pipe.updates == 1 else g)
-    before = [p.detach().clone() for rt in pipe.runtimes.values() for p in rt.module.parameters()]
+    before = [p.detach().clone() for rt in pipe._runtimes.values() for p in rt.module.parameters()]
     scales = []
     for x, y in batches("mlp", steps=2):
         pipe.step(x, y)
         scales.append(step.scaler.scale_value)
-    after = [p.detach().clone() for rt in pipe.runtimes.values() for p in rt.module.parameters()]
+    after = [p.detach().clone() for rt in pipe._runtimes.values() for p in rt.module.parameters()]
     out["fp16"] = (step.skipped, scales, [torch.equal(a, b) for a, b in zip(before, after)])
     return out
 
@@ -125,14 +125,14 @@ def test_fp16_local_engine_skips_overflowing_step_on_every_stage():
     x, y = data("mlp", 8)
     pipe = pipetrain.wrap(make("mlp"), x[:2], stages=3, micro_batches=2, precision="fp16", optimizer=sgd,
                           partitioner="uniform", profile=False, engine="local")
-    param = next(iter(pipe.runtimes[2].module.parameters()))
+    param = next(iter(pipe._runtimes[2].module.parameters()))
     param.register_hook(lambda g: g * float("inf") if pipe.updates == 1 else g)
     pipe.step(x, y)
     before = pipe.state_dict()
     pipe.step(x, y)  # overflow on the last stage only
     after = pipe.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if "weight" in k or "bias" in k)
-    assert all(s.skipped == [1] and s.scaler.scale_value == 2.0 ** 15 for s in pipe.steppers.values())
+    assert all(s.skipped == [1] and s.scaler.scale_value == 2.0 ** 15 for s in pipe._steppers.values())
 
 
 def test_local_engine_rejects_data_parallel_with_the_launch_command():

@@ -8,10 +8,10 @@ import networkx as nx
 import pytest
 
 from partitioners.errors import PartitionError
-from partitioners.layout import MICRO_BATCHES, evaluate_layout, format_ranking, plan_layout, search_layouts
+from partitioners.planners.layout import MICRO_BATCHES, evaluate_layout, format_ranking, plan_layout, search_layouts
 from schedules.cluster import Cluster
-from schedules.collectives_cost import Reduction
-from schedules.hybrid import HYBRID_KINDS
+from schedules.cluster.reductions import Reduction
+from schedules.cluster.step import CLUSTER_SCHEDULES
 
 CLUSTER = Cluster(nodes=2, devices_per_node=2, intra_bandwidth=1e9, intra_latency=1e-4,
                   inter_bandwidth=1e8, inter_latency=1e-3)
@@ -38,7 +38,7 @@ def brute_force(g: nx.DiGraph, cluster: Cluster, batch: int, reduction: Reductio
                 for m in MICRO_BATCHES:
                     if batch % (replicas * m):
                         continue
-                    for kind in HYBRID_KINDS:
+                    for kind in CLUSTER_SCHEDULES:
                         lay = evaluate_layout(g, cluster, cuts, replicas=replicas, micro_batches=m,
                                               schedule=kind, batch_size=batch, profiled_batch=4,
                                               reduction=reduction)

@@ -1,12 +1,12 @@
-"""Tests for pipetrain.models: shapes on real batches, fx tracing, learning, determinism, errors."""
+"""Tests for pipetrain.apps.models: shapes on real batches, fx tracing, learning, determinism, errors."""
 
 import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from pipetrain.data import dataset_info, load_dataset
-from pipetrain.models import DEFAULT_DATASET, DEFAULT_HPARAMS, DEFAULT_SIZE, MODELS, build_model
+from pipetrain.apps.datasets import dataset_info, load_dataset
+from pipetrain.apps.models import DEFAULT_DATASET, DEFAULT_HPARAMS, DEFAULT_SIZE, MODELS, build_model
 
 FAMILIES = list(DEFAULT_SIZE)
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pipetrain.lr_schedules import linear_scaling_rule, linear_warmup, warmup_poly_decay
+from pipetrain.optim.lr_schedules import linear_scaling_rule, linear_warmup, warmup_poly_decay
 from pipetrain.optim import LARS, smoothed_update
 
 

@@ -1,4 +1,4 @@
-"""Runtime overhead terms of the cost model (schedules.overheads) against hand computation."""
+"""Runtime overhead terms of the cost model (schedules.cluster.overheads) against hand computation."""
 from __future__ import annotations
 
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 
 from schedules.cluster import Cluster
-from schedules.collectives_cost import Group, Reduction, reduction_finish, ring_allreduce_time
-from schedules.hybrid import StageWork, simulate_hybrid
-from schedules.overheads import RuntimeOverheads, contention
+from schedules.cluster.reductions import Group, Reduction, reduction_finish, ring_allreduce_time
+from schedules.cluster.step import StageWork, simulate_cluster_step
+from schedules.cluster.overheads import RuntimeOverheads, contention
 
 
 def _cluster(**overheads: float) -> Cluster:
@@ -18,7 +18,7 @@ def _cluster(**overheads: float) -> Cluster:
 
 def test_action_overhead_is_paid_by_every_forward_and_backward_by_hand():
     work = [StageWork(1.0, 2.0), StageWork(1.0, 2.0)]
-    r = simulate_hybrid(work, _cluster(action=0.5), micro_batches=4, schedule="gpipe")
+    r = simulate_cluster_step(work, _cluster(action=0.5), micro_batches=4, schedule="gpipe")
     # GPipe, (m + p - 1) (f + b) with f = 1.5, b = 2.5, plus one latency each way
     assert r.step_time == pytest.approx(5 * 4.0 + 2e-3)
     assert r.step_overhead == 0.0
@@ -26,7 +26,7 @@ def test_action_overhead_is_paid_by_every_forward_and_backward_by_hand():
 
 def test_step_cost_update_and_report_allreduce_by_hand():
     work = [StageWork(1.0, 2.0, update=0.25), StageWork(1.0, 2.0, update=0.5)]
-    r = simulate_hybrid(work, _cluster(step=0.1, report_bytes=8e3), replicas=2, micro_batches=1,
+    r = simulate_cluster_step(work, _cluster(step=0.1, report_bytes=8e3), replicas=2, micro_batches=1,
                         schedule="1f1b")
     # F0, msg, F1 B1 (stage 1 ends at 4.001 + update 0.5), msg, B0 ends at 6.002 + update 0.25
     report = ring_allreduce_time(8e3, 4, 1e9, 1e-3)  # over all 2 x 2 ranks of the job
@@ -55,8 +55,8 @@ def test_zero_overheads_change_nothing():
     work = [StageWork(1.0, 2.0, grad_bytes=(1e6,)), StageWork(1.0, 2.0, grad_bytes=(1e6,))]
     bare = Cluster(nodes=1, devices_per_node=4, intra_bandwidth=1e9, intra_latency=1e-3,
                    inter_bandwidth=1e9, inter_latency=1e-3)
-    a = simulate_hybrid(work, bare, replicas=2, micro_batches=4)
-    b = simulate_hybrid(work, _cluster(), replicas=2, micro_batches=4)
+    a = simulate_cluster_step(work, bare, replicas=2, micro_batches=4)
+    b = simulate_cluster_step(work, _cluster(), replicas=2, micro_batches=4)
     assert a.step_time == b.step_time and a.step_overhead == 0.0
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_checks, run_world
-from pipetrain.precision import DynamicLossScaler, precision_policy
+from pipetrain.runtime.precision import DynamicLossScaler, precision_policy
 
 WORLD = 4
 OVERFLOW_RANK, OVERFLOW_STEP = 3, 2

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from schedules import ActionKind, Costs, Schedule, ScheduleError, build, simulate
+from schedules import ActionKind, Costs, Schedule, ScheduleError, build, simulate, write_chrome_trace, write_png
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 7, 8, 32)]
 
@@ -140,7 +140,7 @@ def test_summary_lists_every_stage():
 def test_chrome_trace(tmp_path):
     result = simulate(build("interleaved-1f1b", 2, 2), Costs(1, 2))
     path = tmp_path / "trace.json"
-    result.to_chrome_trace(str(path))
+    write_chrome_trace(result, str(path))
     events = json.loads(path.read_text())["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
     actions = [(a, s, e) for k, acts in enumerate(result.schedule.actions)
@@ -158,7 +158,7 @@ def test_chrome_trace(tmp_path):
 def test_png_timeline(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"
-    simulate(build("zb-h1", 3, 4), Costs(1, 1, 1)).to_png(str(path))
+    write_png(simulate(build("zb-h1", 3, 4), Costs(1, 1, 1)), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,4 +1,4 @@
-"""Processor sharing and wake-up latency (schedules.shared_cores) against hand computation."""
+"""Processor sharing and wake-up latency (schedules.cluster.shared_cores) against hand computation."""
 from __future__ import annotations
 
 import random
@@ -7,9 +7,9 @@ import pytest
 
 import schedules
 from schedules.cluster import Cluster
-from schedules.hybrid import StageWork, simulate_hybrid
-from schedules.overheads import RuntimeOverheads
-from schedules.simulate import simulate_shared
+from schedules.cluster.step import StageWork, simulate_cluster_step
+from schedules.cluster.overheads import RuntimeOverheads
+from schedules.cluster.shared_cores import simulate_shared
 
 GPIPE_2x2 = schedules.build("gpipe", 2, 2)  # 0: F0 F1 B0 B1; 1: F0 F1 B0 B1 (with messages)
 
@@ -71,7 +71,7 @@ def test_hybrid_charges_message_cpu_by_bytes_by_hand():
                       inter_latency=0.0, cores=1, send_cpu=0.1, send_cpu_byte=1e-4, recv_cpu=0.05,
                       recv_cpu_byte=5e-5)
     assert cluster.message_cpu(1000.0) == pytest.approx((0.2, 0.1))
-    r = simulate_hybrid(work, cluster, micro_batches=1, schedule="gpipe")
+    r = simulate_cluster_step(work, cluster, micro_batches=1, schedule="gpipe")
     assert r.pipeline_time == pytest.approx(6.0 + 2 * (0.2 + 0.1))
 
 
@@ -82,12 +82,12 @@ def test_interference_scales_module_compute_not_overheads_by_hand():
     work = [StageWork(1.0, 2.0), StageWork(1.0, 2.0)]
     base = dict(nodes=1, devices_per_node=2, intra_bandwidth=1e9, intra_latency=0.0, inter_bandwidth=1e9,
                 inter_latency=0.0, cores=1, overheads=RuntimeOverheads(action=0.25))
-    r = simulate_hybrid(work, Cluster(**base, interference=1.5), micro_batches=2, schedule="gpipe")
+    r = simulate_cluster_step(work, Cluster(**base, interference=1.5), micro_batches=2, schedule="gpipe")
     assert r.pipeline_time == pytest.approx(20.0)
-    assert simulate_hybrid(work, Cluster(**base), micro_batches=2, schedule="gpipe").pipeline_time == \
+    assert simulate_cluster_step(work, Cluster(**base), micro_batches=2, schedule="gpipe").pipeline_time == \
         pytest.approx(4 * (1.25 + 2.25))  # interference 1 (default): the profiled compute
     # with a core each: (m + p - 1)(F + B) = 3 x (1.75 + 3.25)
-    own = simulate_hybrid(work, Cluster(**{**base, "cores": 2}, interference=1.5), micro_batches=2, schedule="gpipe")
+    own = simulate_cluster_step(work, Cluster(**{**base, "cores": 2}, interference=1.5), micro_batches=2, schedule="gpipe")
     assert own.pipeline_time == pytest.approx(15.0)
 
 
@@ -114,10 +114,10 @@ def _cluster(cores, **overheads) -> Cluster:
 
 def test_hybrid_without_cores_is_unchanged_and_with_enough_cores_equal():
     work = [StageWork(1.0, 2.0, grad_bytes=(1e6,), update=0.1), StageWork(1.5, 2.5, grad_bytes=(2e6,), update=0.2)]
-    old = simulate_hybrid(work, _cluster(None, step=0.3), replicas=2, micro_batches=4)
+    old = simulate_cluster_step(work, _cluster(None, step=0.3), replicas=2, micro_batches=4)
     assert old.pipeline_time == schedules.simulate(schedules.build("1f1b", 2, 4),
                                                    schedules.Costs([1.0, 1.5], [2.0, 2.5])).makespan
-    same = simulate_hybrid(work, _cluster(4, step=0.3), replicas=2, micro_batches=4)
+    same = simulate_cluster_step(work, _cluster(4, step=0.3), replicas=2, micro_batches=4)
     assert same.step_time == pytest.approx(old.step_time)
     assert same.reduction_exposed == pytest.approx(old.reduction_exposed)
 
@@ -125,7 +125,7 @@ def test_hybrid_without_cores_is_unchanged_and_with_enough_cores_equal():
 def test_hybrid_replicas_share_the_node_and_the_tail_by_hand():
     # two replicas of a one-stage pipeline on one core: each runs F and B at half speed
     work = [StageWork(1.0, 2.0, update=0.25)]
-    r = simulate_hybrid(work, _cluster(1, step=0.1), replicas=2, micro_batches=1)
+    r = simulate_cluster_step(work, _cluster(1, step=0.1), replicas=2, micro_batches=1)
     assert r.pipeline_time == pytest.approx(6.0)
     # both ranks' optimizer update and the fixed step work share the core too: x 2
     assert r.step_time == pytest.approx(6.0 + 2 * 0.25 + 2 * 0.1)
@@ -154,7 +154,7 @@ def test_hybrid_charges_the_reducers_cpu_on_the_shared_core_by_hand():
     cluster = Cluster(nodes=1, devices_per_node=2, intra_bandwidth=1e9, intra_latency=0.0, inter_bandwidth=1e9,
                       inter_latency=0.0, cores=1, overheads=RuntimeOverheads(step=0.1, reduce_call=0.1,
                                                                              reduce_byte=1e-4))
-    r = simulate_hybrid(work, cluster, replicas=2, micro_batches=1)
+    r = simulate_cluster_step(work, cluster, replicas=2, micro_batches=1)
     assert r.pipeline_time == pytest.approx(6.0 + 0.4)
     assert r.reduction_exposed == pytest.approx([0.4 + 1e-6])
     assert r.step_time == pytest.approx(6.0 + 0.4 + 1e-6 + 2 * 0.25 + 2 * 0.1)

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from pipetrain.split_backward import backward_input, backward_weight, split_is_complete
+from pipetrain.runtime.split_backward import backward_input, backward_weight, split_is_complete
 
 
 class Block(nn.Module):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _example_runs import CASES, COMMON, decreased, run_example, scalars
-from pipetrain.training import RunConfig, evaluate, optimizer_factory, run
+from pipetrain.apps.training import RunConfig, evaluate, optimizer_factory, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
@@ -66,7 +66,7 @@ def test_evaluate_against_hand_computation():
 
 
 def test_missing_cifar_exits_with_the_path_and_the_download_flag(tmp_path):
-    from pipetrain.training import example_main
+    from pipetrain.apps.training import example_main
 
     with pytest.raises(SystemExit) as info:
         example_main(["vgg"], "vgg", ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--no-progress"])

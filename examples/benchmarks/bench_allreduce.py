@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from pipetrain.allreduce import GradientReducer
+from pipetrain.allreduce.reducer import GradientReducer
 
 WORLD = 4
 LOCAL = "local fwd+bwd (no communication)"

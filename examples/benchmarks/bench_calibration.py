@@ -7,7 +7,7 @@ trained by pipetrain.wrap on the distributed engine: world 2 = 2 stages, world 4
 4 stages, world 4 = 2 stages x data_parallel 2 (hybrid). Measured: median step time of
 rank 0 over rounds, after a barrier before every step.
 
-Prediction: schedules.simulate_hybrid from numbers measured by micro-benchmarks that
+Prediction: schedules.simulate_cluster_step from numbers measured by micro-benchmarks that
 never time a validation step. For each world size W, W gloo processes run, at the same
 time as each other (so they share the cores as the validation run's processes do):
   * message CPU (in the W = 2 spawn only, so no third process contends): rank 0 sends
@@ -47,7 +47,7 @@ time as each other (so they share the cores as the validation run's processes do
     while ranks 2.. sleep: the per-message delay Cluster.wakeup. Means, not medians: the
     simulation adds it to every message, so what a step pays is the expected delay, and the
     scheduler's delays have a long tail (median ~0.05 ms, mean ~0.3 ms here).
-The prediction simulates processor sharing (schedules.shared_cores): compute and message CPU
+The prediction simulates processor sharing (schedules.cluster.shared_cores): compute and message CPU
 of all ranks run at min(1, cores / running) of their alone speed, module compute taking
 interference x its alone time. All measurements take turns in every
 round (interleaved), and every number is a median over rounds, so background load drifts
@@ -71,11 +71,11 @@ import torch.multiprocessing as mp
 
 import partitioners
 import pipetrain
-from pipetrain.allreduce import GradientReducer
+from pipetrain.allreduce.reducer import GradientReducer
 from schedules.cluster import Cluster
-from schedules.collectives_cost import Reduction, ring_allreduce_time
-from schedules.hybrid import StageWork, simulate_hybrid
-from schedules.overheads import RuntimeOverheads
+from schedules.cluster.reductions import Reduction, ring_allreduce_time
+from schedules.cluster.step import StageWork, simulate_cluster_step
+from schedules.cluster.overheads import RuntimeOverheads
 
 WIDTH, DEPTH, BATCH, MICRO = 512, 8, 128, 4
 SPLITS = {2: ["8"], 4: ["4", "8", "12"]}   # module names that start stages 1.. (Sequential indices)
@@ -501,7 +501,7 @@ def main() -> None:
 
             def predict(stage_work, n_cores):
                 # The runtime's hybrid default: fused 25 MB buckets, launched during the last backward.
-                return simulate_hybrid(stage_work, fitted_cluster(n_cores), replicas=dp, micro_batches=MICRO,
+                return simulate_cluster_step(stage_work, fitted_cluster(n_cores), replicas=dp, micro_batches=MICRO,
                                        schedule="1f1b", reduction=Reduction(bucket_bytes=25e6, overlap=True))
 
             if (world, stages, dp) == SAVED_LAYOUT:

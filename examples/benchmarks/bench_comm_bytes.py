@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pipetrain
-from pipetrain.data import dataset_info, load_dataset
-from pipetrain.models import DEFAULT_DATASET, build_model
+from pipetrain.apps.datasets import dataset_info, load_dataset
+from pipetrain.apps.models import DEFAULT_DATASET, build_model
 
 FAMILIES = ["vgg", "resnet", "transformer", "lstm"]
 STAGES = REPLICAS = 4

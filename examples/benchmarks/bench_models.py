@@ -13,8 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pipetrain.data import dataset_info, load_dataset, make_loader
-from pipetrain.models import DEFAULT_DATASET, DEFAULT_HPARAMS, DEFAULT_SIZE, build_model
+from pipetrain.apps.datasets import dataset_info, load_dataset, make_loader
+from pipetrain.apps.models import DEFAULT_DATASET, DEFAULT_HPARAMS, DEFAULT_SIZE, build_model
 
 
 def step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: int = 10) -> float:

@@ -2,7 +2,7 @@
 
     .venv/bin/python examples/benchmarks/bench_precision.py [--rounds 7] [--width 32]
 
-1. Stage: the first half of the feature layers of pipetrain.models' VGG-11 at width
+1. Stage: the first half of the feature layers of pipetrain.apps.models' VGG-11 at width
    `width` (first conv channels), 32x32 RGB input, batch 32; forward+backward under
    torch.autocast("cpu", dtype=torch.bfloat16) vs plain fp32.
 2. Pipeline: the whole VGG-11 trained by wrap(stages=2, micro_batches=4, engine="local")
@@ -23,8 +23,8 @@ import time
 import torch
 
 import pipetrain
-from pipetrain.data import load_dataset
-from pipetrain.models import build_model
+from pipetrain.apps.datasets import load_dataset
+from pipetrain.apps.models import build_model
 
 PRECISIONS = ("fp32", "bf16")
 

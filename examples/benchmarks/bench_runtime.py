@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import pipetrain
-from pipetrain.models.vgg import VGG
+from pipetrain.apps.models.vgg import VGG
 
 WORLD = 2
 PT_1F1B = "pipetrain 1f1b"

@@ -1,5 +1,5 @@
 """Jia et al. 2018 on paper: ResNet-50 data parallelism on 1,024 P40 GPUs, with and without
-tensor fusion + hierarchical all-reduce, as predicted by schedules.simulate_hybrid.
+tensor fusion + hierarchical all-reduce, as predicted by schedules.simulate_cluster_step.
 
     .venv/bin/python examples/benchmarks/reproduce_jia.py
 
@@ -18,9 +18,9 @@ import torch
 import torchvision
 
 import partitioners
-from partitioners.layout import evaluate_layout
+from partitioners.planners.layout import evaluate_layout
 from schedules.cluster import PRESETS
-from schedules.collectives_cost import Reduction
+from schedules.cluster.reductions import Reduction
 
 GPUS, PER_GPU, STEP_ONE_GPU = 1024, 64, 0.30
 

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from schedules.actions import Action, ActionKind
 from schedules.builders.common import check_count, step_tail
-from schedules.comms import backward_block, forward_block
+from schedules.builders.send_recv import backward_block, forward_block
 from schedules.schedule import Schedule
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from schedules.actions import Action, ActionKind
 from schedules.builders.common import check_count, step_tail
-from schedules.comms import attach_comms
+from schedules.builders.send_recv import attach_comms
 from schedules.schedule import Schedule
 
 

@@ -1,0 +1,217 @@
+"""search_layouts(): the fastest pipeline x data-parallel layout of a model on a cluster.
+
+For every stage count S, replica count R (S x R <= devices), micro-batch count m and
+schedule, the step is predicted by schedules.simulate_cluster_step (pipeline schedule plus
+gradient all-reduce across replicas). Cuts: every split of the cuttable positions when
+there are at most `exhaustive_limit` of them for that S, otherwise the "graph"
+partitioner's optimal split (slowest stage minimised). Compute and activation bytes of a
+micro-batch scale linearly with its size (the graph was profiled at `profiled_batch`
+samples). A layout fits when every stage's memory (parameters x param_memory_factor for
+weights, gradients and optimizer state, plus activations of its in-flight micro-batches)
+is within cluster.memory. Only each shape's best cuts are kept.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import networkx as nx
+
+from schedules.cluster import Cluster
+from schedules.cluster.reductions import Reduction
+from schedules.cluster.step import CLUSTER_SCHEDULES, ClusterStepResult, StageWork, simulate_cluster_step
+
+from ..chain import Chain
+from ..errors import PartitionError
+from ..graph import CostGraph
+from ..partition import partition
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+DEFAULT_REDUCTION = Reduction(bucket_bytes=25e6, hierarchical=True, overlap=True)
+
+
+@dataclass
+class Layout:
+    """One candidate: cuts of the topological order, replicas, micro-batches, schedule."""
+
+    cuts: list[int]
+    replicas: int
+    micro_batches: int
+    schedule: str
+    batch_size: int
+    result: ClusterStepResult
+    fits: bool
+
+    @property
+    def stages(self) -> int:
+        return len(self.cuts) - 1
+
+    @property
+    def step_time(self) -> float:
+        return self.result.step_time
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.result.throughput(self.batch_size)
+
+    def key(self) -> tuple:
+        """Ranking key: fitting layouts first, then faster, then fewer devices and stages."""
+        return (not self.fits, self.step_time, self.result.devices, self.stages, self.micro_batches,
+                self.schedule, self.cuts)
+
+
+class _Model:
+    """Per-position costs of a graph laid out for cutting (from partitioners.chain)."""
+
+    def __init__(self, graph: CostGraph | nx.DiGraph):
+        self.chain = Chain.from_graph(graph)
+        g = graph.graph if isinstance(graph, CostGraph) else graph
+        nodes = [g.nodes[name] for name in self.chain.names]
+        self.fwd = [float(a.get("fwd_time", 0.0)) for a in nodes]
+        self.bwd = [float(a.get("bwd_time", 0.0)) for a in nodes]
+        self.tensors = _grad_tensors(graph, self.chain.names, nodes)
+
+    def work(self, i: int, j: int, scale: float, param_memory_factor: float) -> StageWork:
+        """StageWork of positions [i, j) for micro-batches `scale` x the profiled size."""
+        seg = self.chain.segment(i, j)
+        grads, ready = [], []
+        total_bwd = sum(self.bwd[i:j])
+        done = 0.0
+        for v in range(j - 1, i - 1, -1):  # the backward visits the stage back to front
+            done += self.bwd[v]
+            for size in self.tensors[v]:
+                grads.append(size)
+                ready.append(done / total_bwd if total_bwd > 0 else 1.0)
+        return StageWork(forward=sum(self.fwd[i:j]) * scale, backward=total_bwd * scale,
+                         grad_bytes=tuple(grads), ready_fraction=tuple(ready),
+                         send_bytes=seg["sent"] * scale, memory=seg["params"] * param_memory_factor,
+                         activation_memory=(seg["memory"] - seg["params"]) * scale,
+                         # the runtime's first stage has no input gradient to split off (zb-h1)
+                         weight_fraction=0.0 if i == 0 else 0.5)
+
+
+def _grad_tensors(graph: CostGraph | nx.DiGraph, names: list[str], nodes: list[dict]) -> list[list[float]]:
+    """Gradient tensor sizes owned by each position (a shared parameter at its first user).
+
+    A CostGraph knows each parameter's exact size from its model; a plain graph gives
+    param_bytes per node, taken as one tensor."""
+    sizes: dict[str, float] = {}
+    if isinstance(graph, CostGraph):
+        sizes = {n: float(p.numel() * p.element_size()) for n, p in graph.model.named_parameters()}
+    seen: set[str] = set()
+    out = []
+    for attrs in nodes:
+        params = [n for n in attrs.get("params", []) if n in sizes and n not in seen]
+        seen.update(params)
+        if params:
+            out.append([sizes[n] for n in params])
+        elif attrs.get("param_bytes", 0) > 0:
+            out.append([float(attrs["param_bytes"])])
+        else:
+            out.append([])
+    return out
+
+
+def evaluate_layout(model: _Model | CostGraph | nx.DiGraph, cluster: Cluster, cuts: Sequence[int], *,
+                    replicas: int, micro_batches: int, schedule: str, batch_size: int,
+                    profiled_batch: int, reduction: Reduction = DEFAULT_REDUCTION,
+                    param_memory_factor: float = 4.0) -> Layout:
+    """Predict one layout: global batch_size split over replicas x micro_batches."""
+    m = model if isinstance(model, _Model) else _Model(model)
+    per_micro = batch_size / (replicas * micro_batches)
+    if per_micro != int(per_micro) or per_micro < 1:
+        raise ValueError(f"batch_size {batch_size} does not split into {replicas} replicas x "
+                         f"{micro_batches} micro-batches; fix: pick counts that divide it")
+    scale = per_micro / profiled_batch
+    work = [m.work(cuts[k], cuts[k + 1], scale, param_memory_factor) for k in range(len(cuts) - 1)]
+    result = simulate_cluster_step(work, cluster, replicas=replicas, micro_batches=micro_batches,
+                             schedule=schedule, reduction=reduction)
+    fits = cluster.memory is None or max(result.memory) <= cluster.memory
+    return Layout(list(cuts), replicas, micro_batches, schedule, batch_size, result, fits)
+
+
+def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_size: int,
+                   profiled_batch: int, schedules: Sequence[str] = CLUSTER_SCHEDULES,
+                   micro_batches: Sequence[int] = MICRO_BATCHES, max_stages: int | None = None,
+                   reduction: Reduction = DEFAULT_REDUCTION, param_memory_factor: float = 4.0,
+                   exhaustive_limit: int = 64) -> list[Layout]:
+    """The best layout of every shape (stages, replicas, micro-batches, schedule), best first
+    (see the module docstring for the search space)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if not profiled_batch > 0:
+        raise ValueError(f"profiled_batch must be > 0 samples, got {profiled_batch!r}")
+    bad = [k for k in schedules if k not in CLUSTER_SCHEDULES]
+    if bad:
+        raise ValueError(f"schedules {bad} cannot be planned; choose from {CLUSTER_SCHEDULES}")
+    model = _Model(graph)
+    positions = [c for c in range(1, model.chain.n) if model.chain.cuttable[c]]
+    top = min(cluster.devices, len(positions) + 1, max_stages or cluster.devices)
+    best: dict[tuple, Layout] = {}  # per shape (stages, replicas, micro-batches, schedule)
+    for stages in range(1, top + 1):
+        for cuts in _cut_candidates(graph, model, positions, stages, cluster, exhaustive_limit):
+            for replicas in _replica_counts(cluster.devices // stages):
+                if batch_size % replicas:
+                    continue
+                for m in micro_batches:
+                    if (batch_size // replicas) % m:
+                        continue
+                    for kind in schedules:  # even one stage: they differ in memory
+                        lay = evaluate_layout(
+                            model, cluster, cuts, replicas=replicas, micro_batches=m, schedule=kind,
+                            batch_size=batch_size, profiled_batch=profiled_batch,
+                            reduction=reduction, param_memory_factor=param_memory_factor)
+                        shape = (stages, replicas, m, kind)
+                        if shape not in best or lay.key() < best[shape].key():
+                            best[shape] = lay
+    if not best:
+        raise ValueError(f"no layout splits batch_size={batch_size} over the allowed replicas and "
+                         f"micro-batches {list(micro_batches)}; fix: use a batch size with small factors")
+    return sorted(best.values(), key=Layout.key)
+
+
+def plan_layout(graph: CostGraph | nx.DiGraph, cluster: Cluster, **options: object) -> Layout:
+    """The fastest layout that fits memory (options as search_layouts)."""
+    best = search_layouts(graph, cluster, **options)[0]
+    if not best.fits:
+        raise PartitionError(f"no layout fits {cluster.memory:.3g} bytes per device on cluster "
+                             f"{cluster.name!r}; fix: more devices, a smaller batch or more micro-batches")
+    return best
+
+
+def _replica_counts(most: int) -> list[int]:
+    """1, 2, 4, ... up to `most`, and `most` itself (use every device)."""
+    counts = {most}
+    r = 1
+    while r <= most:
+        counts.add(r)
+        r *= 2
+    return sorted(counts)
+
+
+def _cut_candidates(graph: CostGraph | nx.DiGraph, model: _Model, positions: list[int], stages: int,
+                    cluster: Cluster, limit: int) -> list[list[int]]:
+    n = model.chain.n
+    if math.comb(len(positions), stages - 1) <= limit:
+        return [[0, *inner, n] for inner in itertools.combinations(positions, stages - 1)]
+    try:
+        plan = partition(graph, stages, method="graph", bandwidth=cluster.intra_bandwidth)
+    except PartitionError:
+        return []
+    return [list(plan.cuts)]
+
+
+def format_ranking(layouts: Sequence[Layout], top: int = 10) -> str:
+    """Table of the best `top` layouts: shape, predicted step time, throughput, efficiency, memory."""
+    lines = [f"{'rank':>4} {'stages':>6} {'replicas':>8} {'devices':>7} {'micro':>5} {'schedule':>8} "
+             f"{'step ms':>10} {'samples/s':>10} {'efficiency':>10} {'reduce ms':>9} {'mem GB':>7} fits"]
+    for i, lay in enumerate(layouts[:top], 1):
+        r = lay.result
+        lines.append(f"{i:>4} {lay.stages:>6} {lay.replicas:>8} {r.devices:>7} {lay.micro_batches:>5} "
+                     f"{lay.schedule:>8} {1e3 * lay.step_time:>10.3f} {lay.throughput:>10.1f} "
+                     f"{100 * r.scaling_efficiency:>9.1f}% {1e3 * max(r.reduction_exposed):>9.3f} "
+                     f"{max(r.memory) / 1e9:>7.2f} {'yes' if lay.fits else 'NO'}")
+    return "\n".join(lines)

@@ -1,0 +1,10 @@
+"""Gradient all-reduce for data parallelism: fused buckets, flat or hierarchical.
+
+A standalone library over torch.distributed: `GradientReducer` packs gradients into buckets
+(`buckets`), reduces them with a flat ring or intra-node / inter-node / intra-node steps
+(`algorithms`, over the groups of `hierarchy`), optionally while the backward still runs.
+It imports nothing else of pipetrain.
+"""
+from pipetrain.allreduce.reducer import ALGORITHMS, MiB, GradientReducer
+
+__all__ = ["ALGORITHMS", "GradientReducer", "MiB"]

@@ -1,0 +1,347 @@
+"""One training loop shared by the example scripts, `pipetrain compare` and the demo.
+
+``run(config)`` builds a zoo model on a dataset, wraps it in a pipeline, trains for some
+epochs over a deterministic (seeded) data order, validates after every epoch, and returns a
+:class:`RunSummary`. Under torchrun every rank runs the same call and iterates the same global
+mini-batches (the runtime shards them for data parallelism); only rank 0 shows progress and
+writes TensorBoard scalars. Checkpoints are saved after every epoch; ``resume="auto"`` loads the
+newest one and skips the mini-batches it already trained, so a resumed run sees the same data
+order as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import Dataset, Subset
+from torch.utils.data import default_collate
+
+import pipetrain
+from pipetrain.apps.datasets import DATASETS, dataset_info, load_dataset, make_loader
+from pipetrain.apps.models import DEFAULT_DATASET, DEFAULT_HPARAMS, build_model
+from pipetrain.options import PARTITIONERS, PRECISIONS, SCHEDULES, STALENESS
+
+# Settings for models without their own DEFAULT_HPARAMS entry (torchvision ResNets use the ResNet ones).
+_HPARAMS_FALLBACK = {"resnet18": "resnet", "resnet50": "resnet"}
+OPTIMIZERS = ("sgd", "adam")
+ADAM_LR = 1e-3  # torch.optim.Adam's default
+
+
+@dataclass
+class RunConfig:
+    """What to train and how; None means the model family's default (DEFAULT_DATASET, DEFAULT_HPARAMS)."""
+
+    model: str = "vgg"
+    dataset: str | None = None
+    data_dir: str | None = None
+    download: bool = False  # fetch cifar10/cifar100 into data_dir (needs the network; run one process)
+    width: int | None = None
+    depth: int | None = None
+    stages: int = 4
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+    staleness: str = "none"
+    precision: str = "fp32"
+    data_parallel: int = 1
+    partitioner: str = "graph"
+    profile: bool = True  # time each layer for the graph/time partitioners (False: estimate; deterministic)
+    engine: str = "auto"
+    epochs: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    momentum: float = 0.9
+    optimizer: str = "sgd"  # "sgd" (with momentum) or "adam"
+    seed: int = 0
+    train_samples: int | None = None  # train on the first N samples of the train split (quick runs)
+    val_samples: int | None = None
+    logdir: str | None = None
+    checkpoint_dir: str | None = None
+    resume: str = "never"  # "auto": continue from the newest checkpoint in checkpoint_dir
+    progress: bool = True
+    label: str = ""  # names the run in the progress bar and summary line
+
+    def resolved(self) -> "RunConfig":
+        """A copy with every family default filled in (dataset, epochs, batch size, lr)."""
+        if self.model not in DEFAULT_DATASET:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {sorted(DEFAULT_DATASET)}")
+        if self.resume not in ("never", "auto"):
+            raise ValueError(f"resume must be 'never' or 'auto', got {self.resume!r}")
+        if self.resume == "auto" and not self.checkpoint_dir:
+            raise ValueError("resume='auto' needs a checkpoint directory (--checkpoint-dir)")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        hp = DEFAULT_HPARAMS[_HPARAMS_FALLBACK.get(self.model, self.model)]
+        out = RunConfig(**asdict(self))
+        out.dataset = self.dataset or DEFAULT_DATASET[self.model]
+        out.epochs = hp["epochs"] if self.epochs is None else self.epochs
+        out.batch_size = hp["batch_size"] if self.batch_size is None else self.batch_size
+        if self.lr is None:  # the families' tuned rates are SGD's; Adam gets torch's default
+            out.lr = hp["lr"] if self.optimizer == "sgd" else ADAM_LR
+        return out
+
+    def describe(self) -> str:
+        """Schedule and layout in a few words, e.g. 'async-1f1b/spectrain 4 stages x 1 micro-batch'."""
+        kind = self.schedule + (f"/{self.staleness}" if self.staleness != "none" else "")
+        dp = f" x {self.data_parallel} replicas" if self.data_parallel > 1 else ""
+        return f"{kind} {self.stages} stages x {self.micro_batches} micro-batches{dp}"
+
+
+@dataclass
+class EpochRecord:
+    """One epoch: mean train loss, validation loss/accuracy, throughput and traffic."""
+
+    epoch: int
+    step: int  # optimizer updates so far
+    train_loss: float
+    val_loss: float
+    val_accuracy: float
+    samples_per_second: float
+    bytes_per_step: float
+
+
+@dataclass
+class RunSummary:
+    """Everything one run reports: per-step losses, per-epoch records, wall time."""
+
+    config: RunConfig
+    epochs: list[EpochRecord] = field(default_factory=list)
+    step_losses: list[float] = field(default_factory=list)
+    version_lag: list[float] = field(default_factory=list)  # per stage, mean over steps
+    weight_version_bytes: list[float] = field(default_factory=list)  # per stage, mean over steps
+    samples: int = 0
+    train_seconds: float = 0.0
+    bytes_sent: int = 0
+    steps: int = 0
+    wall_seconds: float = 0.0
+
+    @property
+    def min_train_loss(self) -> float:
+        return min((e.train_loss for e in self.epochs), default=math.nan)
+
+    @property
+    def min_val_loss(self) -> float:
+        return min((e.val_loss for e in self.epochs), default=math.nan)
+
+    @property
+    def max_val_accuracy(self) -> float:
+        return max((e.val_accuracy for e in self.epochs), default=math.nan)
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.train_seconds if self.train_seconds > 0 else math.nan
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes_sent / self.steps if self.steps else 0.0
+
+    def line(self) -> str:
+        """The one-line summary the scripts end with."""
+        c = self.config
+        name = f"{c.label}: " if c.label else ""
+        return (f"{name}{c.model} on {c.dataset}, {c.describe()}, {len(self.epochs)} epochs ({self.steps} steps): "
+                f"min train loss {self.min_train_loss:.4f}, min val loss {self.min_val_loss:.4f}, "
+                f"max val accuracy {100 * self.max_val_accuracy:.2f}%, {self.samples_per_second:.0f} samples/s, "
+                f"{human_bytes(self.bytes_per_step)}/step sent, {self.wall_seconds:.1f} s")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _subset(dataset: Dataset, n: int | None) -> Dataset:
+    if n is None or n >= len(dataset):
+        return dataset
+    return Subset(dataset, range(n))
+
+
+def _batches(dataset: Dataset, order: list[int], batch_size: int, skip: int) -> Iterator[tuple[Any, Any]]:
+    """Full mini-batches of ``order`` (the last partial one is dropped), after skipping ``skip``."""
+    for start in range(skip * batch_size, len(order) - batch_size + 1, batch_size):
+        yield default_collate([dataset[i] for i in order[start:start + batch_size]])
+
+
+@torch.no_grad()
+def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, batch_size: int) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy (per sample, or per token for language models) over ``dataset``."""
+    total_loss, correct, count = 0.0, 0, 0
+    for x, y in _batches(dataset, list(range(len(dataset))), batch_size, 0):
+        out = pipe.predict(x)
+        total_loss += float(F.cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(dim=1) == y).sum())
+        count += y.numel()
+    tail = len(dataset) % batch_size
+    if tail:  # the batches above drop a partial last batch; validation must see every sample
+        x, y = default_collate([dataset[i] for i in range(len(dataset) - tail, len(dataset))])
+        out = pipe.predict(x)
+        total_loss += float(F.cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(dim=1) == y).sum())
+        count += y.numel()
+    return total_loss / count, correct / count
+
+
+def is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def run(config: RunConfig) -> RunSummary:
+    """Train ``config`` (every rank under torchrun) and return what it measured."""
+    from tqdm import tqdm
+
+    c = config.resolved()
+    wall_start = time.perf_counter()
+    train = _subset(load_dataset(c.dataset, data_dir=c.data_dir, split="train", seed=c.seed, download=c.download),
+                    c.train_samples)
+    val = _subset(load_dataset(c.dataset, data_dir=c.data_dir, split="val", seed=c.seed, download=c.download),
+                  c.val_samples)
+    if len(train) < c.batch_size:
+        raise ValueError(f"the train set has {len(train)} samples, fewer than one batch of {c.batch_size}; "
+                         "use a smaller --batch-size or more --train-samples")
+    info = dataset_info(c.dataset, data_dir=c.data_dir)
+    torch.manual_seed(c.seed)  # same initial weights for every method and engine
+    model = build_model(c.model, num_classes=info.num_classes, width=c.width, depth=c.depth)
+    loader = make_loader(train, c.batch_size, shuffle=True, seed=c.seed, drop_last=True)
+    x0, _ = default_collate([train[i] for i in range(c.batch_size)])
+    example = x0[:max(1, c.batch_size // (c.micro_batches * c.data_parallel))]
+    pipe = pipetrain.wrap(
+        model, example, stages=c.stages, micro_batches=c.micro_batches, schedule=c.schedule, staleness=c.staleness,
+        partitioner=c.partitioner, loss_fn=F.cross_entropy, precision=c.precision, data_parallel=c.data_parallel,
+        engine=c.engine, logdir=c.logdir, seed=c.seed, profile=c.profile and c.partitioner in ("graph", "time"),
+        optimizer=optimizer_factory(c.optimizer, c.lr, c.momentum))
+    rank0 = is_rank_zero()
+    val_log = None
+    if c.logdir and rank0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        val_log = SummaryWriter(c.logdir, filename_suffix=".val")  # same run directory as the runtime's scalars
+    summary = RunSummary(c)
+    try:
+        if c.resume == "auto" and pipe.resume(c.checkpoint_dir) and rank0:
+            print(f"resumed from {c.checkpoint_dir} at step {pipe.updates}", flush=True)
+        steps_per_epoch = len(loader)
+        done = pipe.updates
+        lag_sum: list[float] = []
+        weight_sum: list[float] = []
+        for epoch in range(c.epochs):
+            order = list(loader.sampler)  # draws this epoch's permutation, even for epochs resume skips
+            skip = min(max(done - epoch * steps_per_epoch, 0), steps_per_epoch)
+            if skip == steps_per_epoch:
+                continue
+            bar = tqdm(total=steps_per_epoch, initial=skip, disable=not (rank0 and c.progress), leave=False,
+                       desc=f"{c.label + ' ' if c.label else ''}epoch {epoch + 1}/{c.epochs}", dynamic_ncols=True)
+            losses, samples, seconds, sent = [], 0, 0.0, 0
+            for result in pipe.train(_batches(train, order, c.batch_size, skip)):
+                losses.append(result.loss)
+                samples += result.samples
+                seconds += result.seconds
+                sent += sum(result.bytes_sent)
+                lag_sum = [a + b for a, b in zip(lag_sum, result.version_lag)] or list(result.version_lag)
+                weight_sum = ([a + b for a, b in zip(weight_sum, result.weight_version_bytes)]
+                              or list(map(float, result.weight_version_bytes)))
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{result.samples_per_second:.0f}")
+            bar.close()
+            val_loss, val_acc = evaluate(pipe, val, c.batch_size)
+            record = EpochRecord(epoch + 1, pipe.updates, sum(losses) / len(losses), val_loss, val_acc,
+                                 samples / seconds if seconds > 0 else math.nan, sent / len(losses))
+            summary.epochs.append(record)
+            summary.step_losses += losses
+            summary.samples += samples
+            summary.train_seconds += seconds
+            summary.bytes_sent += sent
+            summary.steps += len(losses)
+            if val_log is not None:
+                val_log.add_scalar("val/loss", val_loss, pipe.updates)
+                val_log.add_scalar("val/accuracy", val_acc, pipe.updates)
+                val_log.add_scalar("train/epoch_loss", record.train_loss, pipe.updates)
+                val_log.flush()
+            if rank0 and c.progress:
+                tqdm.write(f"{c.label + ' ' if c.label else ''}epoch {epoch + 1}/{c.epochs}: "
+                           f"train loss {record.train_loss:.4f}, val loss {val_loss:.4f}, "
+                           f"val accuracy {100 * val_acc:.2f}%, {record.samples_per_second:.0f} samples/s")
+            if c.checkpoint_dir:
+                pipe.save(c.checkpoint_dir)
+        summary.version_lag = [s / summary.steps for s in lag_sum] if summary.steps else []
+        summary.weight_version_bytes = [s / summary.steps for s in weight_sum] if summary.steps else []
+    finally:
+        if val_log is not None:
+            val_log.close()
+        pipe.close()
+    summary.wall_seconds = time.perf_counter() - wall_start
+    return summary
+
+
+def optimizer_factory(name: str, lr: float, momentum: float) -> Callable[[Any], torch.optim.Optimizer]:
+    """The ``optimizer=`` factory of wrap() for RunConfig.optimizer."""
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pipeline: bool = True) -> None:
+    """The options every training entry point shares (``pipeline=False`` leaves out the schedule ones)."""
+    parser.add_argument("--model", default=models[0], choices=list(models))
+    parser.add_argument("--dataset", choices=DATASETS, help="default: the model's offline dataset")
+    parser.add_argument("--data-dir", help="where cifar10/cifar100/imagefolder live (default $PIPETRAIN_DATA or data)")
+    parser.add_argument("--download", action="store_true",
+                        help="download cifar10/cifar100 into --data-dir first (needs the network)")
+    parser.add_argument("--width", type=int, help="first conv channels / hidden size (default: pipetrain.apps.models)")
+    parser.add_argument("--depth", type=int, help="layers (vgg 11/13/16/19, resnet 6n+2, transformer/lstm layers)")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages (under torchrun: world / data-parallel)")
+    parser.add_argument("--micro-batches", type=int, default=4,
+                        help="micro-batches per mini-batch" + ("" if pipeline else " of the pipelined runs"))
+    if pipeline:
+        parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+        parser.add_argument("--staleness", default=None, choices=STALENESS,
+                            help="async-1f1b: vanilla | stash | spectrain (default spectrain); sync: none")
+        parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the whole pipeline")
+        parser.add_argument("--checkpoint-dir", help="save a checkpoint here after every epoch")
+        parser.add_argument("--resume", default="never", choices=["never", "auto"],
+                            help="auto: continue from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--partitioner", default="graph", choices=PARTITIONERS)
+    parser.add_argument("--epochs", type=int, help="default: the model family's DEFAULT_HPARAMS")
+    parser.add_argument("--batch-size", type=int, help="global mini-batch size")
+    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="sgd (momentum 0.9) or adam")
+    parser.add_argument("--lr", type=float, help="learning rate (default: the family's SGD rate; 1e-3 with adam)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-samples", type=int, help="use only the first N training samples")
+    parser.add_argument("--val-samples", type=int, help="use only the first N validation samples")
+    parser.add_argument("--logdir", help="TensorBoard run directory")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """A RunConfig from parsed ``add_arguments`` options."""
+    staleness = args.staleness or ("spectrain" if args.schedule == "async-1f1b" else "none")
+    return RunConfig(
+        model=args.model, dataset=args.dataset, data_dir=args.data_dir, download=args.download,
+        width=args.width, depth=args.depth,
+        stages=args.stages, micro_batches=args.micro_batches, schedule=args.schedule, staleness=staleness,
+        precision=args.precision, data_parallel=args.data_parallel, partitioner=args.partitioner,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
+        train_samples=args.train_samples, val_samples=args.val_samples, logdir=args.logdir,
+        checkpoint_dir=args.checkpoint_dir, resume=args.resume, progress=args.progress)
+
+
+def example_main(models: Sequence[str], description: str, argv: Sequence[str] | None = None) -> RunSummary:
+    """The body of every examples/<family>.py: parse options, train, print the summary line (rank 0)."""
+    parser = argparse.ArgumentParser(description=description)
+    add_arguments(parser, models)
+    args = parser.parse_args(argv)
+    try:
+        summary = run(config_from_args(args))
+    except (ValueError, FileNotFoundError) as exc:  # bad options or missing data: say why, no traceback
+        raise SystemExit(f"{parser.prog}: {exc}") from None
+    if is_rank_zero():
+        print(summary.line(), flush=True)
+    return summary

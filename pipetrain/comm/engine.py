@@ -1,0 +1,189 @@
+"""The engine: everything that differs between one process and one process per stage.
+
+A Pipeline asks its engine where its stages run and how they talk; the engine picks the one
+implementation of each cross-device piece for its layout: transport, tied-weight sync, fp16
+overflow agreement, step reporter, gradient reducers of hybrid mode, and how a plan and a
+prediction reach every process. `select_engine` is the one place that chooses.
+
+- `LocalEngine`: every stage in this process (one device or several), the deterministic
+  reference.
+- `DistributedEngine`: one pipeline position per rank under torchrun (gloo on CPU, NCCL on
+  GPU), ranks = stages x data_parallel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import partitioners
+from pipetrain.comm.overflow import DistributedOverflowAgreement, LocalOverflowAgreement
+from pipetrain.comm.replicas import StageReducer, replica_shard, shard_weight
+from pipetrain.comm.reporting import Reporter
+from pipetrain.comm.tied import DistributedTiedSync, LocalTiedSync
+from pipetrain.comm.transport import DistributedTransport, LocalTransport
+from pipetrain.comm.world import World, ensure_process_group, launched_by_torchrun
+from pipetrain.runtime.batching import batch_size
+from pipetrain.runtime.metrics import CommCounter
+from pipetrain.runtime.optimizer_step import OverflowAgreement, TiedSync
+from pipetrain.runtime.precision import DynamicLossScaler
+from pipetrain.runtime.stage import StageRuntime
+from pipetrain.runtime.topology import Topology
+
+if TYPE_CHECKING:
+    from pipetrain.options import PipelineOptions
+
+Tied = list[list[tuple[int, str]]]  # per tied parameter: its (stage, name) copies
+
+
+@dataclass
+class Connections:
+    """The cross-device pieces of one pipeline, built by its engine."""
+
+    transport: LocalTransport | DistributedTransport
+    tied: TiedSync
+    agreement: OverflowAgreement
+    reporter: Reporter
+
+
+class LocalEngine:
+    """Every stage in this process; ``devices`` gives each pipeline position its torch device."""
+
+    distributed = False
+    world: World | None = None
+    is_rank_zero = True
+    decides_plan = True
+
+    def __init__(self, stages: int, devices: list[torch.device | str] | None):
+        self.devices = [torch.device(d) for d in (devices or ["cpu"] * stages)]
+        if len(self.devices) != stages:
+            raise ValueError(f"devices lists {len(self.devices)} devices for {stages} stages; give one per stage")
+
+    def positions(self) -> list[int]:
+        """The pipeline positions this process runs: all of them."""
+        return list(range(len(self.devices)))
+
+    def torch_device(self, position: int) -> torch.device:
+        return self.devices[position]
+
+    def agree_on_plan(self, plan: partitioners.Plan, graph: partitioners.CostGraph) -> partitioners.Plan:
+        return plan
+
+    def connect(self, topology: Topology, runtimes: dict[int, StageRuntime], tied: Tied,
+                counter: CommCounter, options: PipelineOptions) -> Connections:
+        stage_devices = [self.devices[topology.position_of(v)] for v in range(topology.num_stages)]
+        return Connections(LocalTransport(stage_devices, counter), LocalTiedSync(tied, runtimes, counter),
+                           LocalOverflowAgreement(len(self.devices)),
+                           Reporter(runtimes, topology.num_stages, counter))
+
+    def make_scaler(self, precision: str) -> DynamicLossScaler | None:
+        """fp16 needs loss scaling; in one process the scaler must not look for a process group."""
+        return DynamicLossScaler(groups=[]) if precision == "fp16" else None
+
+    def make_reducers(self, stages_on: Callable[[int], list[StageRuntime]], options: PipelineOptions,
+                      counter: CommCounter) -> dict[int, StageReducer]:
+        return {}
+
+    def shard(self, x: Any, y: Any) -> tuple[Any, Any, float]:
+        """One process holds the whole mini-batch."""
+        return x, y, 1.0
+
+    def share_prediction(self, output: Any, topology: Topology) -> Any:
+        return output
+
+
+class DistributedEngine:
+    """One pipeline position of one replica per rank of the torch.distributed world."""
+
+    distributed = True
+    world: World
+
+    def __init__(self, options: PipelineOptions):
+        ensure_process_group()
+        self.world = World(options.stages, options.data_parallel, options.allreduce, options.hierarchy,
+                           options.timeout)
+        self.data_parallel = options.data_parallel
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.world.rank == 0
+
+    @property
+    def decides_plan(self) -> bool:
+        """Rank 0 traces with profiling and partitions; the others follow its plan."""
+        return self.world.rank == 0
+
+    def positions(self) -> list[int]:
+        return [self.world.position]
+
+    def torch_device(self, position: int) -> torch.device:
+        return self.world.device
+
+    def agree_on_plan(self, plan: partitioners.Plan | None, graph: partitioners.CostGraph) -> partitioners.Plan:
+        """Every rank gets rank 0's plan, rebuilt over its own traced graph."""
+        box = [plan.to_json() if self.decides_plan else None]
+        dist.broadcast_object_list(box, src=0)
+        return partitioners.Plan.from_json(box[0], graph)
+
+    def connect(self, topology: Topology, runtimes: dict[int, StageRuntime], tied: Tied,
+                counter: CommCounter, options: PipelineOptions) -> Connections:
+        world = self.world
+        transport = DistributedTransport(topology, lambda v: world.rank_of(topology.position_of(v)),
+                                         world.link_groups(topology), world.device, counter,
+                                         options.dynamic_shapes, options.timeout)
+        tied_sync = DistributedTiedSync(tied, runtimes, world.tied_groups(topology, tied), counter)
+        reporter = Reporter(runtimes, topology.num_stages, counter, (world.control, world.report),
+                            options.data_parallel, world.device)
+        return Connections(transport, tied_sync, DistributedOverflowAgreement(), reporter)
+
+    def make_scaler(self, precision: str) -> DynamicLossScaler | None:
+        """fp16 loss scaling whose overflow flag is all-reduced over every rank."""
+        return DynamicLossScaler(groups=None) if precision == "fp16" else None
+
+    def make_reducers(self, stages_on: Callable[[int], list[StageRuntime]], options: PipelineOptions,
+                      counter: CommCounter) -> dict[int, StageReducer]:
+        """Hybrid mode: a reducer averaging this position's gradients over its replicas."""
+        if options.data_parallel == 1:
+            return {}
+        # Hooks see gradients only when autograd accumulates them: not with staleness policies
+        # (they add per-version gradients by hand), nor across interleaved chunks, nor when
+        # zero-bubble W passes set the weight gradients.
+        overlap = (options.overlap and options.staleness == "none" and options.chunks_per_device == 1
+                   and options.schedule != "zb-h1")
+        position = self.world.position
+        return {position: StageReducer(stages_on(position), self.world.data_parallel_group, self.world.hierarchy,
+                                       options, counter, overlap)}
+
+    def shard(self, x: Any, y: Any) -> tuple[Any, Any, float]:
+        """This replica's share of a global mini-batch and the factor that keeps the mean exact."""
+        D = self.data_parallel
+        if D == 1:
+            return x, y, 1.0
+        r = self.world.replica
+        xs = replica_shard(x, r, D)
+        return xs, replica_shard(y, r, D), shard_weight(batch_size(x), batch_size(xs), D)
+
+    def share_prediction(self, output: Any, topology: Topology) -> Any:
+        """The full output on every rank, from replica 0's last stage (every replica computes the same)."""
+        box = [output]
+        last = self.world.rank_of(topology.position_of(topology.num_stages - 1), replica=0)
+        dist.broadcast_object_list(box, src=last, group=self.world.control)
+        return box[0]
+
+
+Engine = LocalEngine | DistributedEngine
+
+
+def select_engine(options: PipelineOptions) -> Engine:
+    """The engine ``options.engine`` asks for ("auto": distributed under torchrun or an initialised
+    process group, else local)."""
+    distributed = options.engine == "distributed" or (
+        options.engine == "auto" and (launched_by_torchrun() or dist.is_initialized()))
+    if distributed:
+        return DistributedEngine(options)
+    if options.data_parallel > 1:
+        raise ValueError("data_parallel > 1 runs one process per stage and replica: launch with torchrun "
+                         f"--nproc-per-node {options.stages * options.data_parallel} (engine='distributed' or 'auto')")
+    return LocalEngine(options.stages, options.devices)

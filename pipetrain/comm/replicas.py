@@ -1,0 +1,66 @@
+"""Hybrid mode glue: each replica's shard of a mini-batch, and averaging a stage's gradients
+over its replicas with the fused/hierarchical reducer."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pipetrain.allreduce.reducer import MiB, GradientReducer
+from pipetrain.runtime.batching import batch_size
+from pipetrain.runtime.metrics import CommCounter
+from pipetrain.runtime.stage import StageRuntime
+
+COMPRESS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def replica_shard(batch: Any, replica: int, replicas: int) -> Any:
+    """Replica ``replica``'s contiguous share of every batch-dimension tensor in ``batch``."""
+    size = batch_size(batch)
+    if size < replicas:
+        raise ValueError(f"a mini-batch of {size} samples cannot feed data_parallel={replicas} replicas; "
+                         "use a larger batch")
+    return pytree.tree_map(
+        lambda v: torch.tensor_split(v, replicas)[replica]
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size else v, batch)
+
+
+def shard_weight(global_size: int, replica_size: int, replicas: int) -> float:
+    """Factor on a replica's loss so that the replicas' mean gradient is the global-batch mean.
+
+    Each replica differentiates (replicas * n_r / N) x its own mean loss; averaging the
+    replicas then gives sum over all N samples / N even when shards are uneven.
+    """
+    return replicas * replica_size / global_size
+
+
+class StageReducer:
+    """Averages one device's gradients over the replicas of its stage at the REDUCE action."""
+
+    def __init__(self, stages: list[StageRuntime], group, hierarchy, options, counter: CommCounter,
+                 overlap: bool):
+        self.params = [p for s in stages for p in s.module.parameters() if p.requires_grad]
+        self.stage = stages[0].index
+        self.counter = counter
+        self.payload = sum(p.numel() * p.element_size() for p in self.params)
+        self.reducer = GradientReducer(self.params, group, bucket_bytes=int(options.bucket_mb * MiB),
+                                       hierarchy=hierarchy, algorithm=options.allreduce,
+                                       compress=COMPRESS[options.compress]) if self.params else None
+        self.overlap = overlap and self.reducer is not None
+        if self.overlap:
+            self.reducer.enable_overlap()
+
+    def before_backward(self, final: bool) -> None:
+        """Only the last backward before REDUCE may launch buckets (earlier ones accumulate)."""
+        if self.overlap:
+            self.reducer.prepare(final=final)
+
+    def reduce(self, t: int) -> None:
+        if self.reducer is None:
+            return
+        if self.overlap:
+            self.reducer.finish()
+        else:
+            self.reducer.reduce_now()
+        self.counter.add("data_parallel", self.stage, self.payload)

@@ -1,0 +1,127 @@
+"""The process layout of the distributed engine: ranks, devices and process groups.
+
+Rank r runs pipeline device ``r % stages`` of replica ``r // stages`` (each replica's
+pipeline occupies consecutive ranks, so with ``--nproc-per-node=stages`` a pipeline
+stays inside one machine and only the data-parallel reduction crosses machines).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.allreduce.hierarchy import build_hierarchy_groups
+from pipetrain.runtime.topology import Topology
+
+
+def _replicas_per_node(ranks: list[int]) -> tuple[int, int]:
+    """(nodes, replicas per node) of a data-parallel group from torchrun's LOCAL_WORLD_SIZE
+    (one node when unknown)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    nodes = len({r // local for r in ranks})
+    if len(ranks) % nodes:
+        raise ValueError(f"data-parallel ranks {ranks} spread unevenly over {nodes} nodes; "
+                         "use allreduce='flat' or a layout with the same processes on every node")
+    return nodes, len(ranks) // nodes
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def ensure_process_group(timeout_seconds: float = 1800.0) -> None:
+    """Join the default process group torchrun described (gloo on CPU, NCCL on GPU)."""
+    if dist.is_initialized():
+        return
+    if not launched_by_torchrun():
+        raise RuntimeError("engine='distributed' needs torchrun (or an initialised torch.distributed process "
+                           "group); run `torchrun --nproc-per-node N script.py` or use engine='local'")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=timeout_seconds)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's store outlives a restart (--max-restarts); without a per-attempt namespace the
+        # restarted workers read the dead workers' addresses and fail to connect their groups.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"pipetrain/attempt-{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
+
+
+class World:
+    """This rank's place in the (replica x pipeline device) grid and the groups it talks over."""
+
+    def __init__(self, stages: int, data_parallel: int, allreduce: str = "flat",
+                 hierarchy: tuple[int, int] | None = None, timeout: float = 30.0):
+        self.stages = stages
+        self.data_parallel = data_parallel
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        if self.size != stages * data_parallel:
+            raise ValueError(
+                f"the world has {self.size} processes but stages x data_parallel = {stages} x {data_parallel} "
+                f"= {stages * data_parallel}; launch with --nproc-per-node (x nodes) = {stages * data_parallel} "
+                "or change stages/data_parallel")
+        self.replica, self.position = divmod(self.rank, stages)
+        self.timeout = timedelta(seconds=timeout)
+        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        # new_group must be called by every rank in the same order, so groups are built up front.
+        self.control = self._group(list(range(self.size)))
+        self.report = self._group(list(range(self.size)))  # broadcasts of the step report's sum (reporting)
+        # Checkpoint barriers wait for every rank's file writes, which may take long for big stages.
+        self.checkpoint = dist.new_group(list(range(self.size)))
+        self.data_parallel_group = None
+        self.hierarchy = None
+        for d in range(stages):
+            ranks = [r * stages + d for r in range(data_parallel)]
+            group = self._group(ranks)
+            if d == self.position:
+                self.data_parallel_group = group
+            if data_parallel > 1 and allreduce in ("hybrid", "hierarchical"):
+                nodes, per_node = hierarchy if hierarchy else _replicas_per_node(ranks)
+                found = build_hierarchy_groups(ranks, nodes, per_node)
+                if d == self.position:
+                    self.hierarchy = found
+
+    def _group(self, ranks: list[int]):
+        # Collectives on our groups give up after the same bound as point-to-point waits.
+        return dist.new_group(ranks, timeout=self.timeout)
+
+    def rank_of(self, device: int, replica: int | None = None) -> int:
+        return (self.replica if replica is None else replica) * self.stages + device
+
+    def link_groups(self, topology: Topology) -> dict[int, object]:
+        """One two-rank group per link between stages on different devices, for this replica."""
+        mine = {}
+        for replica in range(self.data_parallel):
+            for link in topology.links:
+                ranks = sorted({self.rank_of(topology.position_of(link.src), replica),
+                                self.rank_of(topology.position_of(link.dst), replica)})
+                if len(ranks) < 2:
+                    continue
+                group = self._group(ranks)
+                if replica == self.replica:
+                    mine[link.index] = group
+        return mine
+
+    def tied_groups(self, topology: Topology, tied: list[list[tuple[int, str]]]) -> dict[int, object]:
+        """A group per tied parameter whose copies live on several devices, for this replica."""
+        mine = {}
+        for replica in range(self.data_parallel):
+            for i, copies in enumerate(tied):
+                ranks = sorted({self.rank_of(topology.position_of(stage), replica) for stage, _ in copies})
+                if len(ranks) < 2:
+                    continue
+                group = self._group(ranks)
+                if replica == self.replica and self.rank in ranks:
+                    mine[i] = group
+        return mine

@@ -1,0 +1,121 @@
+"""LARS/LARC optimizer.
+
+`LARS` is layer-wise adaptive rate scaling (You et al., 2017) with the
+LARC clipping option (NVIDIA apex): each non-excluded parameter tensor gets
+its own step size from the ratio of its weight norm to its gradient norm, so
+very large batches can train with one global learning rate.
+
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class LARS(torch.optim.Optimizer):
+    """Momentum SGD whose per-tensor step is scaled by a trust ratio.
+
+    For a parameter ``w`` with gradient ``g`` (per tensor):
+
+    * ``trust = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)``,
+      or 1 when ``||w||`` or ``||g||`` is 0 (a fresh zero-initialised tensor or
+      an unused one must still move like plain SGD);
+    * ``local = trust`` (LARS), or with ``clip=True`` ``local = min(trust / lr, 1)``
+      (LARC "clip" mode: the adaptive rate never exceeds the global rate);
+    * ``buf = momentum * buf + local * (g + weight_decay * w)`` (on the first
+      step ``buf`` starts as the scaled gradient, like torch's SGD);
+    * ``w <- w - lr * buf``.
+
+    Excluded tensors get plain momentum SGD (``buf = momentum * buf + g + wd * w``,
+    ``w <- w - lr * buf``): every tensor of a param group with
+    ``lars_exclude=True`` (with that group's weight_decay), and, when
+    ``exclude_1d`` is set (default), every 1-D tensor (biases, normalisation
+    scales) with NO weight decay, the usual large-batch recipe.
+
+    The momentum buffer lives in ``state[p]["momentum_buffer"]`` like SGD's and
+    already includes the adaptive scaling, so `smoothed_update` returns it.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-8,
+        clip: bool = False,
+        exclude_1d: bool = True,
+    ) -> None:
+        if lr <= 0.0:
+            raise ValueError(f"LARS: lr must be > 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"LARS: momentum must be in [0, 1), got {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"LARS: weight_decay must be >= 0, got {weight_decay}")
+        if trust_coefficient <= 0.0:
+            raise ValueError(f"LARS: trust_coefficient must be > 0, got {trust_coefficient}")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient,
+            eps=eps,
+            clip=clip,
+            exclude_1d=exclude_1d,
+            lars_exclude=False,
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Perform one optimizer step (optionally re-evaluating the loss via closure)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr = group["lr"]
+            momentum = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise TypeError("LARS: sparse gradients are not supported; use dense embeddings")
+                update = self._scaled_gradient(p, group)
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    state["momentum_buffer"] = update.clone()
+                    buf = state["momentum_buffer"]
+                else:
+                    buf.mul_(momentum).add_(update)
+                p.add_(buf, alpha=-lr)
+        return loss
+
+    def _scaled_gradient(self, p: Tensor, group: dict[str, Any]) -> Tensor:
+        """The gradient (plus weight decay) times the local adaptive rate."""
+        g = p.grad
+        wd = group["weight_decay"]
+        auto_excluded = group["exclude_1d"] and p.dim() == 1
+        if auto_excluded:
+            return g
+        update = g.add(p, alpha=wd) if wd != 0 else g
+        if group["lars_exclude"]:
+            return update
+        w_norm = torch.linalg.vector_norm(p)
+        g_norm = torch.linalg.vector_norm(g)
+        trust = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"])
+        # torch.where keeps this free of host syncs on accelerators.
+        trust = torch.where((w_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
+        if group["clip"]:
+            trust = torch.clamp(trust / group["lr"], max=1.0)
+        return update * trust
+
+    def smoothed_update(self, param: Tensor) -> Tensor | None:
+        """The scaled momentum buffer of `param` (None before its first step)."""
+        return self.state[param].get("momentum_buffer") if param in self.state else None

@@ -1,0 +1,252 @@
+"""The executor: one loop that runs a device's action list, dispatching on the action kind.
+
+It is a generator: it yields ``BLOCKED`` while a message it needs has not arrived and
+``DONE`` after each action. The local engine interleaves the generators of all devices
+in one process; the distributed engine drives the one of its rank (its transport waits
+instead of blocking the generator). Both execute the same lists ``schedules`` builds.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pipetrain.runtime.feed import Feed
+from pipetrain.runtime.stage import StageRuntime, takes_grad
+from pipetrain.runtime.topology import ACT, GRAD, Topology
+from schedules import Action, ActionKind
+
+BLOCKED, DONE, STEPPED = "blocked", "done", "stepped"
+
+
+class DeviceExecutor:
+    """Executes the actions of one pipeline device (all its chunks / virtual stages)."""
+
+    def __init__(self, device: int, stages: dict[int, StageRuntime], topology: Topology, transport: Any,
+                 feed: Feed, step: Callable[[int], Iterator[str]], reduce: Callable[[int], None] | None = None,
+                 before_backward: Callable[[bool], None] | None = None, send_dtype: torch.dtype | None = None,
+                 train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0, split_backward: bool = False):
+        self.device = device
+        self.stages = stages  # chunk -> runtime
+        self.topology = topology
+        self.transport = transport
+        self.feed = feed
+        self.step = step
+        self.reduce = reduce
+        self.before_backward = before_backward
+        self.send_dtype = send_dtype
+        self.split_backward = split_backward  # zero-bubble: B computes input gradients, W weight gradients
+        self.train = train
+        self.loss_scale = loss_scale
+        self.outputs: dict[tuple[int, int], Any] = {}       # (stage, micro-batch) -> forward outputs to send
+        self.input_grads: dict[tuple[int, int], list] = {}  # (stage, micro-batch) -> gradients to send back
+        self.float_leaves: dict[tuple[int, int], dict[str, int]] = {}  # gradients expected per output
+        self.predictions: dict[int, Any] = {}
+        self.steps_done: list[int] = []
+        self.busy_seconds = {stage.index: 0.0 for stage in stages.values()}
+        self._handlers = {
+            ActionKind.FORWARD: self._forward,
+            ActionKind.BACKWARD: self._backward,
+            ActionKind.WEIGHT: self._weight,
+            ActionKind.SEND_ACT: self._send_act,
+            ActionKind.RECV_ACT: self._recv_act,
+            ActionKind.SEND_GRAD: self._send_grad,
+            ActionKind.RECV_GRAD: self._recv_grad,
+            ActionKind.STEP: self._step,
+            ActionKind.REDUCE: self._reduce,
+        }
+
+    def run(self, actions: Iterable[Action]) -> Iterator[str]:
+        for action in hoist_receives(actions):
+            handler = self._handlers.get(action.kind)
+            if handler is None:
+                raise ValueError(f"the runtime cannot execute action {action} ({action.kind.name}); "
+                                 "use gpipe, 1f1b, interleaved-1f1b, zb-h1 or async-1f1b")
+            yield from handler(action)
+            yield STEPPED if action.kind == ActionKind.STEP else DONE
+
+    def _stage(self, action: Action) -> StageRuntime:
+        return self.stages[action.chunk]
+
+    def _cast(self, values: Any) -> Any:
+        if self.send_dtype is None:
+            return values
+        return pytree.tree_map(
+            lambda v: v.to(self.send_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, values)
+
+    def _wait(self, links, kind: str, micro_batch: int) -> Iterator[str]:
+        for link in links:
+            while not self.transport.ready(link, kind, micro_batch):
+                yield BLOCKED
+
+    def _forward(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        g = a.micro_batch
+        if stage.index == 0:
+            inputs = self.feed.inputs(g)
+            inputs = tuple(v.to(stage.device) if isinstance(v, torch.Tensor) else v for v in inputs)
+        else:
+            links = self.topology.into[stage.index]
+            yield from self._wait(links, ACT, g)
+            inputs = self.topology.assemble(stage.index, {l.index: self.transport.take(l, ACT, g) for l in links})
+        target = None
+        if stage.is_last and self.train:
+            target = pytree.tree_map(lambda v: v.to(stage.device) if isinstance(v, torch.Tensor) else v,
+                                     self.feed.target(g))
+        start = time.perf_counter()
+        out = stage.forward(g, inputs, target, self.feed.grad_weight(g), grad=self.train)
+        self.busy_seconds[stage.index] += time.perf_counter() - start
+        if stage.is_last:
+            if not self.train:
+                self.predictions[g] = out
+        else:
+            values = dict(zip(self.topology.outputs[stage.index], _as_tuple(out)))
+            self.outputs[(stage.index, g)] = values
+            if self.train:
+                self.float_leaves[(stage.index, g)] = {n: _count_float(v) for n, v in values.items()}
+
+    def _send_act(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        values = self.outputs.pop((stage.index, a.micro_batch))
+        for link in self.topology.out_of[stage.index]:
+            self.transport.send(link, ACT, a.micro_batch, self._cast([values[n] for n in link.names]),
+                                shape_key=self.feed.size(a.micro_batch))
+        return iter(())
+
+    def _recv_act(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        for link in self.topology.into[stage.index]:
+            self.transport.post(link, ACT, a.micro_batch, shape_key=self.feed.size(a.micro_batch))
+        return iter(())
+
+    def _backward(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        g = a.micro_batch
+        grads = None
+        if not stage.is_last:
+            links = self.topology.out_of[stage.index]
+            yield from self._wait(links, GRAD, g)
+            by_link = {l.index: self.transport.take(l, GRAD, g) for l in links}
+            grads = self._output_grads(stage, g, links, by_link)
+        if self.before_backward is not None:
+            # The last micro-batch of a mini-batch may start the data-parallel reduction during its backward.
+            self.before_backward((g + 1) % self.feed.micro_batches == 0)
+        start = time.perf_counter()
+        input_grads = stage.backward(g, grads, loss_scale=self.loss_scale(), split=self.split_backward)
+        self.busy_seconds[stage.index] += time.perf_counter() - start
+        if stage.index > 0:
+            self.input_grads[(stage.index, g)] = input_grads
+
+    def _output_grads(self, stage: StageRuntime, g: int, links, by_link: dict[int, list]) -> list:
+        """Sum the gradients every consumer sent for each floating output, in output order.
+
+        An output read by several later stages (a skip connection and the next stage)
+        receives one gradient per consumer; their sum is its gradient.
+        """
+        counts = self.float_leaves.pop((stage.index, g))
+        sums: dict[str, list] = {}
+        for link in links:
+            it = iter(by_link[link.index])
+            for name in link.names:
+                grads = [next(it) for _ in range(counts[name])]
+                sums[name] = [a + b for a, b in zip(sums[name], grads)] if name in sums else grads
+        return [t for n in self.topology.outputs[stage.index] for t in sums.get(n, [])]
+
+    def _weight(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        start = time.perf_counter()
+        stage.backward_weight(a.micro_batch)
+        self.busy_seconds[stage.index] += time.perf_counter() - start
+        return iter(())
+
+    def _send_grad(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        grads = self.input_grads.pop((stage.index, a.micro_batch))
+        position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
+        for link in self.topology.into[stage.index]:
+            message = [t for n in link.names for t in grads[position[n]]]
+            self.transport.send(link, GRAD, a.micro_batch, self._cast(message), shape_key=self.feed.size(a.micro_batch))
+        return iter(())
+
+    def _recv_grad(self, a: Action) -> Iterator[str]:
+        stage = self._stage(a)
+        for link in self.topology.out_of[stage.index]:
+            self.transport.post(link, GRAD, a.micro_batch, shape_key=self.feed.size(a.micro_batch))
+        return iter(())
+
+    def _step(self, a: Action) -> Iterator[str]:
+        yield from self.step(a.micro_batch)
+        self.steps_done.append(a.micro_batch)
+
+    def _reduce(self, a: Action) -> Iterator[str]:
+        if self.reduce is not None:
+            self.reduce(a.micro_batch)
+        return iter(())
+
+
+RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
+COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+
+
+def hoist_receives(actions: Iterable[Action]) -> Iterator[Action]:
+    """Post each receive before the compute action that precedes it (unless that one computes the
+    same micro-batch), so the transfer runs during that compute instead of after it.
+
+    gloo moves a message only once its receive is posted; schedules post a receive right
+    before the action that needs it, which leaves every transfer on the critical path.
+    Lazy, reading at most one compute action ahead, so streamed async-1f1b keeps its pace.
+    """
+    held: list[Action] = []  # the last compute action and the non-receive actions after it
+    for a in actions:
+        if a.kind in RECEIVES and held and (held[0].micro_batch, held[0].chunk) != (a.micro_batch, a.chunk):
+            yield a
+        elif a.kind in COMPUTE:
+            yield from held
+            held = [a]
+        elif held:
+            held.append(a)
+        else:
+            yield a
+    yield from held
+
+
+def _count_float(value: Any) -> int:
+    return sum(1 for v in pytree.tree_leaves(value) if takes_grad(v))
+
+
+def _as_tuple(out: Any) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+class DeadlockError(RuntimeError):
+    """Every device waits for a message no device will send."""
+
+
+def drive(runs: dict[int, Iterator[str]]) -> Iterator[None]:
+    """Advance every device's executor; yields after each round so callers can collect results.
+
+    Local engine: round-robin, each device runs until it waits for a message. Distributed:
+    the transport blocks, so this rank's executor never reports BLOCKED.
+    """
+    live = dict(runs)
+    while live:
+        progressed = False
+        for d in list(live):
+            while True:
+                try:
+                    state = next(live[d])
+                except StopIteration:
+                    del live[d]
+                    progressed = True
+                    break
+                if state == BLOCKED:
+                    break
+                progressed = True
+                if state == STEPPED:  # let the caller report the finished mini-batch now, not at the end
+                    break
+        if not progressed:
+            raise DeadlockError(f"devices {sorted(live)} wait for each other: the schedule cannot run "
+                                "with this plan (a stage waits for a message no stage will send)")
+        yield

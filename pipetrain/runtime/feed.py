@@ -1,0 +1,89 @@
+"""The micro-batches a pipeline works on, addressed by global micro-batch index.
+
+Micro-batch g belongs to mini-batch g // micro_batches (the numbering schedules use).
+A streaming feed pulls mini-batches from the user's iterable only as the schedule asks
+for them, so async-1f1b never needs to know the stream's length up front.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator
+
+from pipetrain.runtime.batching import as_positional, batch_size, split_micro_batches
+
+
+class Feed:
+    """Mini-batches split into micro-batches, with the loss weight of each micro-batch."""
+
+    def __init__(self, micro_batches: int, input_names: list[str]):
+        self.micro_batches = micro_batches
+        self.input_names = input_names
+        self._inputs: dict[int, list] = {}
+        self._targets: dict[int, list] = {}
+        self._sizes: dict[int, list[int]] = {}
+        self._grad_scale: dict[int, float] = {}
+
+    def add(self, t: int, x: Any, y: Any = None, grad_scale: float = 1.0) -> None:
+        """Register mini-batch ``t``; ``grad_scale`` multiplies its loss in the backward only
+        (hybrid mode: this replica's share of the global batch)."""
+        self._grad_scale[t] = grad_scale
+        xs = split_micro_batches(x, self.micro_batches)
+        self._inputs[t] = [as_positional(v, self.input_names) for v in xs]
+        self._sizes[t] = [batch_size(v) for v in xs]
+        self._targets[t] = split_micro_batches(y, self.micro_batches) if y is not None else [None] * self.micro_batches
+
+    def release(self, t: int) -> None:
+        for d in (self._inputs, self._targets, self._sizes, self._grad_scale):
+            d.pop(t, None)
+
+    def _at(self, g: int) -> tuple[int, int]:
+        return divmod(g, self.micro_batches)
+
+    def inputs(self, g: int) -> tuple:
+        t, j = self._at(g)
+        return self._inputs[t][j]
+
+    def target(self, g: int) -> Any:
+        t, j = self._at(g)
+        return self._targets[t][j]
+
+    def size(self, g: int) -> int:
+        t, j = self._at(g)
+        return self._sizes[t][j]
+
+    def weight(self, g: int) -> float:
+        """Share of micro-batch ``g`` in its mini-batch's mean loss (uneven splits weigh by size)."""
+        t, j = self._at(g)
+        return self._sizes[t][j] / sum(self._sizes[t])
+
+    def grad_weight(self, g: int) -> float:
+        """Factor on micro-batch ``g``'s loss for the backward."""
+        return self.weight(g) * self._grad_scale[g // self.micro_batches]
+
+    def mini_batch_size(self, t: int) -> int:
+        return sum(self._sizes[t])
+
+
+class StreamFeed(Feed):
+    """A feed that pulls (x, y) pairs from an iterable on demand."""
+
+    def __init__(self, batches: Iterable, micro_batches: int, input_names: list[str],
+                 prepare: Callable[[Any, Any], tuple[Any, Any, float]] | None = None):
+        super().__init__(micro_batches, input_names)
+        self._source: Iterator = iter(batches)
+        self._prepare = prepare or (lambda x, y: (x, y, 1.0))
+        self._next = 0
+        self.exhausted = False
+
+    def has(self, t: int) -> bool:
+        """Whether mini-batch ``t`` exists, reading the stream up to it if needed."""
+        while self._next <= t and not self.exhausted:
+            try:
+                item = next(self._source)
+            except StopIteration:
+                self.exhausted = True
+                break
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise TypeError("train() expects an iterable of (inputs, targets) pairs")
+            self.add(self._next, *self._prepare(*item))
+            self._next += 1
+        return t < self._next

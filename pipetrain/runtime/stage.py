@@ -1,0 +1,211 @@
+"""One virtual stage at run time: its module, optimizer, staleness policy and in-flight micro-batches."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from pipetrain.runtime import split_backward
+from pipetrain.runtime.staleness import StalenessPolicy
+
+
+@dataclass
+class InFlight:
+    """What a forward leaves for its backward."""
+
+    outputs: list[torch.Tensor]          # floating outputs, in send order (the scaled loss on the last stage)
+    input_leaves: list[list[torch.Tensor]]  # per input: leaves for its floating tensors (they take gradients)
+    update: int                          # optimizer updates the stage had taken at forward time
+    activation_bytes: int
+
+
+def tensor_leaves(values: Any) -> list[torch.Tensor]:
+    if isinstance(values, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in values):
+        return list(values)  # the usual boundary: a flat sequence of tensors (pytree is ~10x slower)
+    return [v for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
+
+
+def takes_grad(t: Any) -> bool:
+    """Boundary tensors that carry a gradient back: floating point ones."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _seed(device: torch.device, seed: int) -> None:
+    """Seed the CPU generator and ``device``'s only: torch.manual_seed also queues lazy seeding of every
+    accelerator backend not yet initialised (CUDA, XPU, MTIA), formatting a stack trace for each:
+    0.2-0.6 ms per call, paid on every forward."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes autograd keeps for a backward (activations, not weights)."""
+
+    def __init__(self, weights: set[int]):
+        self.total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in weights:
+                self.total += t.numel() * t.element_size()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+@dataclass
+class StageRuntime:
+    """Runs the forwards and backwards of one virtual stage."""
+
+    index: int
+    num_stages: int
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    policy: StalenessPolicy
+    device: torch.device
+    loss_fn: Callable | None = None
+    autocast_dtype: torch.dtype | None = None
+    seed: int = 0
+    in_flight: dict[int, InFlight] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        # Bytes autograd saves per forward, by input shapes: counting them takes a Python hook per
+        # saved tensor (~5% of a small stage's forward+backward), so each shape is counted once.
+        self.saved_bytes: dict[tuple, int] = {}
+        self.peak_in_flight = 0
+        self.peak_activation_bytes = 0
+        self.version_lags: dict[int, int] = {}  # micro-batch -> optimizer steps between its forward and backward
+        # Zero-bubble: micro-batch -> (what its W needs, activation bytes held until then).
+        self.weight_pending: dict[int, tuple[list, int]] = {}
+        self._split_ok: bool | None = None  # whether this stage's graph splits into B and W (checked once)
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _rng(self, micro_batch: int):
+        """Seed dropout & co. per (update, stage, micro-batch) so every engine draws the same numbers."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        ctx = torch.random.fork_rng(devices=devices)
+        seed = hash((self.seed, self.policy.updates, self.index, micro_batch)) % (2 ** 63)
+        return ctx, seed
+
+    def forward(self, micro_batch: int, inputs: tuple, target: Any = None, weight: float = 1.0,
+                grad: bool = True) -> Any:
+        """Forward ``micro_batch``; returns the outputs to send (or the loss on the last stage)."""
+        leaves: list[list[torch.Tensor]] = []
+        args = []
+        for value in inputs:
+            if grad and self.index > 0:
+                value, value_leaves = self._as_leaves(value)
+                leaves.append(value_leaves)
+            else:
+                leaves.append([])
+            args.append(value)
+        weights = self.policy.forward_weights(micro_batch) if grad else None
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(args))
+        counted = self.saved_bytes.get(shapes)
+        if counted is None:
+            param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+            if weights is not None:
+                param_ptrs |= {w.untyped_storage().data_ptr() for w in weights.values()}
+            counter = SavedBytes(param_ptrs)
+        else:
+            counter = contextlib.nullcontext()
+        rng, seed = self._rng(micro_batch)
+        with rng, counter, torch.set_grad_enabled(grad), self._autocast():
+            _seed(self.device, seed)
+            if weights is None:
+                out = self.module(*args)
+            else:
+                out = functional_call(self.module, weights, tuple(args))
+            if self.is_last and target is not None:
+                loss = self.loss_fn(out, target)
+                to_differentiate = [loss * weight]
+        if not grad:
+            return out
+        if self.is_last:
+            self.losses[micro_batch] = loss.detach()
+        else:
+            to_differentiate = [t for t in tensor_leaves(out) if takes_grad(t)]
+        if counted is None:
+            counted = self.saved_bytes[shapes] = counter.total
+        self.in_flight[micro_batch] = InFlight(to_differentiate, leaves, self.policy.updates, counted)
+        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes())
+        if self.is_last:
+            return loss.detach()
+        return out
+
+    @staticmethod
+    def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
+        """Make every floating tensor in a received value an autograd leaf so its gradient can be
+        sent back (stage modules clone the inputs they modify in place, so leaves stay untouched)."""
+        if isinstance(value, torch.Tensor):  # the usual case, without a tree walk
+            if not takes_grad(value):
+                return value, []
+            t = value.detach().requires_grad_()
+            return t, [t]
+        created: list[torch.Tensor] = []
+
+        def leaf(v):
+            if not takes_grad(v):
+                return v
+            t = v.detach().requires_grad_()
+            created.append(t)
+            return t
+
+        return pytree.tree_map(leaf, value), created
+
+    def backward(self, micro_batch: int, output_grads: list[torch.Tensor] | None,
+                 loss_scale: float = 1.0, split: bool = False) -> list[list[torch.Tensor]]:
+        """Backward ``micro_batch`` given the gradients of its floating outputs (in output order);
+        returns, per input, the gradients of its floating tensors (zeros where unused). With
+        ``split`` (zero-bubble B) the weight gradients wait for ``backward_weight``."""
+        saved = self.in_flight.pop(micro_batch)
+        self.policy.before_backward(micro_batch)
+        self.version_lags[micro_batch] = self.policy.updates - saved.update
+        if self.is_last:
+            tensors = [saved.outputs[0] * loss_scale] if loss_scale != 1.0 else saved.outputs
+            grads = None
+        else:
+            pairs = [(t, g) for t, g in zip(saved.outputs, output_grads) if t.requires_grad and g is not None]
+            tensors, grads = [t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs]
+        inputs = [leaf for leaves in saved.input_leaves for leaf in leaves]
+        if tensors and split and self._splits(tensors, inputs):
+            groups = split_backward.backward_input(tensors, grads, inputs, self._weights())
+            self.weight_pending[micro_batch] = (groups, saved.activation_bytes)
+        elif tensors:
+            torch.autograd.backward(tensors, grads)
+        self.policy.after_backward(micro_batch)
+        return [[l.grad if l.grad is not None else torch.zeros_like(l) for l in ls] for ls in saved.input_leaves]
+
+    def backward_weight(self, micro_batch: int) -> None:
+        """Zero-bubble W of ``micro_batch``: its weight gradients (nothing if its B ran whole)."""
+        pending = self.weight_pending.pop(micro_batch, None)
+        if pending is not None:
+            split_backward.backward_weight(self._weights(), pending[0])
+
+    def _weights(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _splits(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+        # The graph has the same shape for every micro-batch, so one check serves them all.
+        if self._split_ok is None:
+            self._split_ok = split_backward.split_is_complete(outputs, inputs, self._weights())
+        return self._split_ok
+
+    def activation_bytes(self) -> int:
+        return (sum(f.activation_bytes for f in self.in_flight.values())
+                + sum(held for _, held in self.weight_pending.values()))

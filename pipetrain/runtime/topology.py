@@ -1,0 +1,59 @@
+"""Who sends what to whom: the links between virtual stages and the device of each stage."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# The two directions of a link: activations src -> dst, their gradients dst -> src.
+ACT, GRAD = "act", "grad"
+
+
+@dataclass(frozen=True)
+class Link:
+    """The values stage ``src`` sends to stage ``dst`` for each micro-batch (activations one
+    way, their gradients the other way). Skip connections are links between non-adjacent stages."""
+
+    index: int
+    src: int
+    dst: int
+    names: tuple[str, ...]
+
+
+class Topology:
+    """Links of a partition plan placed on ``devices`` pipeline devices (virtual stages
+    v = chunk * devices + device, as in interleaved 1F1B)."""
+
+    def __init__(self, plan: Any, devices: int):
+        self.num_stages = plan.num_stages
+        self.devices = devices
+        if self.num_stages % devices:
+            raise ValueError(f"{self.num_stages} virtual stages do not divide over {devices} devices")
+        pairs: dict[tuple[int, int], list[str]] = {}
+        for src in range(self.num_stages - 1):
+            for name in plan.stage_outputs(src):
+                for dst in plan.consumers(name):
+                    pairs.setdefault((src, dst), []).append(name)
+        self.links = [Link(i, src, dst, tuple(names)) for i, ((src, dst), names) in enumerate(sorted(pairs.items()))]
+        self.into = {v: [l for l in self.links if l.dst == v] for v in range(self.num_stages)}
+        self.out_of = {v: [l for l in self.links if l.src == v] for v in range(self.num_stages)}
+        self.inputs = {v: list(plan.stage_inputs(v)) for v in range(self.num_stages)}
+        self.outputs = {v: list(plan.stage_outputs(v)) for v in range(self.num_stages)}
+        for v in range(1, self.num_stages):
+            arriving = {n for l in self.into[v] for n in l.names}
+            missing = [n for n in self.inputs[v] if n not in arriving]
+            if missing:
+                raise ValueError(f"plan error: stage {v} needs {missing} but no earlier stage sends them")
+
+    def position_of(self, stage: int) -> int:
+        """The pipeline position (0 .. devices - 1) that runs virtual stage ``stage``."""
+        return stage % self.devices
+
+    def chunk_of(self, stage: int) -> int:
+        return stage // self.devices
+
+    def assemble(self, stage: int, received: dict[int, list[Any]]) -> tuple:
+        """Stage inputs in the module's order from the values received on each incoming link."""
+        by_name = {}
+        for link in self.into[stage]:
+            by_name.update(zip(link.names, received[link.index]))
+        return tuple(by_name[n] for n in self.inputs[stage])
