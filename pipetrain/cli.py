@@ -121,7 +121,8 @@ def _app(name: str, module: str, add: str, run: str, help: str) -> tuple[Callabl
         return p
 
     def run_app(args: argparse.Namespace) -> int:
-        return getattr(importlib.import_module(f"pipetrain.apps.{module}"), run)(args) or 0
+        outcome = getattr(importlib.import_module(f"pipetrain.apps.{module}"), run)(args)
+        return outcome if isinstance(outcome, int) else 0  # an exit status, or the app's results
 
     return add_parser, run_app
 
