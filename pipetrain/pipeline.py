@@ -104,7 +104,8 @@ class Pipeline:
     def _schedule(self, kind: str, micro_batches: int) -> schedules.Schedule:
         key = (kind, micro_batches)
         if key not in self._schedules:
-            options = {"chunks": self.options.chunks} if kind == "interleaved-1f1b" else {}
+            chunks = self.options.chunks_per_device
+            options = {"chunks": chunks} if kind in ("interleaved-1f1b", "gpipe") and chunks > 1 else {}
             sched = schedules.build(kind, self.options.stages, micro_batches,
                                     data_parallel=self.options.data_parallel > 1, **options)
             schedules.validate(sched)
@@ -213,8 +214,9 @@ class Pipeline:
         m = min(self.options.micro_batches, batch_size(x))
         feed = Feed(m, self._input_names)
         feed.add(0, x)
-        # Forward-only: the forwards of a flushing schedule with the same stage placement.
-        sched = self._schedule("gpipe" if self.options.schedule == "async-1f1b" else self.options.schedule, m)
+        # Forward-only: the forwards of GPipe with the same stage placement (any m works, unlike
+        # interleaved-1f1b, which needs m divisible by stages: a short last batch need not be).
+        sched = self._schedule("gpipe", m)
         for rt in self._runtimes.values():
             rt.module.eval()
         try:

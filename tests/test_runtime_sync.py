@@ -71,6 +71,16 @@ def test_predict_equals_unsplit_model_in_eval_mode():
     assert all(rt.module.training for rt in pipe._runtimes.values())
 
 
+@pytest.mark.parametrize("batch", [7, 3])
+def test_interleaved_predict_takes_a_batch_whose_micro_batches_do_not_divide_over_the_stages(batch):
+    # A validation tail (359 samples at batch 32 leave 7) at 4 stages x 2 chunks, 8 micro-batches:
+    # min(8, 7) = 7 micro-batches are not a multiple of 4, which interleaved-1f1b cannot schedule.
+    pipe, _, bs = train_pipeline("mlp", 4, "interleaved-1f1b", 8, partitioner="uniform")
+    ref = reference_training("mlp", bs, 8).eval()
+    x = data("mlp", batch, seed=7)[0]
+    torch.testing.assert_close(pipe.predict(x), ref(x), atol=1e-6, rtol=0)
+
+
 def test_state_dict_keys_and_load_round_trip():
     pipe, _, _ = train_pipeline("tied", 3, "gpipe", 3, partitioner="uniform")
     original = make("tied").state_dict()

@@ -50,7 +50,7 @@ def test_build_rejects_bad_arguments():
     with pytest.raises(ValueError, match="micro_batches must be an int >= 1"):
         build("1f1b", 2, 2.0)
     with pytest.raises(TypeError, match="does not take option.*chunks"):
-        build("gpipe", 2, 2, chunks=2)
+        build("1f1b", 2, 2, chunks=2)
 
 
 @pytest.mark.parametrize("kind", SYNC_KINDS)
@@ -120,6 +120,20 @@ def test_peak_in_flight_matches_documented_formula(kind):
 def test_gpipe_and_1f1b_peaks_are_m_and_p_minus_k():
     assert simulate(build("gpipe", 4, 8), Costs(1, 1)).peak_in_flight == [8, 8, 8, 8]
     assert simulate(build("1f1b", 4, 8), Costs(1, 1)).peak_in_flight == [4, 3, 2, 1]
+
+
+def test_looped_gpipe_is_valid_for_any_micro_batch_count_and_holds_m_times_chunks():
+    for p in range(1, 6):
+        for chunks in (2, 3):
+            for m in range(1, 10):
+                schedule = build("gpipe", p, m, chunks=chunks)
+                validate(schedule)  # FIFO per device pair, no deadlock
+                result = simulate(schedule, Costs(1, 1))
+                assert result.peak_in_flight == [m * chunks] * p, (p, chunks, m)
+                # every micro-batch crosses every virtual stage once, forward before backward
+                for d, actions in enumerate(schedule.actions):
+                    units = [(a.kind, a.micro_batch, a.chunk) for a in actions if a.kind in (F, B)]
+                    assert sorted(units) == sorted((k, i, c) for k in (F, B) for i in range(m) for c in range(chunks))
 
 
 def test_zb_h1_splits_every_backward():

@@ -2,16 +2,23 @@
 from __future__ import annotations
 
 from schedules.actions import Action, ActionKind
-from schedules.builders.common import step_tail
+from schedules.builders.common import check_count, step_tail
 from schedules.builders.send_recv import attach_comms
 from schedules.schedule import Schedule
 
 
-def gpipe(stages: int, micro_batches: int, *, data_parallel: bool = False) -> Schedule:
-    """GPipe schedule. Peak in-flight micro-batches: m at every stage."""
+def gpipe(stages: int, micro_batches: int, *, chunks: int = 1, data_parallel: bool = False) -> Schedule:
+    """GPipe schedule. Peak in-flight micro-batches: m x chunks at every stage.
+
+    With chunks > 1 each device holds `chunks` virtual stages placed as in interleaved 1F1B
+    (v = chunk * stages + device) and runs every micro-batch through one chunk before the next
+    (a looped fill-drain): any micro-batch count works, which the forward-only pass of an
+    interleaved pipeline's predict() needs.
+    """
+    check_count("chunks", chunks)
     compute = []
     for d in range(stages):
-        actions = [Action(d, ActionKind.FORWARD, i) for i in range(micro_batches)]
-        actions += [Action(d, ActionKind.BACKWARD, i) for i in range(micro_batches)]
+        actions = [Action(d, ActionKind.FORWARD, i, c) for c in range(chunks) for i in range(micro_batches)]
+        actions += [Action(d, ActionKind.BACKWARD, i, c) for c in reversed(range(chunks)) for i in range(micro_batches)]
         compute.append(actions + step_tail(d, 0, data_parallel))
-    return Schedule("gpipe", stages, micro_batches, attach_comms(compute, stages, 1))
+    return Schedule("gpipe", stages, micro_batches, attach_comms(compute, stages, chunks), chunks=chunks)
