@@ -69,6 +69,18 @@ def test_unknown_method_is_a_clear_error(tmp_path):
         main(["compare", *TINY, "--logdir", str(tmp_path), "--methods", "1f1b,pipedream"])
 
 
+def test_a_method_with_bad_options_stops_compare_before_any_training(tmp_path, monkeypatch):
+    import pipetrain.apps.compare as compare_module
+
+    trained = []
+    monkeypatch.setattr(compare_module, "run", lambda config: trained.append(config.label))
+    # bf16 is fine for data-parallel and 1f1b but not for async vanilla (autocast caches weights).
+    with pytest.raises(SystemExit, match="staleness='vanilla' with precision='bf16'"):
+        main(["compare", *TINY, "--logdir", str(tmp_path), "--precision", "bf16",
+              "--methods", "data-parallel,1f1b,vanilla"])
+    assert trained == []
+
+
 def test_table_has_one_row_per_method():
     from pipetrain.apps.training import EpochRecord, RunSummary
 

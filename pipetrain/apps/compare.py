@@ -48,7 +48,9 @@ def compare(base: RunConfig, methods: Sequence[str], logdir: str | os.PathLike,
     """Train ``base`` with every method; method m logs to ``logdir/m``. Returns the summaries by method."""
     root = Path(logdir)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    configs = {m: method_config(base, m, world, async_micro_batches) for m in methods}  # all errors before any training
+    configs = {m: method_config(base, m, world, async_micro_batches) for m in methods}
+    for config in configs.values():  # every method's bad option (e.g. bf16 with async vanilla) before any training
+        config.check()
     # Every rank checks, so under torchrun all stop together instead of rank 0 alone.
     taken = [m for m in methods if (root / m).is_dir() and any((root / m).iterdir())]
     if taken:

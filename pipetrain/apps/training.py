@@ -85,6 +85,19 @@ class RunConfig:
             out.lr = hp["lr"] if self.optimizer == "sgd" else ADAM_LR
         return out
 
+    def wrap_options(self) -> dict[str, Any]:
+        """The options of ``pipetrain.wrap`` this run trains with (call on a resolved config)."""
+        return dict(stages=self.stages, micro_batches=self.micro_batches, schedule=self.schedule,
+                    staleness=self.staleness, partitioner=self.partitioner, loss_fn=F.cross_entropy,
+                    precision=self.precision, data_parallel=self.data_parallel, engine=self.engine,
+                    logdir=self.logdir, seed=self.seed,
+                    profile=self.profile and self.partitioner in ("graph", "time"),
+                    optimizer=optimizer_factory(self.optimizer, self.lr, self.momentum))
+
+    def check(self) -> None:
+        """Raise the error wrap() would raise for these options, before any data is loaded or trained."""
+        pipetrain.PipelineOptions(**self.resolved().wrap_options()).validate()
+
     def describe(self) -> str:
         """Schedule and layout in a few words, e.g. 'async-1f1b/spectrain 4 stages x 1 micro-batch'."""
         kind = self.schedule + (f"/{self.staleness}" if self.staleness != "none" else "")
@@ -212,11 +225,7 @@ def run(config: RunConfig) -> RunSummary:
     loader = make_loader(train, c.batch_size, shuffle=True, seed=c.seed, drop_last=True)
     x0, _ = default_collate([train[i] for i in range(c.batch_size)])
     example = x0[:max(1, c.batch_size // (c.micro_batches * c.data_parallel))]
-    pipe = pipetrain.wrap(
-        model, example, stages=c.stages, micro_batches=c.micro_batches, schedule=c.schedule, staleness=c.staleness,
-        partitioner=c.partitioner, loss_fn=F.cross_entropy, precision=c.precision, data_parallel=c.data_parallel,
-        engine=c.engine, logdir=c.logdir, seed=c.seed, profile=c.profile and c.partitioner in ("graph", "time"),
-        optimizer=optimizer_factory(c.optimizer, c.lr, c.momentum))
+    pipe = pipetrain.wrap(model, example, **c.wrap_options())
     rank0 = is_rank_zero()
     val_log = None
     if c.logdir and rank0:
