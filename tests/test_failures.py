@@ -22,9 +22,19 @@ def _rank(rank, port, out, mode):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     x, y = data("mlp", 8)
     pipe = pipetrain.wrap(make("mlp"), x[:2], stages=WORLD, micro_batches=4, optimizer=sgd, partitioner="uniform",
-                          profile=False, engine="distributed", timeout=TIMEOUT)
+                          profile=False, engine="distributed", timeout=TIMEOUT,
+                          precision="fp16" if mode == "hang-at-step" else "fp32")
     pipe.step(x, y)
-    if rank == VICTIM:
+    if rank == VICTIM and mode == "hang-at-step":
+        # Every compute and message of the step done, the victim hangs before the fp16 overflow
+        # agreement: the others wait in that collective, not in a point-to-point receive.
+        scaler = pipe._steppers[VICTIM].scaler
+        def unscale_then_hang(params, _unscale=scaler.unscale_):
+            Path(out, "t0").write_text(str(time.time()))
+            time.sleep(120)
+            return _unscale(params)
+        scaler.unscale_ = unscale_then_hang
+    elif rank == VICTIM:
         def fail(module, inputs):  # mid-step: after the first micro-batch's forward on this stage
             if fail.calls == 1:
                 Path(out, "t0").write_text(str(time.time()))
@@ -74,3 +84,14 @@ def test_other_ranks_stop_within_the_timeout_naming_the_rank(tmp_path, mode):
     # The victim's neighbours name it.
     for r in (VICTIM - 1, VICTIM + 1):
         assert f"rank {VICTIM}" in (tmp_path / f"rank{r}").read_text()
+
+
+def test_a_rank_hung_before_a_collective_stops_the_others_within_the_timeout(tmp_path):
+    # The default process group of this test waits 60 s; every collective of pipetrain must give up
+    # after wrap(timeout=8) instead.
+    codes = _run(tmp_path, "hang-at-step")
+    t0 = float((tmp_path / "t0").read_text())
+    for r in (r for r in range(WORLD) if r != VICTIM):
+        assert codes[r] == 1, f"rank {r} exit code {codes[r]}"
+        stamp, message = (tmp_path / f"rank{r}").read_text().split("\n", 1)
+        assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s: {message}"

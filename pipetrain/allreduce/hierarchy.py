@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -48,7 +49,8 @@ def _node_lists_from_env(ranks: list[int]) -> list[list[int]]:
 
 
 def build_hierarchy_groups(
-    group_ranks: Sequence[int], nodes: int | None = None, per_node: int | None = None
+    group_ranks: Sequence[int], nodes: int | None = None, per_node: int | None = None,
+    timeout: timedelta | None = None,
 ) -> Hierarchy | None:
     """Create the hierarchy groups of the data-parallel group `group_ranks`.
 
@@ -82,14 +84,14 @@ def build_hierarchy_groups(
     mine: dict[str, dist.ProcessGroup | None] = {"intra_reduce": None, "intra_gather": None, "inter": None}
     node = local_rank = -1
     for n, members in enumerate(node_lists):
-        reduce_group = dist.new_group(members) if per > 1 else None
-        gather_group = dist.new_group(members) if per > 1 else None
+        reduce_group = dist.new_group(members, timeout=timeout) if per > 1 else None
+        gather_group = dist.new_group(members, timeout=timeout) if per > 1 else None
         if me in members:
             node, local_rank = n, members.index(me)
             mine["intra_reduce"], mine["intra_gather"] = reduce_group, gather_group
     for local in range(per):
         members = [node_lists[n][local] for n in range(len(node_lists))]
-        inter_group = dist.new_group(members) if len(node_lists) > 1 else None
+        inter_group = dist.new_group(members, timeout=timeout) if len(node_lists) > 1 else None
         if me in members:
             mine["inter"] = inter_group
     if node < 0:

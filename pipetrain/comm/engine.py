@@ -101,7 +101,7 @@ class DistributedEngine:
     world: World
 
     def __init__(self, options: PipelineOptions):
-        ensure_process_group()
+        ensure_process_group(options.timeout)
         self.world = World(options.stages, options.data_parallel, options.allreduce, options.hierarchy,
                            options.timeout)
         self.data_parallel = options.data_parallel
@@ -124,7 +124,7 @@ class DistributedEngine:
     def agree_on_plan(self, plan: partitioners.Plan | None, graph: partitioners.CostGraph) -> partitioners.Plan:
         """Every rank gets rank 0's plan, rebuilt over its own traced graph."""
         box = [plan.to_json() if self.decides_plan else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.world.control)  # bounded by options.timeout
         return partitioners.Plan.from_json(box[0], graph)
 
     def connect(self, topology: Topology, runtimes: dict[int, StageRuntime], tied: Tied,
@@ -139,8 +139,9 @@ class DistributedEngine:
         return Connections(transport, tied_sync, DistributedOverflowAgreement(), reporter)
 
     def make_scaler(self, precision: str) -> DynamicLossScaler | None:
-        """fp16 loss scaling whose overflow flag is all-reduced over every rank."""
-        return DynamicLossScaler(groups=None) if precision == "fp16" else None
+        """fp16 loss scaling whose overflow flag is all-reduced over every rank (on a group bounded by
+        options.timeout: the default group may wait much longer for a hung peer)."""
+        return DynamicLossScaler(groups=[self.world.control]) if precision == "fp16" else None
 
     def make_reducers(self, stages_on: Callable[[int], list[StageRuntime]], options: PipelineOptions,
                       counter: CommCounter) -> dict[int, StageReducer]:

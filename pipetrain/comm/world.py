@@ -31,7 +31,7 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def ensure_process_group(timeout_seconds: float = 1800.0) -> None:
+def ensure_process_group(timeout_seconds: float) -> None:
     """Join the default process group torchrun described (gloo on CPU, NCCL on GPU)."""
     if dist.is_initialized():
         return
@@ -77,8 +77,7 @@ class World:
         # new_group must be called by every rank in the same order, so groups are built up front.
         self.control = self._group(list(range(self.size)))
         self.report = self._group(list(range(self.size)))  # broadcasts of the step report's sum (reporting)
-        # Checkpoint barriers wait for every rank's file writes, which may take long for big stages.
-        self.checkpoint = dist.new_group(list(range(self.size)))
+        self.checkpoint = self._group(list(range(self.size)))  # barriers around checkpoint writes
         self.data_parallel_group = None
         self.hierarchy = None
         for d in range(stages):
@@ -88,7 +87,7 @@ class World:
                 self.data_parallel_group = group
             if data_parallel > 1 and allreduce in ("hybrid", "hierarchical"):
                 nodes, per_node = hierarchy if hierarchy else _replicas_per_node(ranks)
-                found = build_hierarchy_groups(ranks, nodes, per_node)
+                found = build_hierarchy_groups(ranks, nodes, per_node, self.timeout)
                 if d == self.position:
                     self.hierarchy = found
 
@@ -96,8 +95,9 @@ class World:
         # Collectives on our groups give up after the same bound as point-to-point waits.
         return dist.new_group(ranks, timeout=self.timeout)
 
-    def rank_of(self, device: int, replica: int | None = None) -> int:
-        return (self.replica if replica is None else replica) * self.stages + device
+    def rank_of(self, position: int, replica: int | None = None) -> int:
+        """The rank running pipeline position ``position`` of ``replica`` (default: this rank's)."""
+        return (self.replica if replica is None else replica) * self.stages + position
 
     def link_groups(self, topology: Topology) -> dict[int, object]:
         """One two-rank group per link between stages on different devices, for this replica."""
