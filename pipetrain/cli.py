@@ -61,7 +61,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, required=True, help="global mini-batch size")
     p.add_argument("--nodes", type=int, help="override the cluster's node count")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="tensor fusion bucket (0: per tensor)")
-    p.add_argument("--flat", action="store_true", help="flat ring all-reduce instead of hierarchical")
+    p.add_argument("--allreduce", default="hybrid", choices=["hybrid", "flat", "hierarchical"],
+                   help="as wrap(allreduce=...): hybrid (default) takes per bucket the cheaper of a flat ring "
+                        "and a hierarchical all-reduce")
     p.add_argument("--no-overlap", action="store_true", help="reduce only after the backward")
     p.add_argument("--max-stages", type=int, help="largest pipeline depth to consider")
     p.add_argument("--profile", action="store_true", help="time each node here instead of estimating")
@@ -102,7 +104,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     model, x = _plan_model(args.model)
     graph = partitioners.trace(model, x, profile=args.profile)
     reduction = Reduction(bucket_bytes=args.bucket_mb * 1e6 if args.bucket_mb > 0 else None,
-                          hierarchical=not args.flat, overlap=not args.no_overlap)
+                          hierarchical={"hybrid": None, "flat": False, "hierarchical": True}[args.allreduce],
+                          overlap=not args.no_overlap)
     layouts = search_layouts(graph, cluster, batch_size=args.batch_size, profiled_batch=x.shape[0],
                              reduction=reduction, max_stages=args.max_stages)
     how = "measured here" if args.profile else "estimated (profile=False)"

@@ -6,6 +6,8 @@ from typing import Any, Callable
 
 import torch
 
+from schedules.cluster import load_cluster
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b")
 SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 STALENESS = ("none", "vanilla", "stash", "spectrain")
@@ -46,7 +48,8 @@ class PipelineOptions:
     dynamic_shapes: bool = False
     timeout: float = 30.0              # seconds a rank waits for another before it stops with an error
     # Hybrid mode: how each stage's gradients are averaged over its data-parallel replicas.
-    allreduce: str = "hybrid"
+    allreduce: str = "hybrid"         # "hybrid": per bucket, flat or hierarchical as `cluster` prices them
+    cluster: str | None = None        # preset or Cluster JSON (as `pipetrain plan --cluster`) for allreduce="hybrid"
     bucket_mb: float = 25.0
     hierarchy: tuple[int, int] | None = None  # (nodes, replicas per node); None: from LOCAL_WORLD_SIZE
     overlap: bool = True                      # reduce buckets during the last backward, not after it
@@ -72,6 +75,8 @@ class PipelineOptions:
         if not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         choose("compress", self.compress, (None, "bf16", "fp16"))
+        if self.cluster is not None:
+            load_cluster(self.cluster)  # a bad preset name or path fails here, naming the presets
         if self.hierarchy is not None and (len(self.hierarchy) != 2 or self.hierarchy[0] * self.hierarchy[1] != self.data_parallel):
             raise ValueError(f"hierarchy={self.hierarchy} must be (nodes, replicas per node) with "
                              f"nodes x replicas per node = data_parallel = {self.data_parallel}")

@@ -187,7 +187,7 @@ def checks_on_rank(rank, world):
         "fused_flat_w2_subgroups": lambda: _check_reduce_now(rank, "flat", group=pair_groups[mine]),
         "hierarchical_w2_subgroups": lambda: _check_reduce_now(rank, "hierarchical", group=pair_groups[mine], hierarchy=pair_h[mine]),
         "overlap_flat_prepare": lambda: _check_overlap(rank, "flat", use_no_sync=False),
-        "overlap_hybrid_no_sync": lambda: _check_overlap(rank, "hybrid", use_no_sync=True, hierarchy=world_h, hybrid_threshold_bytes=100),
+        "overlap_hybrid_no_sync": lambda: _check_overlap(rank, "hybrid", use_no_sync=True, hierarchy=world_h, choose_hierarchical=lambda n: n >= 100),
         "overlap_hierarchical": lambda: _check_overlap(rank, "hierarchical", use_no_sync=True, hierarchy=world_h),
         "overlap_per_tensor": lambda: _check_overlap(rank, "per-tensor", use_no_sync=False),
         "double_final_backward_raises": lambda: _check_double_final_backward_raises(rank),
@@ -217,7 +217,7 @@ def _check_report_sums(rank, groups):
 
 
 def _check_hybrid(rank, hierarchy):
-    reducer = _check_reduce_now(rank, "hybrid", hierarchy=hierarchy, hybrid_threshold_bytes=90)
+    reducer = _check_reduce_now(rank, "hybrid", hierarchy=hierarchy, choose_hierarchical=lambda n: n >= 90)
     kinds = {len(b.steps) for b in reducer.buckets}
     assert kinds == {1, 3}, f"hybrid should mix flat (1 step) and hierarchical (3 steps) buckets, got {kinds}"
 

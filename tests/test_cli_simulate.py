@@ -43,7 +43,7 @@ def test_simulate_bad_shape_exits_with_reason():
     with pytest.raises(SystemExit, match="divisible by stages"):
         main(["simulate", "--schedule", "interleaved-1f1b", "--stages", "4", "--micro-batches", "6"])
     with pytest.raises(SystemExit, match="does not take option"):
-        main(["simulate", "--schedule", "gpipe", "--chunks", "2"])
+        main(["simulate", "--schedule", "1f1b", "--chunks", "2"])
 
 
 def test_module_entry_point():

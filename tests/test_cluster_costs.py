@@ -7,7 +7,7 @@ import random
 import pytest
 
 from schedules.cluster import GBIT, PRESETS, Cluster, load_cluster
-from schedules.cluster.reductions import (Group, Reduction, allreduce_time, buckets, flat_allreduce_time,
+from schedules.cluster.reductions import (Group, Reduction, allreduce_time, buckets, flat_allreduce_time, prefers_hierarchical,
                                         hierarchical_allreduce_time, reduction_finish, report_time,
                                         ring_allreduce_time)
 
@@ -142,3 +142,20 @@ def test_report_time_by_hand():
 def test_link_inside_and_between_nodes():
     assert TWO_NODES.link(0, 3) == (10e9, 1e-6)
     assert TWO_NODES.link(3, 4) == (1e9, 1e-5)
+
+
+def test_hybrid_reduction_takes_the_cheaper_algorithm_per_bucket():
+    # jia-p40: PCIe inside a node (10 GB/s) is slower than the 100 Gb/s network, so hierarchy wins on
+    # latency (small buckets) and loses on bandwidth (large ones): the opposite of a size threshold
+    # that sends small buckets flat.
+    cluster, group = PRESETS["jia-p40"], Group(2, 8)
+    flat = lambda n: flat_allreduce_time(n, group, cluster)  # noqa: E731
+    hier = lambda n: hierarchical_allreduce_time(n, group, cluster)  # noqa: E731
+    for n in (1e3, 1e5, 25e6, 1e8):
+        assert prefers_hierarchical(n, group, cluster) == (hier(n) < flat(n))
+        assert allreduce_time(n, group, cluster, None) == pytest.approx(min(flat(n), hier(n)))
+    assert prefers_hierarchical(1e3, group, cluster) and not prefers_hierarchical(1e8, group, cluster)
+    # NVLink inside a node: hierarchical for every size; one node: always flat.
+    assert all(prefers_hierarchical(n, Group(2, 8), PRESETS["nvlink8-100g"]) for n in (1e3, 1e8))
+    assert not prefers_hierarchical(1e3, Group(1, 8), PRESETS["nvlink8-100g"])
+    assert Reduction(hierarchical=None).label() == "per-tensor + flat/hierarchical per bucket"

@@ -8,9 +8,11 @@ one asynchronous chain of collectives (see `pipetrain.allreduce.algorithms`):
 * ``"flat"``: one all-reduce per bucket over the group;
 * ``"hierarchical"``: intra-node reduce-scatter, inter-node all-reduce of the
   shard, intra-node all-gather;
-* ``"hybrid"`` (default): hierarchical for buckets of at least
-  `hybrid_threshold_bytes`, flat for smaller (latency-bound) ones; on a single
-  node every bucket is flat;
+* ``"hybrid"`` (default): each bucket takes the algorithm `choose_hierarchical(bytes)` picks
+  (pipetrain prices both with the cluster cost model, schedules.cluster.reductions); without
+  one, every bucket is hierarchical across nodes, the cost model's verdict whenever the links
+  inside a node are at least as fast as those between nodes (fewer slow-link latencies and no
+  more bytes on them); on a single node every bucket is flat;
 * ``"per-tensor"``: one all-reduce per tensor (the unfused baseline).
 
 Use with overlap (hooks launch a bucket as soon as its last gradient is
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,7 @@ class _Bucket:
         self.buffer = torch.zeros(padded, dtype=spec.dtype, device=device)
         self.comm = self.buffer if compress is None else torch.zeros(padded, dtype=compress, device=device)
         self.steps: list[Step] = []
+        self.hierarchical = False  # reduced intra-node / inter-node / intra-node rather than by one ring
         self.reset()
 
     def reset(self) -> None:
@@ -110,7 +113,8 @@ class GradientReducer:
         compress: None, torch.bfloat16 or torch.float16: wider float buckets
             are sent in this dtype (gradients are pre-divided so fp16 sums do
             not overflow) and cast back.
-        hybrid_threshold_bytes: smallest bucket the hybrid policy sends hierarchically.
+        choose_hierarchical: for "hybrid": bucket bytes -> True to reduce that bucket
+            hierarchically (None: always, across nodes).
     """
 
     def __init__(
@@ -123,7 +127,7 @@ class GradientReducer:
         hierarchy: Hierarchy | tuple[int, int] | None = None,
         algorithm: str = "hybrid",
         compress: torch.dtype | None = None,
-        hybrid_threshold_bytes: int = 2 * MiB,
+        choose_hierarchical: Callable[[int], bool] | None = None,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"GradientReducer: unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
@@ -148,10 +152,11 @@ class GradientReducer:
             specs = assign_buckets(self.params, bucket_bytes, first_bucket_bytes)
         self.buckets: list[_Bucket] = []
         for spec in specs:
-            hierarchical = self._hierarchical(spec.nbytes, hybrid_threshold_bytes)
+            hierarchical = self._hierarchical(spec.nbytes, choose_hierarchical)
             wider = spec.dtype.is_floating_point and compress is not None and spec.dtype.itemsize > compress.itemsize
             pad = self.hierarchy.per_node if hierarchical else 1
             bucket = _Bucket(spec, self.params, pad, compress if wider else None)
+            bucket.hierarchical = hierarchical
             bucket.steps = hierarchical_steps(bucket.comm, self.hierarchy) if hierarchical else flat_steps(bucket.comm, group)
             self.buckets.append(bucket)
         self._where = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
@@ -183,11 +188,11 @@ class GradientReducer:
         built = build_hierarchy_groups(ranks, *hierarchy) if hierarchy is not None else build_hierarchy_groups(ranks)
         return built
 
-    def _hierarchical(self, nbytes: int, threshold: int) -> bool:
+    def _hierarchical(self, nbytes: int, choose: Callable[[int], bool] | None) -> bool:
         if self.algorithm == "hierarchical":
             return True
         if self.algorithm == "hybrid" and self.hierarchy is not None and self.hierarchy.nodes > 1:
-            return nbytes >= threshold
+            return True if choose is None else bool(choose(nbytes))
         return False
 
     # --- round state ----------------------------------------------------------

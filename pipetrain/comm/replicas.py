@@ -2,15 +2,18 @@
 over its replicas with the fused/hierarchical reducer."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
+from pipetrain.allreduce.hierarchy import Hierarchy
 from pipetrain.allreduce.reducer import MiB, GradientReducer
 from pipetrain.runtime.batching import batch_size
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.stage import StageRuntime
+from schedules.cluster import load_cluster
+from schedules.cluster.reductions import Group, prefers_hierarchical
 
 COMPRESS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,6 +38,16 @@ def shard_weight(global_size: int, replica_size: int, replicas: int) -> float:
     return replicas * replica_size / global_size
 
 
+def bucket_choice(cluster: str | None, hierarchy: Hierarchy | None) -> Callable[[int], bool] | None:
+    """allreduce="hybrid": bucket bytes -> hierarchical? by the cluster cost model (None without a
+    cluster: the reducer then goes hierarchical across nodes, the model's verdict when the links
+    inside a node are at least as fast as those between nodes)."""
+    if cluster is None or hierarchy is None:
+        return None
+    spec, group = load_cluster(cluster), Group(hierarchy.nodes, hierarchy.per_node)
+    return lambda nbytes: prefers_hierarchical(nbytes, group, spec)
+
+
 class StageReducer:
     """Averages one device's gradients over the replicas of its stage at the REDUCE action."""
 
@@ -46,7 +59,9 @@ class StageReducer:
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
         self.reducer = GradientReducer(self.params, group, bucket_bytes=int(options.bucket_mb * MiB),
                                        hierarchy=hierarchy, algorithm=options.allreduce,
-                                       compress=COMPRESS[options.compress]) if self.params else None
+                                       compress=COMPRESS[options.compress],
+                                       choose_hierarchical=bucket_choice(options.cluster, hierarchy)
+                                       ) if self.params else None
         self.overlap = overlap and self.reducer is not None
         if self.overlap:
             self.reducer.enable_overlap()

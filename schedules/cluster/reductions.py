@@ -34,11 +34,12 @@ from schedules.cluster.spec import Cluster
 @dataclass(frozen=True)
 class Reduction:
     """How gradients are reduced: bucket_bytes=None reduces each tensor on its own
-    (no fusion); hierarchical goes intra-node, inter-node, intra-node; overlap starts
+    (no fusion); hierarchical=True goes intra-node, inter-node, intra-node, False one flat ring,
+    None per bucket whichever is cheaper (the runtime's allreduce="hybrid"); overlap starts
     buckets during the backward."""
 
     bucket_bytes: float | None = None
-    hierarchical: bool = False
+    hierarchical: bool | None = False
     overlap: bool = False
 
     def __post_init__(self) -> None:
@@ -51,6 +52,8 @@ class Reduction:
         parts = ["per-tensor" if self.bucket_bytes is None else f"fused {self.bucket_bytes / 1e6:g}MB"]
         if self.hierarchical:
             parts.append("hierarchical")
+        elif self.hierarchical is None:
+            parts.append("flat/hierarchical per bucket")
         if self.overlap:
             parts.append("overlap")
         return " + ".join(parts)
@@ -121,8 +124,19 @@ def report_time(nbytes: float, ranks: int, cluster: Cluster) -> float:
     return 2 * latency + (ranks - 1) * (2 * nbytes / bandwidth + send_cpu + recv_cpu)
 
 
-def allreduce_time(nbytes: float, group: Group, cluster: Cluster, hierarchical: bool = False) -> float:
-    """Seconds of one all-reduce of nbytes over the group (flat or hierarchical ring)."""
+def prefers_hierarchical(nbytes: float, group: Group, cluster: Cluster) -> bool:
+    """True when a hierarchical all-reduce of nbytes over the group is faster than a flat ring
+    (hierarchy pays fewer inter-node latencies; it loses on bandwidth where the links inside a
+    node are slower than those between nodes)."""
+    return group.nodes > 1 and hierarchical_allreduce_time(nbytes, group, cluster) < flat_allreduce_time(
+        nbytes, group, cluster)
+
+
+def allreduce_time(nbytes: float, group: Group, cluster: Cluster, hierarchical: bool | None = False) -> float:
+    """Seconds of one all-reduce of nbytes over the group: flat ring, hierarchical, or (None)
+    whichever of the two is cheaper for this size."""
+    if hierarchical is None:
+        hierarchical = prefers_hierarchical(nbytes, group, cluster)
     if hierarchical:
         return hierarchical_allreduce_time(nbytes, group, cluster)
     return flat_allreduce_time(nbytes, group, cluster)

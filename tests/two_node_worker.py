@@ -1,0 +1,34 @@
+"""One process of a 2 stages x 2 replicas pipeline on two torchrun agents ("machines", one replica each).
+
+Run by tests/test_two_nodes.py on each of two agents:
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT \
+        tests/two_node_worker.py OUT_DIR ALLREDUCE
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+import pipetrain
+from runtime_models import make, sgd
+from test_hybrid import batches, data
+
+
+def main() -> None:
+    out, allreduce = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                          allreduce=allreduce, optimizer=sgd, partitioner="uniform", profile=False,
+                          engine="distributed", timeout=60)
+    losses = [r.loss for r in pipe.train(batches("convbn"))]
+    world = pipe._engine.world
+    reducer = pipe._reducers[world.position].reducer
+    hierarchy = reducer.hierarchy
+    torch.save({"losses": losses, "state": pipe.state_dict(), "replica": world.replica,
+                "hierarchy": None if hierarchy is None else (hierarchy.nodes, hierarchy.per_node),
+                "hierarchical_buckets": [b.hierarchical for b in reducer.buckets]},
+               out / f"rank{world.rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
