@@ -16,6 +16,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 ALLREDUCE = ("hybrid", "flat", "hierarchical", "per-tensor")
 ENGINES = ("auto", "local", "distributed")
 SPECTRAIN_VARIANTS = ("paper", "forward-only")
+NONFINITE = ("raise", "skip")
 
 
 def _default_optimizer(params):
@@ -37,6 +38,9 @@ class PipelineOptions:
     data_parallel: int = 1
     engine: str = "auto"
     logdir: str | None = None
+    # A NaN/inf loss or gradient at a step: "raise" (an error on every rank naming step, stage and
+    # parameter) or "skip" (no update on any stage for that step; StepResult.skipped says so).
+    nonfinite: str = "raise"
     # Beyond the contract: tuning knobs with safe defaults.
     chunks: int = 2                    # virtual stages per device for interleaved-1f1b
     spectrain_variant: str = "paper"
@@ -72,6 +76,7 @@ class PipelineOptions:
         choose("engine", self.engine, ENGINES)
         choose("spectrain_variant", self.spectrain_variant, SPECTRAIN_VARIANTS)
         choose("allreduce", self.allreduce, ALLREDUCE)
+        choose("nonfinite", self.nonfinite, NONFINITE)
         if not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         choose("compress", self.compress, (None, "bf16", "fp16"))

@@ -64,8 +64,11 @@ class Pipeline:
         self._counter = CommCounter(V)
         links = engine.connect(self._topology, self._runtimes, self.plan.tied_groups(), self._counter, o)
         self._transport, self._reporter = links.transport, links.reporter
+        process_stages = lambda: [(v, rt.module) for v, rt in sorted(self._runtimes.items())]  # noqa: E731
         self._steppers = {d: OptimizerStep(self._stages_on(d), links.tied, engine.make_scaler(o.precision),
-                                           links.agreement) for d in here}
+                                           links.agreement, o.nonfinite, o.precision, o.micro_batches, d,
+                                           process_stages) for d in here}
+        self.skipped_steps = 0  # mini-batches whose update was skipped on every stage (reported in StepResult)
         self._reducers = engine.make_reducers(self._stages_on, o, self._counter)
         self.updates = 0
         self._schedules: dict[tuple[str, int], schedules.Schedule] = {}
@@ -141,15 +144,23 @@ class Pipeline:
         sched = self._schedule(self.options.schedule, m)
         start = time.perf_counter()
         executors = self._executors(feed, train=True)
+        for stepper in self._steppers.values():
+            stepper.start(self.updates + 1, stream=False)
         for _ in drive({d: ex.run(sched.actions[d]) for d, ex in executors.items()}):
             pass
         self._transport.flush()
         loss_sum = self._loss_sum(feed, range(m))
         result = self._reporter.local(loss_sum, range(m), feed.mini_batch_size(0), time.perf_counter() - start,
                                      _busy(executors))
+        result.skipped = self._skipped(0)
         if self._engine.distributed:
             result = self._reporter.collect(*self._reporter.post(result, loss_sum))
         return self._finish(result)
+
+    def _skipped(self, t: int) -> bool:
+        """Whether mini-batch t's update was skipped: agreed, so any device of this process can say."""
+        outcomes = [s.outcomes.pop(t) for s in self._steppers.values()]
+        return outcomes[0]
 
     def _loss_sum(self, feed: Feed, micro_batches: range) -> float:
         """Sum over samples of the loss (0 where this process has no last stage); mean = sum / samples
@@ -184,6 +195,8 @@ class Pipeline:
         executors = self._executors(feed, train=True)
         runs = {d: ex.run(schedules.async_1f1b_actions(d, o.stages, m, feed.has, data_parallel=o.data_parallel > 1))
                 for d, ex in executors.items()}
+        for stepper in self._steppers.values():
+            stepper.start(self.updates + 1, stream=True)
         start = time.perf_counter()
         pending: list[tuple] = []
         reported = 0
@@ -195,6 +208,7 @@ class Pipeline:
                 loss_sum = self._loss_sum(feed, own)
                 result = self._reporter.local(loss_sum, own, feed.mini_batch_size(reported), now - start,
                                              _busy(executors))
+                result.skipped = self._skipped(reported)
                 start = now
                 feed.release(reported)
                 reported += 1
@@ -235,6 +249,8 @@ class Pipeline:
     def _finish(self, result: StepResult) -> StepResult:
         self.updates += 1
         result.step = self.updates
+        self.skipped_steps += result.skipped
+        result.skipped_total = self.skipped_steps
         self.last_result = result
         if self._log is not None:
             self._log.write(result)

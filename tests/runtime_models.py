@@ -46,6 +46,22 @@ class LongSkip(nn.Module):
         return self.out(a + h)
 
 
+class DropoutSkip(LongSkip):
+    """LongSkip with dropout in every body layer and on the skip: every engine must draw the same masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.ModuleList(nn.Dropout(0.3) for _ in range(5))
+        self.skip_drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        a = h
+        for layer, drop in zip(self.body, self.drop):
+            a = drop(torch.tanh(layer(a)))
+        return self.out(a + self.skip_drop(h))
+
+
 class TiedLM(nn.Module):
     """Input embedding and output projection share one weight."""
 
@@ -66,7 +82,8 @@ def lm_loss(out, target):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
-MODELS = {"mlp": mlp, "convbn": ConvBN, "skip": LongSkip, "tied": TiedLM}
+MODELS = {"mlp": mlp, "convbn": ConvBN, "skip": LongSkip, "tied": TiedLM, "dropout": DropoutSkip}
+RANDOM = {"dropout"}  # models that draw random numbers in training: no unsplit reference draws the same
 
 
 def make(name: str, seed: int = 0) -> nn.Module:

@@ -26,14 +26,14 @@ def _rank(rank, port, out, mode):
                           precision="fp16" if mode == "hang-at-step" else "fp32")
     pipe.step(x, y)
     if rank == VICTIM and mode == "hang-at-step":
-        # Every compute and message of the step done, the victim hangs before the fp16 overflow
+        # Every compute and message of the step done, the victim hangs before the skip-or-step
         # agreement: the others wait in that collective, not in a point-to-point receive.
         scaler = pipe._steppers[VICTIM].scaler
-        def unscale_then_hang(params, _unscale=scaler.unscale_):
+        def unscale_then_hang(*args, _unscale=scaler.unscale_local_):
             Path(out, "t0").write_text(str(time.time()))
             time.sleep(120)
-            return _unscale(params)
-        scaler.unscale_ = unscale_then_hang
+            return _unscale(*args)
+        scaler.unscale_local_ = unscale_then_hang
     elif rank == VICTIM:
         def fail(module, inputs):  # mid-step: after the first micro-batch's forward on this stage
             if fail.calls == 1:

@@ -5,6 +5,7 @@ import torch
 import pipetrain
 from dist_harness import run_world
 from runtime_models import data, make, sgd
+from test_nonfinite import poison
 
 
 def batches(name, steps=3, size=13):
@@ -39,13 +40,32 @@ def hybrid_scenarios(rank, world):
     if rank == 3:
         param = next(iter(pipe._runtimes[1].module.parameters()))
         param.register_hook(lambda g: g * float("inf") if pipe.updates == 1 else g)
-    before = [p.detach().clone() for rt in pipe._runtimes.values() for p in rt.module.parameters()]
-    scales = []
+    scales, unchanged = [], []
     for x, y in batches("mlp", steps=2):
+        before = [p.detach().clone() for rt in pipe._runtimes.values() for p in rt.module.parameters()]
         pipe.step(x, y)
         scales.append(step.scaler.scale_value)
-    after = [p.detach().clone() for rt in pipe._runtimes.values() for p in rt.module.parameters()]
-    out["fp16"] = (step.skipped, scales, [torch.equal(a, b) for a, b in zip(before, after)])
+        unchanged.append(all(torch.equal(p, b) for p, b in zip(
+            (p for rt in pipe._runtimes.values() for p in rt.module.parameters()), before)))
+    out["fp16"] = (step.skipped, scales, unchanged)
+    # Non-finite gradient on rank 3 only (replica 1's stage 1) at step 2, fp32.
+    for mode in ("skip", "raise"):
+        pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                              optimizer=sgd, partitioner="uniform", profile=False, engine="distributed",
+                              nonfinite=mode)
+        if rank == 3:
+            poison(pipe, 1, lambda g, pipe=pipe: pipe.updates == 1)
+        results, error = [], None
+        try:
+            results = [r.skipped for r in pipe.train(batches("mlp", steps=3))]
+        except pipetrain.NonFiniteError as e:
+            error = str(e)
+        out[f"nonfinite-{mode}"] = (results, error, pipe.state_dict())
+    # What "skip" must equal: the same ranks never seeing step 2's update.
+    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                          optimizer=sgd, partitioner="uniform", profile=False, engine="distributed")
+    bs = batches("mlp", steps=3)
+    out["nonfinite-reference"] = ([r.skipped for r in pipe.train([bs[0], bs[2]])], None, pipe.state_dict())
     return out
 
 
@@ -98,14 +118,33 @@ def test_replicas_stay_identical_and_reduction_is_counted(hybrid):
 
 
 def test_fp16_overflow_on_one_rank_skips_the_same_step_everywhere(hybrid):
+    # The inf is injected on rank 3 during the second step (pipe.updates == 1): every rank skips
+    # exactly that step, leaves its parameters untouched there, and halves its scale there only.
     for rank in range(4):
         skipped, scales, unchanged = hybrid[rank]["fp16"]
-        assert skipped == [0] or skipped == [1]
-    assert len({tuple(hybrid[r]["fp16"][0]) for r in range(4)}) == 1
-    skipped_step = hybrid[0]["fp16"][0][0]
+        assert skipped == [1], f"rank {rank} skipped steps {skipped}"
+        assert scales == [2.0 ** 16, 2.0 ** 15], f"rank {rank} scales {scales}"
+        assert unchanged == [False, True], f"rank {rank}: parameters unchanged per step {unchanged}"
+
+
+def test_nan_on_one_replica_skips_the_same_step_on_every_rank(hybrid):
     for rank in range(4):
-        scales = hybrid[rank]["fp16"][1]
-        assert scales[skipped_step] == 2.0 ** 15  # halved from 2**16 at the skipped step, on every rank
+        skipped, error, state = hybrid[rank]["nonfinite-skip"]
+        reference = hybrid[rank]["nonfinite-reference"][2]
+        assert error is None and skipped == [False, True, False], rank
+        assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state), rank
+
+
+def test_nan_on_one_replica_raises_on_every_rank(hybrid):
+    for rank in range(4):
+        results, error, _ = hybrid[rank]["nonfinite-raise"]
+        assert results == [] and error is not None and "optimizer step 2" in error, (rank, error)
+        # The data-parallel reduction averages rank 3's NaN into rank 1's copy of stage 1 before the
+        # check, so both stage-1 ranks name the parameter and the stage-0 ranks name the first of them.
+        if rank in (1, 3):
+            assert "stage 1, parameter" in error, error
+        else:
+            assert "found by rank 1 (stage 1, replica 0)" in error, error
 
 
 def test_bf16_sends_half_the_bytes_and_trains():

@@ -1,8 +1,8 @@
 """The engine: everything that differs between one process and one process per stage.
 
 A Pipeline asks its engine where its stages run and how they talk; the engine picks the one
-implementation of each cross-device piece for its layout: transport, tied-weight sync, fp16
-overflow agreement, step reporter, gradient reducers of hybrid mode, and how a plan and a
+implementation of each cross-device piece for its layout: transport, tied-weight sync, skip-or-step
+agreement (non-finite values, fp16 overflow), step reporter, gradient reducers of hybrid mode, and how a plan and a
 prediction reach every process. `select_engine` is the one place that chooses.
 
 - `LocalEngine`: every stage in this process (one device or several), the deterministic
@@ -74,12 +74,13 @@ class LocalEngine:
     def connect(self, topology: Topology, runtimes: dict[int, StageRuntime], tied: Tied,
                 counter: CommCounter, options: PipelineOptions) -> Connections:
         stage_devices = [self.devices[topology.position_of(v)] for v in range(topology.num_stages)]
+        describe = lambda d: f"pipeline device {d} ({_stages_at(topology, d)})"  # noqa: E731
         return Connections(LocalTransport(stage_devices, counter), LocalTiedSync(tied, runtimes, counter),
-                           LocalOverflowAgreement(len(self.devices)),
+                           LocalOverflowAgreement(len(self.devices), describe),
                            Reporter(runtimes, topology.num_stages, counter))
 
     def make_scaler(self, precision: str) -> DynamicLossScaler | None:
-        """fp16 needs loss scaling; in one process the scaler must not look for a process group."""
+        """fp16 needs loss scaling; the skip-or-step agreement decides overflow, not the scaler."""
         return DynamicLossScaler(groups=[]) if precision == "fp16" else None
 
     def make_reducers(self, stages_on: Callable[[int], list[StageRuntime]], options: PipelineOptions,
@@ -136,12 +137,15 @@ class DistributedEngine:
         tied_sync = DistributedTiedSync(tied, runtimes, world.tied_groups(topology, tied), counter)
         reporter = Reporter(runtimes, topology.num_stages, counter, (world.control, world.report),
                             options.data_parallel, world.device)
-        return Connections(transport, tied_sync, DistributedOverflowAgreement(), reporter)
+        S = world.stages
+        describe = lambda r: f"rank {r} ({_stages_at(topology, r % S)}, replica {r // S})"  # noqa: E731
+        agreement = DistributedOverflowAgreement(world.agreement, world.device, describe)
+        return Connections(transport, tied_sync, agreement, reporter)
 
     def make_scaler(self, precision: str) -> DynamicLossScaler | None:
-        """fp16 loss scaling whose overflow flag is all-reduced over every rank (on a group bounded by
-        options.timeout: the default group may wait much longer for a hung peer)."""
-        return DynamicLossScaler(groups=[self.world.control]) if precision == "fp16" else None
+        """fp16 loss scaling; its overflow flag travels in the skip-or-step agreement's one all-reduce
+        over every rank (DistributedOverflowAgreement), so the scaler itself reduces nothing."""
+        return DynamicLossScaler(groups=[]) if precision == "fp16" else None
 
     def make_reducers(self, stages_on: Callable[[int], list[StageRuntime]], options: PipelineOptions,
                       counter: CommCounter) -> dict[int, StageReducer]:
@@ -172,6 +176,11 @@ class DistributedEngine:
         last = self.world.rank_of(topology.position_of(topology.num_stages - 1), replica=0)
         dist.broadcast_object_list(box, src=last, group=self.world.control)
         return box[0]
+
+
+def _stages_at(topology: Topology, position: int) -> str:
+    stages = [v for v in range(topology.num_stages) if topology.position_of(v) == position]
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
 
 
 Engine = LocalEngine | DistributedEngine

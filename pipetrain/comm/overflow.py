@@ -1,38 +1,77 @@
-"""Agreeing on fp16 overflow: every device skips the same optimizer steps.
+"""Agreeing on skip-or-step: every device skips the same optimizer steps.
+
+Each device reports flags (non-finite gradients, including fp16 overflow; non-finite losses);
+the agreement returns, per flag, the first device that raised it anywhere. Maximising
+``participants - index`` over the flagged devices gives both whether and where in one number per flag.
 
 In one process the devices of the local engine wait for each other inside the executor loop;
-across processes the loss scaler's own all-reduce (MAX) of the overflow flag already agreed.
+across processes it is one all-reduce (MAX) over every rank, the only collective of the decision
+(the fp16 loss scaler's overflow flag travels in it too).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Iterator
 
+import torch
+import torch.distributed as dist
+
 from pipetrain.runtime.executor import BLOCKED
+
+
+def _first(code: list[float], participants: int) -> list[int | None]:
+    return [None if c == 0 else participants - int(c) for c in code]
 
 
 class LocalOverflowAgreement:
     """All devices in one process: the step of mini-batch t waits until every device reported."""
 
-    def __init__(self, devices: int):
+    def __init__(self, devices: int, describe: Callable[[int], str] = lambda d: f"pipeline device {d}"):
         self.devices = devices
-        self.flags: dict[int, list[bool]] = {}
+        self.describe = describe
+        self.flags: dict[int, list[torch.Tensor]] = {}
         self.read: dict[int, int] = {}
 
-    def agree(self, t: int, found_inf: bool) -> Iterator[str]:
-        flags = self.flags.setdefault(t, [])
-        flags.append(found_inf)
+    def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
+        """This device's flags for mini-batch t; waits (BLOCKED) for every device, returns the first reporters."""
+        self.flags.setdefault(t, []).append(flags.detach().cpu() * (self.devices - position))
         while len(self.flags[t]) < self.devices:
             yield BLOCKED
-        decision = any(self.flags[t])
+        code = torch.stack(self.flags[t]).amax(0).tolist()
         self.read[t] = self.read.get(t, 0) + 1
         if self.read[t] == self.devices:
             del self.flags[t], self.read[t]
-        return decision
+        return _first(code, self.devices)
+
+    def where(self, index: int) -> str:
+        return self.describe(index)
+
+    def forget(self, t: int) -> None:
+        """The step raised: the devices still waiting never read the decision, so drop it here."""
+        self.flags.pop(t, None)
+        self.read.pop(t, None)
 
 
 class DistributedOverflowAgreement:
-    """The scaler's own all-reduce (MAX) over every rank already agreed; nothing to add."""
+    """One all-reduce (MAX) of every rank's flags over ``group`` (all ranks), blocking at STEP t."""
 
-    def agree(self, t: int, found_inf: bool) -> Iterator[str]:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
+                 describe: Callable[[int], str] = lambda r: f"rank {r}"):
+        self.group = group
+        self.device = device  # NCCL reduces device tensors only
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        self.describe = describe
+
+    def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
+        """This rank's flags for mini-batch t, maximised over every rank; returns the first reporters."""
+        code = flags.detach().to(self.device, torch.float32) * (self.size - self.rank)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
         yield from ()
-        return found_inf
+        return _first(code.tolist(), self.size)
+
+    def where(self, index: int) -> str:
+        return self.describe(index)
+
+    def forget(self, t: int) -> None:
+        """Nothing is kept between steps."""

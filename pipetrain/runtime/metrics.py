@@ -38,6 +38,8 @@ class StepResult:
     activation_bytes: list[int] = field(default_factory=list)      # peak bytes autograd held for in-flight micro-batches
     comm_bytes: dict[str, list[int]] = field(default_factory=dict)  # payload bytes per COMM_KINDS entry, per stage
     peak_allocated: list[int] | None = None                        # device allocator peak, where the device reports it
+    skipped: bool = False  # no update was applied for this mini-batch (non-finite values or fp16 overflow), on any stage
+    skipped_total: int = 0  # mini-batches skipped so far by this pipeline, this one included
 
     @property
     def bytes_sent(self) -> list[int]:
@@ -61,6 +63,7 @@ class TensorBoardLog:
         w, s = self.writer, result.step
         w.add_scalar("train/loss", result.loss, s)
         w.add_scalar("train/samples_per_second", result.samples_per_second, s)
+        w.add_scalar("train/skipped_steps", result.skipped_total, s)
         for k in range(len(result.busy_fraction)):
             w.add_scalar(f"stage{k}/busy_fraction", result.busy_fraction[k], s)
             w.add_scalar(f"stage{k}/version_lag", result.version_lag[k], s)

@@ -1,16 +1,29 @@
-"""The STEP action: make tied copies agree, unscale (fp16), decide skip-or-step everywhere, step.
+"""The STEP action: make tied copies agree, check for non-finite values (and unscale in fp16), agree
+on skip-or-step everywhere, step.
 
 Every device runs this at its STEP of mini-batch t. The decisions that need more than one
-device (tied gradients, fp16 overflow) are made by objects the engine gives it
+device (tied gradients, skip-or-step) are made by objects the engine gives it
 (pipetrain.comm): in one process the devices wait for each other inside the executor loop;
-across processes it is a collective.
+across processes it is one collective per step.
+
+Skip-or-step is ONE agreement per step whatever the precision: each device checks its gradients
+with the fused kernel torch's GradScaler uses (in fp16 the same call unscales them) and the last
+stage checks its losses; the agreement takes the maximum of those flags over every device of every
+replica. A step is skipped everywhere or nowhere, so stages and replicas never diverge.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Iterator, Protocol
 
+import torch
+from torch import nn
+
+from pipetrain.runtime.nonfinite import NonFiniteError, advice, check_and_unscale_, first_nonfinite, losses_nonfinite
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
+
+GRADS, LOSSES = 0, 1  # the entries of the flags every device reports
 
 
 class TiedSync(Protocol):
@@ -20,39 +33,108 @@ class TiedSync(Protocol):
 
 
 class OverflowAgreement(Protocol):
-    """Makes every device take the same skip-or-step decision (pipetrain.comm.overflow)."""
+    """Makes every device take the same skip-or-step decision (pipetrain.comm.overflow).
 
-    def agree(self, t: int, found_inf: bool) -> Iterator[str]: ...
+    ``agree`` takes this device's flags (a float tensor, 1 where found: [non-finite gradients,
+    non-finite losses]) and returns, per flag, the index of the first device (``where`` describes
+    it) that raised it anywhere, or None where no device did. ``forget`` drops what is kept for a
+    step that raised before every device read the decision.
+    """
+
+    def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]: ...
+
+    def where(self, index: int) -> str: ...
+
+    def forget(self, t: int) -> None: ...
 
 
 class OptimizerStep:
-    """What one device does at STEP t for all of its stages."""
+    """What one device does at STEP t for all of its stages.
+
+    ``nonfinite``: "raise" (a NonFiniteError on every rank, after they agreed) or "skip" (no
+    optimizer step and no staleness-policy update on any stage, gradients zeroed). In fp16 a
+    non-finite gradient is a loss-scale overflow, always skipped (the scale backs off); a non-finite
+    loss is not (scaling happens after the loss), so it follows ``nonfinite`` there too.
+    ``process_stages``: every (stage, module) this process holds, to name the bad parameter.
+    """
 
     def __init__(self, stages: list[StageRuntime], tied: TiedSync, scaler: DynamicLossScaler | None,
-                 agreement: OverflowAgreement):
+                 agreement: OverflowAgreement, nonfinite: str = "raise", precision: str = "fp32",
+                 micro_batches: int = 1, position: int = 0,
+                 process_stages: Callable[[], Sequence[tuple[int, nn.Module]]] | None = None):
         self.stages = stages
         self.indices = [s.index for s in stages]
         self.tied = tied
         self.scaler = scaler
         self.agreement = agreement
-        self.skipped: list[int] = []  # which of this device's steps (0-based, over its lifetime) overflowed
+        self.nonfinite = nonfinite
+        self.precision = precision
+        self.micro_batches = micro_batches
+        self.position = position
+        self.process_stages = process_stages or (lambda: [(s.index, s.module) for s in self.stages])
+        self.device = stages[0].device if stages else torch.device("cpu")
+        self.skipped: list[int] = []  # which of this device's steps (0-based, over its lifetime) were skipped
         self.steps_seen = 0
+        self.outcomes: dict[int, bool] = {}  # mini-batch t -> skipped; the pipeline reads them into results
+        self.first_update = 1  # the pipeline's update number of mini-batch 0 of the current call (messages)
+        self.stream = False
 
     def __call__(self, t: int) -> Iterator[str]:
         yield from self.tied.sync(self.indices, t)
-        found_inf = False
+        params = [p for s in self.stages for p in s.module.parameters() if p.grad is not None]
         if self.scaler is not None:
-            params = [p for s in self.stages for p in s.module.parameters() if p.grad is not None]
-            found_inf = self.scaler.unscale_(params)
-            found_inf = yield from self.agreement.agree(t, found_inf)
-            self.scaler.update(found_inf)
-        if found_inf:
+            grads_bad = self.scaler.unscale_local_(params, self.device)
+        else:
+            grads_bad = check_and_unscale_([p.grad for p in params], 1.0, self.device)
+        m = self.micro_batches
+        losses = [s.losses[g] for s in self.stages if s.is_last for g in range(t * m, (t + 1) * m) if g in s.losses]
+        flags = torch.cat([grads_bad, losses_nonfinite(losses, self.device)])
+        first = yield from self.agreement.agree(t, self.position, flags)
+        overflow = self.scaler is not None and first[GRADS] is not None
+        bad = first[LOSSES] is not None or (self.scaler is None and first[GRADS] is not None)
+        skip = overflow or bad
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if skip:
             self.skipped.append(self.steps_seen)
         self.steps_seen += 1
+        self.outcomes[t] = skip
+        error = self._message(t, first) if bad and self.nonfinite == "raise" else None  # before grads go
         for s in self.stages:
             if s.optimizer is not None:
-                if not found_inf:
+                if not skip:
                     s.optimizer.step()
                 s.optimizer.zero_grad(set_to_none=True)
-            if not found_inf:
+            elif skip:  # a stage without an optimizer still must not carry bad gradients into the next step
+                s.module.zero_grad(set_to_none=True)
+            if not skip:
                 s.policy.on_step()
+        if error is not None:
+            # In one process the other devices never resume this step: clear what they hold too, so a
+            # caller that catches the error and goes on starts from clean gradients.
+            for _, module in self.process_stages():
+                module.zero_grad(set_to_none=True)
+            self.agreement.forget(t)
+            raise NonFiniteError(error)
+
+    def start(self, first_update: int, stream: bool) -> None:
+        """Called before each step() (stream=False) or train() stream: the update number of its
+        mini-batch 0, for messages."""
+        self.first_update = first_update
+        self.stream = stream
+
+    def _message(self, t: int, first: list[int | None]) -> str:
+        """Every rank raises; the one holding the first bad parameter names it, the others name that rank."""
+        update = self.first_update + t
+        when = f"optimizer step {update}" + (f" (mini-batch {t} of this train() stream)" if self.stream else "")
+        if first[LOSSES] is not None:
+            what = f"the loss is NaN or infinite at {when}, computed by {self.agreement.where(first[LOSSES])}"
+        else:
+            what = f"a gradient is NaN or infinite at {when}"
+            found = first_nonfinite(self.process_stages()) if self.scaler is None else None
+            if found is not None:
+                what += f": stage {found[0]}, parameter {found[1]!r} (the first bad one)"
+            else:
+                what += f", found by {self.agreement.where(first[GRADS])}, whose error names the parameter"
+        return (f"{what}; the update was not applied on any stage (nonfinite='raise'). To fix: "
+                f"{advice(self.precision)}")

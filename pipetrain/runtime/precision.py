@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.runtime.nonfinite import check_and_unscale_
+
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
@@ -108,22 +110,21 @@ class DynamicLossScaler:
 
         Collective over `groups`: every rank must call it once per step.
         """
-        grads = [p.grad for p in params if p.grad is not None]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        device = grads[0].device if grads else torch.device("cpu")
-        found = torch.zeros(1, device=device)
-        for dev, dev_grads in by_device.items():
-            flag = torch.zeros(1, device=dev)
-            inv = torch.full((1,), 1.0 / self.scale_value, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(dev_grads, flag, inv)
-            found = torch.maximum(found, flag.to(device))
+        found = self.unscale_local_(params)
         for group in self._agreement_groups():
             if dist.get_backend(group) == "nccl" and found.device.type == "cpu":
                 found = found.cuda()  # a rank without gradients still joins; NCCL needs a device tensor
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item() > 0)
+
+    def unscale_local_(self, params: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+        """`unscale_` without the agreement: this process's found-inf flag as a one-element tensor (on
+        `device`, default the first gradient's). For callers that agree on it together with other
+        flags in one collective of their own (the pipeline runtime)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if device is None:
+            device = grads[0].device if grads else torch.device("cpu")
+        return check_and_unscale_(grads, 1.0 / self.scale_value, device)
 
     def _agreement_groups(self) -> Sequence[Group]:
         if self.groups is not None:

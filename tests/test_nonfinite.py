@@ -1,0 +1,198 @@
+"""Non-finite losses and gradients: nonfinite="raise" stops every rank naming step, stage and parameter;
+nonfinite="skip" skips the update on every stage and replica alike (local engine, 2 ranks; the 2x2
+hybrid case lives in test_hybrid.py, which shares its 4-process start-up)."""
+import pytest
+import torch
+
+import pipetrain
+from dist_harness import run_world
+from runtime_models import data, make, sgd
+
+NAN = float("nan")
+
+
+def batches(name="mlp", steps=4, size=8, seed=1):
+    x, y = data(name, steps * size, seed=seed)
+    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
+
+
+def poison(pipe, stage, when):
+    """Make the gradient of the stage's SECOND parameter NaN after each backward where ``when(micro_batch)``
+    (a hook on the policy works for every staleness policy, also those that backward through weight copies).
+    Returns that parameter's original-model name."""
+    rt = pipe._runtimes[stage]
+    name, param = list(rt.module.named_parameters())[1]
+    original = rt.policy.after_backward
+
+    def after_backward(micro_batch):
+        original(micro_batch)
+        if when(micro_batch):
+            param.grad.fill_(NAN)
+
+    rt.policy.after_backward = after_backward
+    return name
+
+
+def wrap(engine="local", stages=3, **kw):
+    kw = dict(dict(micro_batches=2, optimizer=sgd, partitioner="uniform", profile=False), **kw)
+    return pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=stages, engine=engine, **kw)
+
+
+def snapshot(pipe):
+    params = {k: v.clone() for k, v in pipe.state_dict().items()}
+    optim = [{k: v.clone() for k, v in st.items()} for rt in pipe._runtimes.values() if rt.optimizer is not None
+             for st in rt.optimizer.state.values()]
+    return params, optim
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_raise_names_step_stage_and_parameter(precision):
+    pipe = wrap(precision=precision)
+    name = poison(pipe, 1, lambda g: pipe.updates == 1)
+    bs = batches()
+    pipe.step(*bs[0])
+    before, _ = snapshot(pipe)
+    with pytest.raises(pipetrain.NonFiniteError) as error:
+        pipe.step(*bs[1])
+    message = str(error.value)
+    assert "optimizer step 2" in message and f"stage 1, parameter {name!r}" in message, message
+    assert "lower the learning rate" in message and "nonfinite='skip'" in message, message
+    assert ("bf16 has fp32's range" in message) == (precision == "bf16"), message
+    assert same(before, snapshot(pipe)[0])  # nothing applied anywhere
+    assert all(p.grad is None for rt in pipe._runtimes.values() for p in rt.module.parameters())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_skip_leaves_every_stage_alone_and_equals_never_seeing_the_update(precision):
+    bs = batches()
+    pipe = wrap(precision=precision, nonfinite="skip")
+    poison(pipe, 1, lambda g: pipe.updates == 1)
+    results = [pipe.train([bs[0]]).__next__()]
+    before = snapshot(pipe)
+    results.append(next(pipe.train([bs[1]])))
+    after = snapshot(pipe)
+    assert same(before[0], after[0]) and len(before[1]) == len(after[1]) > 0
+    assert all(same(a, b) for a, b in zip(before[1], after[1]))  # momentum buffers untouched too
+    results += list(pipe.train(bs[2:]))
+    assert [r.skipped for r in results] == [False, True, False, False]
+    assert [r.skipped_total for r in results] == [0, 1, 1, 1]
+    # Training went on exactly as if mini-batch 1 had never been seen (bit for bit).
+    reference = wrap(precision=precision, nonfinite="skip")
+    losses = [r.loss for r in reference.train([bs[0], bs[2], bs[3]])]
+    assert same(pipe.state_dict(), reference.state_dict())
+    assert [results[i].loss for i in (0, 2, 3)] == losses
+
+
+def test_fp16_nonfinite_loss_raises_but_overflow_only_skips():
+    bs = batches()
+    pipe = wrap(precision="fp16")
+    poison(pipe, 1, lambda g: pipe.updates == 1)  # a gradient overflow: the loss scaler's business
+    assert [r.skipped for r in pipe.train(bs[:3])] == [False, True, False]
+    pipe = wrap(precision="fp16")
+    x, y = bs[1][0].clone(), bs[1][1]
+    x[3, 2] = NAN  # bad data: the loss itself is NaN, which no loss scale explains
+    pipe.step(*bs[0])
+    with pytest.raises(pipetrain.NonFiniteError, match=r"the loss is NaN or infinite at optimizer step 2, "
+                                                        r"computed by pipeline device 2 \(stage 2\).*precision='bf16'"):
+        pipe.step(x, y)
+
+
+def async_stash(engine, stages, nonfinite="skip"):
+    """A stash stream of 6 mini-batches with stage 1's gradient poisoned in mini-batch 2."""
+    bs = batches(steps=6)
+    pipe = wrap(engine, stages=stages, schedule="async-1f1b", staleness="stash", nonfinite=nonfinite)
+    m = pipe.options.micro_batches
+    stage = 1 if engine == "local" else next(iter(pipe._runtimes))
+    steps = []
+    for rt in pipe._runtimes.values():
+        original = rt.optimizer.step
+        rt.optimizer.step = lambda original=original, rt=rt: (steps.append(rt.index), original())[1]
+    if engine == "local" or stage == 1:
+        poison(pipe, 1, lambda g: g // m == 2)
+    results = list(pipe.train(bs))
+    policies = {v: (rt.policy.updates, dict(rt.policy.versions), dict(rt.policy.of_micro_batch))
+                for v, rt in pipe._runtimes.items()}
+    return ([r.skipped for r in results], [r.loss for r in results], pipe.state_dict(), steps, policies,
+            [r.version_lag for r in results])
+
+
+def test_async_stash_skip_keeps_the_version_bookkeeping():
+    skipped, losses, state, steps, policies, lags = async_stash("local", 3)
+    assert skipped == [False, False, True, False, False, False]
+    assert sorted(steps) == sorted(list(range(3)) * 5)  # every stage stepped 5 times, none at mini-batch 2
+    for v, (updates, versions, of_micro_batch) in policies.items():
+        assert updates == 5 and versions == {} and of_micro_batch == {}, v  # drained, nothing leaked
+    assert all(torch.isfinite(t).all() for t in state.values())
+    assert all(x == x for x in losses)
+
+
+def test_every_policy_step_is_counted_when_none_is_skipped():
+    # The same stream without poison: the bookkeeping the test above relies on.
+    pipe = wrap(schedule="async-1f1b", staleness="stash", nonfinite="skip")
+    assert not any(r.skipped for r in pipe.train(batches(steps=3)))
+    assert all(rt.policy.updates == 3 for rt in pipe._runtimes.values())
+
+
+# ----- two ranks ---------------------------------------------------------------------------------
+
+def sync_run(engine, stages, nonfinite):
+    """1f1b over 4 mini-batches with stage 1's gradient poisoned at step 2; a raise is returned as text."""
+    pipe = wrap(engine, stages=stages, nonfinite=nonfinite)
+    name = None
+    if 1 in pipe._runtimes:
+        name = poison(pipe, 1, lambda g: pipe.updates == 1)
+    results, error = [], None
+    try:
+        for r in pipe.train(batches()):
+            results.append((r.skipped, r.skipped_total, r.loss))
+    except pipetrain.NonFiniteError as e:
+        error = str(e)
+    return results, error, name, pipe.state_dict()
+
+
+def world2(rank, world):
+    return {"skip": sync_run("distributed", world, "skip"), "raise": sync_run("distributed", world, "raise"),
+            "async": async_stash("distributed", world)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    torch.set_num_threads(1)  # the ranks' thread count, for bitwise equality with the local engine
+    return run_world(2, "test_nonfinite", "world2", tmp_path_factory.mktemp("nonfinite"))
+
+
+def test_two_ranks_skip_the_same_step_as_the_local_engine(two_ranks):
+    local_results, _, _, local_state = sync_run("local", 2, "skip")
+    assert [r[0] for r in local_results] == [False, True, False, False]
+    merged = {}
+    for rank in range(2):
+        results, error, _, state = two_ranks[rank]["skip"]
+        assert error is None and results == local_results, rank
+        merged.update(state)
+    assert same(merged, local_state)
+
+
+def test_two_ranks_raise_together_and_name_the_parameter(two_ranks):
+    _, _, name, _ = two_ranks[1]["raise"]
+    for rank in range(2):
+        results, error, _, _ = two_ranks[rank]["raise"]
+        assert len(results) == 1 and error is not None, rank
+        assert "optimizer step 2" in error, error
+    assert f"stage 1, parameter {name!r}" in two_ranks[1]["raise"][1]
+    assert "found by rank 1 (stage 1, replica 0), whose error names the parameter" in two_ranks[0]["raise"][1]
+
+
+def test_two_ranks_async_stash_skip_equals_the_local_engine(two_ranks):
+    skipped, losses, state, steps, policies, lags = async_stash("local", 2)
+    assert skipped == [False, False, True, False, False, False]
+    merged = {}
+    for rank in range(2):
+        r_skipped, r_losses, r_state, r_steps, r_policies, r_lags = two_ranks[rank]["async"]
+        assert (r_skipped, r_losses, r_lags) == (skipped, losses, lags), rank
+        assert r_steps == [rank] * 5 and r_policies == {rank: policies[rank]}, rank
+        merged.update(r_state)
+    assert same(merged, state)
