@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import pipetrain
+
 from _example_runs import CASES, COMMON, decreased, run_example, scalars
 from pipetrain.apps.training import RunConfig, evaluate, optimizer_factory, run
 
@@ -31,13 +33,44 @@ def tiny(**kw) -> RunConfig:
 
 
 def test_resume_continues_the_same_data_order(tmp_path):
-    whole = run(tiny())
-    first = run(tiny(epochs=1, checkpoint_dir=str(tmp_path)))
-    resumed = run(tiny(checkpoint_dir=str(tmp_path), resume="auto"))
+    whole = run(tiny(checkpoint_dir=str(tmp_path / "whole")))
+    first = run(tiny(epochs=1, checkpoint_dir=str(tmp_path / "split")))
+    resumed = run(tiny(checkpoint_dir=str(tmp_path / "split"), resume="auto"))
     assert first.step_losses == whole.step_losses[:6]
     assert [e.epoch for e in resumed.epochs] == [2]
-    assert resumed.step_losses == pytest.approx(whole.step_losses[6:], abs=1e-6)
-    assert resumed.epochs[0].val_accuracy == pytest.approx(whole.epochs[1].val_accuracy)
+    assert resumed.step_losses == whole.step_losses[6:]  # bit-identical, as README promises
+    assert (resumed.epochs[0].val_loss, resumed.epochs[0].val_accuracy) == (whole.epochs[1].val_loss,
+                                                                            whole.epochs[1].val_accuracy)
+    assert_same_parameters(tmp_path / "whole", tmp_path / "split")
+
+
+def assert_same_parameters(a, b):
+    """The newest checkpoints under ``a`` and ``b`` hold bit-identical tensors."""
+    first, second = pipetrain.export_state_dict(a), pipetrain.export_state_dict(b)
+    assert set(first) == set(second)
+    for key, value in first.items():
+        assert torch.equal(value, second[key]), key
+
+
+def snapshot(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_resume_over_a_damaged_checkpoint_stops_instead_of_starting_over(tmp_path):
+    run(tiny(epochs=1, checkpoint_dir=str(tmp_path)))
+    (tmp_path / "step-00000006" / "manifest.json").unlink()
+    before = snapshot(tmp_path)
+    with pytest.raises(pipetrain.CheckpointError, match="step-00000006.*manifest.json does not exist"):
+        run(tiny(checkpoint_dir=str(tmp_path), resume="auto"))
+    assert snapshot(tmp_path) == before
+
+
+def test_a_rerun_without_resume_refuses_to_save_below_the_earlier_run(tmp_path):
+    run(tiny(checkpoint_dir=str(tmp_path)))  # steps 6 and 12
+    before = snapshot(tmp_path)
+    with pytest.raises(pipetrain.CheckpointError, match="--resume auto"):
+        run(tiny(checkpoint_dir=str(tmp_path)))  # the same command again: its step 6 is below 12
+    assert snapshot(tmp_path) == before
 
 
 def test_resume_needs_a_checkpoint_dir():
@@ -85,3 +118,4 @@ def test_adam_option_trains_with_adam_and_its_default_rate():
     # SpecTrain predicts with Adam's smoothed update: an async run trains end to end
     summary = run(tiny(optimizer="adam", lr=None, staleness="spectrain", epochs=1))
     assert summary.steps == 6 and all(torch.isfinite(torch.tensor(summary.step_losses)))
+
