@@ -8,11 +8,12 @@ process per stage under torchrun.
 from importlib.metadata import version
 
 from pipetrain.api import wrap
-from pipetrain.checkpoint import export_state_dict
+from pipetrain.checkpoint import CheckpointError, export_state_dict
 from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.nonfinite import NonFiniteError
 from pipetrain.options import PipelineOptions
 from pipetrain.pipeline import Pipeline
 
-__all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult", "NonFiniteError", "export_state_dict"]
+__all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult", "export_state_dict", "CheckpointError",
+           "NonFiniteError"]
 __version__ = version("pipetrain")  # one source: pyproject.toml

@@ -5,15 +5,23 @@ Layout of a checkpoint directory ``root``::
     root/step-00000012/stage0.pt ... stageN.pt, manifest.json
     root/latest          # names the newest complete step directory; replaced atomically
 
-Files are written under a temporary name and renamed; ``latest`` flips only after every
-rank finished, so a save interrupted at any point leaves the previous checkpoint loadable.
+Files are written under a temporary name, fsynced and renamed, and the directories are fsynced
+before and after ``latest`` flips; ``latest`` flips only after every rank finished, so a save
+interrupted at any point (even by a power cut) leaves the previous checkpoint loadable. The
+manifest records each stage file's size and sha256, so a truncated, corrupted or mixed-up file is
+refused with an error that names it instead of being loaded. Retention never removes the
+checkpoint ``latest`` names, and a save refuses to go below a newer checkpoint already published
+in the directory (another run's), so neither a rerun nor a rollback can lose a run silently.
 Optimizer state is stored by parameter name, so a checkpoint loads into another stage
 count or engine (re-partitioned) and ``export_state_dict`` gives the unsplit model's dict.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -29,6 +37,11 @@ from pipetrain.runtime.staleness import StalenessPolicy
 
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are removed after a successful save
+STEP_NAME = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded as asked; the message names the file and the fix."""
 
 
 @dataclass
@@ -66,37 +79,126 @@ class Checkpointable(Protocol):
         """This process's part in a save."""
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def atomic_save(obj: Any, path: Path) -> str:
+    """``torch.save`` ``obj`` to ``path`` atomically and durably; returns "<sha256> <bytes>" of the file."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getbuffer()
+    _write_durably(data, path)
+    return f"{hashlib.sha256(data).hexdigest()} {len(data)}"
 
 
 def atomic_write_text(text: str, path: Path) -> None:
+    """Write ``text`` to ``path`` atomically and durably."""
+    _write_durably(text.encode(), path)
+
+
+def _write_durably(data: bytes | memoryview, path: Path) -> None:
+    # fsync before the rename: otherwise a power cut can leave the new name pointing at an empty file.
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (new names, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
+def step_dirs(root: Path) -> dict[int, Path]:
+    """The step directories under ``root`` by step number (complete or not)."""
+    found = {}
+    for p in root.glob("step-*"):
+        match = STEP_NAME.fullmatch(p.name)
+        if match and p.is_dir():
+            found[int(match.group(1))] = p
+    return found
+
+
+def _complete(path: Path) -> bool:
+    return (path / "manifest.json").exists()
+
+
 def latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` (None when there is none)."""
+    """The newest complete checkpoint under ``root`` (None when there is none).
+
+    Raises CheckpointError when ``latest`` names a step directory that is gone or has no
+    manifest: resuming must not silently start from scratch over a damaged run."""
     pointer = Path(root) / "latest"
     if not pointer.exists():
         return None
-    path = Path(root) / pointer.read_text().strip()
-    return path if (path / "manifest.json").exists() else None
+    name = pointer.read_text().strip()
+    path = Path(root) / name
+    if not STEP_NAME.fullmatch(name) or not _complete(path):
+        raise CheckpointError(
+            f"{pointer} names {name!r}, but {path / 'manifest.json'} does not exist: the checkpoint was damaged "
+            f"or removed by hand. Nothing was loaded or changed. {_alternatives(Path(root), exclude=path)}")
+    return path
+
+
+def _alternatives(root: Path, exclude: Path | None = None) -> str:
+    """What to do instead of loading a broken checkpoint: the other complete ones under ``root``."""
+    others = [p for _, p in sorted(step_dirs(root).items(), reverse=True) if p != exclude and _complete(p)]
+    if others:
+        return (f"Load another checkpoint by its step directory, e.g. pipe.load({str(others[0])!r}) or "
+                f"pipetrain.export_state_dict({str(others[0])!r}) (complete ones here: "
+                f"{', '.join(p.name for p in others)}), or start over in a new directory.")
+    return "There is no other complete checkpoint here: start over in a new directory."
+
+
+def published_step(root: Path) -> int | None:
+    """The step ``latest`` names, or when there is no ``latest`` the newest complete step directory."""
+    pointer = root / "latest"
+    if pointer.exists():
+        match = STEP_NAME.fullmatch(pointer.read_text().strip())
+        if match:
+            return int(match.group(1))
+    complete = [s for s, p in step_dirs(root).items() if _complete(p)]
+    return max(complete, default=None)
+
+
+def refuse_older_step(root: Path, step: int) -> None:
+    """Refuse to save ``step`` under ``root`` when a newer checkpoint is already published there.
+
+    That checkpoint belongs to another run (a rerun without --resume) or to the future of a
+    rollback; publishing an older step would hide it behind ``latest`` and retention would delete
+    it. Every rank calls this from the same directory listing before anything is written, so all
+    ranks raise together and none waits in a barrier for a rank that gave up."""
+    newest = published_step(root)
+    if newest is not None and newest > step:
+        raise CheckpointError(
+            f"{root} already holds a checkpoint of step {newest}, newer than the step {step} this pipeline is "
+            f"saving: it belongs to another run (or this pipeline was rolled back to an older step). Nothing "
+            f"was written. To continue that run, resume from it first (--resume auto, or pipe.load({str(root)!r})); "
+            f"to start over or branch off, save into another directory (--checkpoint-dir), or delete "
+            f"{root}/step-* and {root}/latest yourself if that run is not needed.")
 
 
 def publish(root: Path, step: int) -> None:
-    """Point ``latest`` at ``step`` and drop checkpoints older than the last KEEP."""
+    """Point ``latest`` at ``step`` and drop older checkpoints, keeping KEEP complete ones.
+
+    Never removes the step just published nor anything above it: retention must not delete what
+    ``latest`` names, and a newer directory is an interrupted save that a later one overwrites."""
+    fsync_dir(root)  # the step directory's entry is on disk before ``latest`` names it
     atomic_write_text(step_dir(root, step).name, root / "latest")
-    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for old in steps[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(root)  # the flip itself is durable before anything older is removed
+    older = sorted((s, p) for s, p in step_dirs(root).items() if s < step)
+    keep = {s for s, p in older if _complete(p)}
+    keep = set(sorted(keep)[len(keep) - (KEEP - 1):]) if KEEP > 1 else set()
+    for s, p in older:
+        if s not in keep:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: dict[int, str]) -> dict:
@@ -124,23 +226,68 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer | None, by_name: dict[
                                       for k, v in state.items()}
 
 
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The step directory to load for ``path``: what ``path/latest`` names, or ``path`` itself."""
+    source = latest(path) or Path(path)
+    if not _complete(source):
+        if list(source.glob("stage*.pt")):
+            raise CheckpointError(
+                f"{source} has stage files but no manifest.json: its save was interrupted, so it is incomplete. "
+                f"Nothing was loaded or changed. {_alternatives(source.parent, exclude=source)}")
+        raise FileNotFoundError(f"no checkpoint under {path}: expected {path}/latest or a manifest.json")
+    return source
+
+
 def read_manifest(path: Path) -> dict:
-    manifest = json.loads((path / "manifest.json").read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path} is a checkpoint of format {manifest.get('format')}, this pipetrain reads {FORMAT}")
+    """The manifest of step directory ``path``, checked for the fields a load needs."""
+    file = path / "manifest.json"
+    try:
+        manifest = json.loads(file.read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+        missing = [k for k in ("format", "step", "stages", "plan_layout") if k not in manifest]
+        if missing:
+            raise ValueError(f"lacks {missing}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not a pipetrain manifest ({exc}): it is truncated, corrupted or not "
+                              f"one. Nothing was loaded or changed. {_alternatives(path.parent, exclude=path)}"
+                              ) from exc
+    if manifest["format"] != FORMAT:
+        raise CheckpointError(f"{path} is a checkpoint of format {manifest['format']}, this pipetrain reads {FORMAT}")
     return manifest
 
 
+def read_stage_file(path: Path, v: int, manifest: dict) -> dict:
+    """Stage ``v``'s file of step directory ``path``, verified against the manifest's size and sha256."""
+    file = path / f"stage{v}.pt"
+    fix = f"Nothing was loaded or changed. {_alternatives(path.parent, exclude=path)}"
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing, though {path / 'manifest.json'} lists {manifest['stages']} "
+                              f"stage files. {fix}") from None
+    expected = manifest.get("files", {}).get(file.name)  # absent in checkpoints of older pipetrain versions
+    if expected is not None:
+        digest, size = expected.split()
+        if len(data) != int(size) or hashlib.sha256(data).hexdigest() != digest:
+            raise CheckpointError(
+                f"{file} does not match {path / 'manifest.json'} ({len(data)} bytes, the manifest recorded {size}; "
+                f"sha256 differs): the file is truncated or corrupted, or the manifest and the file come from "
+                f"different saves. {fix}")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises many types for a damaged zip; one clear error instead
+        raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0]}): it is "
+                              f"truncated or corrupted. {fix}") from exc
+
+
 def read_stage_files(path: Path, manifest: dict) -> list[dict]:
-    return [torch.load(path / f"stage{v}.pt", weights_only=True, map_location="cpu")
-            for v in range(manifest["stages"])]
+    return [read_stage_file(path, v, manifest) for v in range(manifest["stages"])]
 
 
 def export_state_dict(root: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The unsplit model's state dict from the newest checkpoint under ``root`` (original names)."""
-    path = latest(root) or Path(root)
-    if not (path / "manifest.json").exists():
-        raise FileNotFoundError(f"no checkpoint under {root}: expected {root}/latest or a manifest.json")
+    path = checkpoint_dir(root)
     manifest = read_manifest(path)
     out: dict[str, torch.Tensor] = {}
     for stage in read_stage_files(path, manifest):
@@ -156,29 +303,40 @@ def save_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> Path:
                            "are in flight then. Save between train() calls (the pipeline drains when the "
                            "stream ends), e.g. train on an epoch, save, train on the next")
     root = Path(path)
+    if root.exists():
+        refuse_older_step(root, pipe.updates)  # before any write, on every rank alike
     target = step_dir(root, pipe.updates)
+    new_root = not root.exists()
     target.mkdir(parents=True, exist_ok=True)
+    if new_root:
+        fsync_dir(root.parent)
     if role.writes_stages:
         for v, stage in pipe.checkpoint_stages().items():
-            atomic_save(_stage_payload(stage), target / f"stage{v}.pt")
+            digest = atomic_save(_stage_payload(stage), target / f"stage{v}.pt")
+            atomic_write_text(digest, target / f"stage{v}.sha256")  # rank 0 puts it into the manifest
+        fsync_dir(target)
     role.barrier()
     if role.writes_manifest:
-        atomic_write_text(json.dumps(_manifest(pipe, role), indent=1), target / "manifest.json")
+        files = {f"stage{v}.pt": (target / f"stage{v}.sha256").read_text().strip()
+                 for v in range(pipe.plan.num_stages)}
+        atomic_write_text(json.dumps(_manifest(pipe, role, files), indent=1), target / "manifest.json")
+        fsync_dir(target)
         publish(root, pipe.updates)
     role.barrier()
     return target
 
 
 def load_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> None:
-    """Load the newest checkpoint under ``path`` into ``pipe``, whatever stage layout saved it."""
-    source = latest(path) or Path(path)
-    if not (source / "manifest.json").exists():
-        raise FileNotFoundError(f"no checkpoint under {path}: expected {path}/latest or a manifest.json")
+    """Load the newest checkpoint under ``path`` into ``pipe``, whatever stage layout saved it.
+
+    Every file is read and checked before anything in ``pipe`` changes, so a failed load leaves
+    the pipeline as it was (and never writes to the checkpoint)."""
+    source = checkpoint_dir(path)
     manifest = read_manifest(source)
     same_layout = manifest["plan_layout"] == _plan_layout(pipe)
     stages = pipe.checkpoint_stages()
     wanted = sorted(stages) if same_layout else range(manifest["stages"])
-    files = {v: torch.load(source / f"stage{v}.pt", weights_only=True, map_location="cpu") for v in wanted}
+    files = {v: read_stage_file(source, v, manifest) for v in wanted}
     module_state = {k: t for f in files.values() for k, t in f["module"].items()}
     optimizer_state = {k: st for f in files.values() for k, st in f["optimizer"]["state"].items()}
     groups = next((f["optimizer"]["groups"] for f in files.values() if f["optimizer"]["groups"]), [])
@@ -188,9 +346,12 @@ def load_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> None:
         if problems:
             k = problems[0]
             found = tuple(module_state[k].shape) if k in module_state else "nothing"
-            raise ValueError(f"checkpoint {source} does not fit this model: {k} has shape {tuple(own[k].shape)} "
-                             f"here but {found} in the checkpoint ({len(problems)} mismatching entries); "
-                             "load a checkpoint of the same model")
+            raise CheckpointError(
+                f"checkpoint {source} does not fit this model: {k} has shape {tuple(own[k].shape)} here but "
+                f"{found} in the checkpoint ({len(problems)} mismatching entries); load a checkpoint of the "
+                "same model")
+    for v, stage in stages.items():
+        own = stage.module.state_dict()
         stage.module.load_state_dict({k: module_state[k] for k in own})
         load_optimizer_state(stage.optimizer, optimizer_state, groups, _param_names(stage.module))
         stage.policy.updates = files[v]["updates"] if same_layout else manifest["step"]
@@ -220,9 +381,9 @@ def _plan_layout(pipe: Checkpointable) -> list:
     return [plan["order"], plan["cuts"]]
 
 
-def _manifest(pipe: Checkpointable, role: CheckpointRole) -> dict:
+def _manifest(pipe: Checkpointable, role: CheckpointRole, files: dict[str, str]) -> dict:
     o = pipe.options
-    return {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages,
+    return {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages, "files": files,
             "devices": o.stages, "data_parallel": o.data_parallel, "plan_layout": _plan_layout(pipe),
             "plan": pipe.plan.to_json(), "schedule": o.schedule, "staleness": o.staleness,
             "micro_batches": o.micro_batches, "precision": o.precision,

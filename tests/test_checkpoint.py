@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pipetrain
+from pipetrain import checkpoint as ckpt
 from dist_harness import run_world
 from runtime_models import data, loss_fn, make, sgd
 
@@ -167,3 +168,144 @@ def test_checkpoint_moves_from_the_local_to_the_distributed_engine(tmp_path, one
     assert set(merged) == set(local.state_dict())
     for key, value in local.state_dict().items():
         assert torch.equal(merged[key], value), key
+
+
+# ----- never lose a run: retention, refusing to save below another run, durability, bad files -----
+
+def snapshot(root):
+    """Every file under ``root`` with its bytes: a failed save or load must change none of them."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_retention_never_deletes_the_checkpoint_latest_names(tmp_path):
+    for step in (3, 5, 8):  # a rollback: step 3 is published while newer directories exist
+        ckpt.step_dir(tmp_path, step).mkdir()
+        (ckpt.step_dir(tmp_path, step) / "manifest.json").write_text("{}")
+    ckpt.publish(tmp_path, 3)
+    assert (tmp_path / "latest").read_text() == "step-00000003"
+    assert (tmp_path / "step-00000003" / "manifest.json").exists()
+
+
+def test_a_fresh_run_refuses_to_save_below_another_runs_checkpoint(tmp_path):
+    other = new_pipe(name="mlp")
+    for batch in stream("mlp", 4):
+        other.step(*batch)
+        other.save(tmp_path)
+    before = snapshot(tmp_path)
+    fresh = new_pipe(name="mlp")  # the same command again, without --resume
+    fresh.step(*stream("mlp", 1)[0])
+    with pytest.raises(pipetrain.CheckpointError, match=r"step 4, newer than the step 1.*--resume auto.*"
+                                                       r"pipe\.load.*another directory"):
+        fresh.save(tmp_path)
+    assert snapshot(tmp_path) == before
+    # Resuming from that run and saving its later steps is what the directory is for.
+    resumed = new_pipe(name="mlp")
+    assert resumed.resume(tmp_path) and resumed.updates == 4
+    resumed.step(*stream("mlp", 5)[4])
+    resumed.save(tmp_path)
+    assert (tmp_path / "latest").read_text() == "step-00000005"
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000005"]
+
+
+def fresh_save_below(rank, world, root):
+    pipe = new_pipe("distributed", world, name="mlp")
+    pipe.step(*stream("mlp", 1)[0])
+    try:
+        pipe.save(root)
+    except pipetrain.CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_every_rank_refuses_a_save_below_another_runs_checkpoint(tmp_path, one_thread):
+    root = tmp_path / "ckpt"
+    other = new_pipe("local", 2, name="mlp")
+    for batch in stream("mlp", 3):
+        other.step(*batch)
+    other.save(root)
+    before = snapshot(root)
+    messages = run_world(2, "test_checkpoint", "fresh_save_below", tmp_path / "ranks", str(root))
+    assert all("newer than the step 1" in m for m in messages), messages  # both ranks, no barrier left waiting
+    assert snapshot(root) == before
+
+
+def test_files_and_directories_are_fsynced_before_latest_flips(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    pipe = new_pipe(name="mlp")
+    pipe.step(*stream("mlp", 1)[0])
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = pipe.save(tmp_path)
+    root, step = str(tmp_path), str(target)
+    replaces = {e[2]: i for i, e in enumerate(events) if e[0] == "replace"}
+    synced = {}
+    for i, e in enumerate(events):
+        if e[0] == "fsync":
+            synced.setdefault(e[1], []).append(i)
+    for name in ("stage0.pt", "stage1.pt", "manifest.json", "stage0.sha256", "stage1.sha256"):
+        dst = f"{step}/{name}"
+        src = next(e[1] for e in events if e[0] == "replace" and e[2] == dst)
+        assert min(synced.get(src, [len(events)])) < replaces[dst], f"{name} renamed before its data was synced"
+    flip = replaces[f"{root}/latest"]
+    last_in_step = max(i for d, i in replaces.items() if d.startswith(step + "/"))
+    assert any(last_in_step < i < flip for i in synced.get(step, [])), "step directory not synced before latest"
+    assert any(i < flip for i in synced.get(root, [])), "root not synced before latest flips"
+    assert any(i > flip for i in synced.get(root, [])), "root not synced after latest flips"
+    latest_src = next(e[1] for e in events if e[0] == "replace" and e[2] == f"{root}/latest")
+    assert min(synced.get(latest_src, [len(events)])) < flip
+
+
+def two_checkpoints(root, name="mlp"):
+    pipe = new_pipe(name=name)
+    for batch in stream(name, 2):
+        pipe.step(*batch)
+        pipe.save(root)
+    return root / "step-00000002"
+
+
+def assert_refused(root, match):
+    """Loading, resuming and exporting all give one CheckpointError; nothing changes on disk or in the pipe."""
+    before = snapshot(root)
+    pipe = new_pipe(name="mlp")
+    untouched = {k: v.clone() for k, v in pipe.state_dict().items()}
+    for attempt in (lambda: pipe.load(root), lambda: pipe.resume(root), lambda: pipetrain.export_state_dict(root)):
+        with pytest.raises(pipetrain.CheckpointError, match=match):
+            attempt()
+    assert snapshot(root) == before
+    assert pipe.updates == 0 and all(torch.equal(untouched[k], v) for k, v in pipe.state_dict().items())
+
+
+def test_a_truncated_stage_file_is_refused_by_name(tmp_path):
+    stage = two_checkpoints(tmp_path) / "stage1.pt"
+    stage.write_bytes(stage.read_bytes()[:stage.stat().st_size // 2])
+    assert_refused(tmp_path, r"stage1\.pt .*truncated or corrupted.*pipe\.load\(.*step-00000001")
+
+
+def test_a_corrupted_stage_file_is_refused_by_name(tmp_path):
+    stage = two_checkpoints(tmp_path) / "stage0.pt"
+    data = bytearray(stage.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor data: torch.load itself reads it without complaint
+    stage.write_bytes(bytes(data))
+    assert_refused(tmp_path, r"stage0\.pt .*truncated or corrupted.*step-00000001")
+
+
+def test_a_missing_manifest_is_refused_not_taken_for_no_checkpoint(tmp_path):
+    (two_checkpoints(tmp_path) / "manifest.json").unlink()
+    assert_refused(tmp_path, r"latest names 'step-00000002'.*manifest\.json does not exist.*step-00000001")
+
+
+def test_a_manifest_of_another_model_is_refused(tmp_path):
+    step = two_checkpoints(tmp_path / "mlp")
+    other = two_checkpoints(tmp_path / "skip", name="skip")
+    (step / "manifest.json").write_bytes((other / "manifest.json").read_bytes())
+    assert_refused(tmp_path / "mlp", r"stage0\.pt does not match .*manifest\.json")

@@ -1,4 +1,5 @@
-"""A run killed mid-training under torchrun --max-restarts resumes from its last checkpoint by itself."""
+"""A run killed mid-training under torchrun --max-restarts resumes from its last checkpoint by itself; one
+stopped by SIGTERM saves on every rank and resumes exactly."""
 import os
 import subprocess
 import sys
@@ -28,3 +29,27 @@ def test_killed_run_restarts_and_ends_equal_to_an_uninterrupted_one(tmp_path):
         assert a["restarts"] == "1" and b["restarts"] == "0"  # the first run really was restarted
         for key, value in b["state"].items():
             assert torch.equal(a["state"][key], value), key
+
+
+def test_sigterm_to_torchrun_saves_on_every_rank_and_the_resume_is_exact(tmp_path, one_thread):
+    """torchrun forwards SIGTERM to both ranks; they agree on a mini-batch, save, exit 0, and the resume
+    under a new torchrun ends equal to an uninterrupted run (the local engine, the reference)."""
+    from preempt_worker import PAUSE_AT, config
+    from test_training import assert_same_parameters, saved_step, sigterm_after_step, worker_env
+
+    from pipetrain.apps.training import run
+
+    root = tmp_path / "ckpt"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              str(HERE / "preempt_worker.py"), str(root)]
+    status, output = sigterm_after_step([*launch, str(tmp_path / "stopped"), "1f1b", "distributed"], PAUSE_AT)
+    stopped = [torch.load(f"{tmp_path / 'stopped'}.rank{r}") for r in range(2)]  # written after run() returned
+    assert all(s["preempted"] for s in stopped), output
+    assert saved_step(root) == PAUSE_AT == len(stopped[0]["losses"]) == len(stopped[1]["losses"])
+    resumed = subprocess.run([*launch, str(tmp_path / "resumed"), "1f1b", "distributed", "--resume"],
+                             env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    losses = torch.load(f"{tmp_path / 'resumed'}.rank0")["losses"]
+    whole = run(config("1f1b", "local", checkpoint_dir=str(tmp_path / "whole")))
+    assert stopped[0]["losses"] + losses == whole.step_losses
+    assert_same_parameters(root, tmp_path / "whole")

@@ -6,12 +6,19 @@ epochs over a deterministic (seeded) data order, validates after every epoch, an
 mini-batches (the runtime shards them for data parallelism); only rank 0 shows progress and
 writes TensorBoard scalars. Checkpoints are saved after every epoch; ``resume="auto"`` loads the
 newest one and skips the mini-batches it already trained, so a resumed run sees the same data
-order as an uninterrupted one.
+order as an uninterrupted one. With a checkpoint directory, SIGTERM (what schedulers and torchrun
+send before killing a job) is a request to stop: the run finishes the mini-batch in flight (an
+async-1f1b stream takes no new mini-batches and drains; under torchrun async-1f1b stops at the end
+of the epoch), saves a checkpoint and returns with ``summary.preempted`` set, so the process exits
+with status 0 and ``resume="auto"`` continues it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -132,6 +139,7 @@ class RunSummary:
     bytes_sent: int = 0
     steps: int = 0
     wall_seconds: float = 0.0
+    preempted: bool = False  # stopped early by SIGTERM after saving a checkpoint; resume="auto" continues
 
     @property
     def min_train_loss(self) -> float:
@@ -177,6 +185,74 @@ def _subset(dataset: Dataset, n: int | None) -> Dataset:
     return Subset(dataset, range(n))
 
 
+class _StopRequest:
+    """SIGTERM's handler during run(): it only takes note; the loop acts at the next safe point."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.signalled = True
+
+
+@contextlib.contextmanager
+def _sigterm_requests_stop(enabled: bool) -> Iterator[_StopRequest | None]:
+    """Catch SIGTERM for the duration of the block (only the main thread may install handlers);
+    the previous handler comes back afterwards, also after an error."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    request = _StopRequest()
+    previous = signal.signal(signal.SIGTERM, request)
+    try:
+        yield request
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Feed:
+    """The mini-batches of one epoch, counted as the pipeline pulls them, ending early once ``limit``
+    is set: that is how a stream ends at a mini-batch every rank agreed on."""
+
+    def __init__(self, batches: Iterator[tuple[Any, Any]]):
+        self._batches = batches
+        self.pulled = 0
+        self.limit: int | None = None
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        while self.limit is None or self.pulled < self.limit:
+            batch = next(self._batches, None)
+            if batch is None:
+                return
+            self.pulled += 1  # counted when handed over, so ``pulled`` is what the pipeline holds
+            yield batch
+
+
+class _StopAgreement:
+    """Whether any rank was asked to stop, and after how many mini-batches of the epoch every rank can.
+
+    Ranks get SIGTERM at slightly different times, and each save has barriers, so all must stop at
+    the same mini-batch: one all_reduce (MAX) of [flag, mini-batches pulled] per mini-batch, on a
+    gloo group of its own (CPU tensors whatever the backend; no interleaving with the pipeline's
+    collectives). Every rank yields each mini-batch's result in the same order, so the calls pair up;
+    the pulled count is at least what every rank has taken, so each can continue to it and drain."""
+
+    def __init__(self, schedule: str) -> None:
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # A blocking vote inside a distributed async-1f1b stream can deadlock: a rank waiting in the
+        # vote holds back activations another rank needs before it reaches the same vote (seen in
+        # tests). There the vote waits for the epoch's end, when the stream has drained.
+        self.mid_stream = self._group is None or schedule != "async-1f1b"
+
+    def stop_at(self, request: _StopRequest, pulled: int) -> int | None:
+        """The mini-batch count to stop after, or None to go on."""
+        if self._group is None:
+            return pulled if request.signalled else None
+        votes = torch.tensor([int(request.signalled), pulled], dtype=torch.int64)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._group)
+        return int(votes[1]) if votes[0] else None
+
+
 def _batches(dataset: Dataset, order: list[int], batch_size: int, skip: int) -> Iterator[tuple[Any, Any]]:
     """Full mini-batches of ``order`` (the last partial one is dropped), after skipping ``skip``."""
     for start in range(skip * batch_size, len(order) - batch_size + 1, batch_size):
@@ -207,7 +283,16 @@ def is_rank_zero() -> bool:
 
 
 def run(config: RunConfig) -> RunSummary:
-    """Train ``config`` (every rank under torchrun) and return what it measured."""
+    """Train ``config`` (every rank under torchrun) and return what it measured.
+
+    With ``checkpoint_dir`` set, SIGTERM makes the run save at the next mini-batch boundary and
+    return early with ``preempted`` set (see the module docstring); without it SIGTERM keeps its
+    usual meaning."""
+    with _sigterm_requests_stop(bool(config.checkpoint_dir)) as request:
+        return _run(config, request)
+
+
+def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
     from tqdm import tqdm
 
     c = config.resolved()
@@ -227,6 +312,7 @@ def run(config: RunConfig) -> RunSummary:
     example = x0[:max(1, c.batch_size // (c.micro_batches * c.data_parallel))]
     pipe = pipetrain.wrap(model, example, **c.wrap_options())
     rank0 = is_rank_zero()
+    agreement = _StopAgreement(c.schedule) if request is not None else None
     val_log = None
     if c.logdir and rank0:
         from torch.utils.tensorboard import SummaryWriter
@@ -248,7 +334,8 @@ def run(config: RunConfig) -> RunSummary:
             bar = tqdm(total=steps_per_epoch, initial=skip, disable=not (rank0 and c.progress), leave=False,
                        desc=f"{c.label + ' ' if c.label else ''}epoch {epoch + 1}/{c.epochs}", dynamic_ncols=True)
             losses, samples, seconds, sent = [], 0, 0.0, 0
-            for result in pipe.train(_batches(train, order, c.batch_size, skip)):
+            feed = _Feed(_batches(train, order, c.batch_size, skip))
+            for result in pipe.train(feed):
                 losses.append(result.loss)
                 samples += result.samples
                 seconds += result.seconds
@@ -258,16 +345,27 @@ def run(config: RunConfig) -> RunSummary:
                               or list(map(float, result.weight_version_bytes)))
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{result.samples_per_second:.0f}")
+                if agreement is not None and agreement.mid_stream and feed.limit is None:
+                    # Not a break: the stream ends by itself after ``limit`` (async drains its in-flight ones).
+                    feed.limit = agreement.stop_at(request, feed.pulled)
             bar.close()
-            val_loss, val_acc = evaluate(pipe, val, c.batch_size)
-            record = EpochRecord(epoch + 1, pipe.updates, sum(losses) / len(losses), val_loss, val_acc,
-                                 samples / seconds if seconds > 0 else math.nan, sent / len(losses))
-            summary.epochs.append(record)
             summary.step_losses += losses
             summary.samples += samples
             summary.train_seconds += seconds
             summary.bytes_sent += sent
             summary.steps += len(losses)
+            if feed.limit is not None and skip + len(losses) < steps_per_epoch:
+                pipe.save(c.checkpoint_dir)  # mid-epoch: no validation; the resume starts at the next mini-batch
+                summary.preempted = True
+                if rank0:
+                    print(f"stopped by SIGTERM at step {pipe.updates} (epoch {epoch + 1}, mini-batch "
+                          f"{skip + len(losses)}/{steps_per_epoch}); saved {c.checkpoint_dir}, resume with "
+                          "--resume auto", flush=True)
+                break
+            val_loss, val_acc = evaluate(pipe, val, c.batch_size)
+            record = EpochRecord(epoch + 1, pipe.updates, sum(losses) / len(losses), val_loss, val_acc,
+                                 samples / seconds if seconds > 0 else math.nan, sent / len(losses))
+            summary.epochs.append(record)
             if val_log is not None:
                 val_log.add_scalar("val/loss", val_loss, pipe.updates)
                 val_log.add_scalar("val/accuracy", val_acc, pipe.updates)
@@ -279,6 +377,13 @@ def run(config: RunConfig) -> RunSummary:
                            f"val accuracy {100 * val_acc:.2f}%, {record.samples_per_second:.0f} samples/s")
             if c.checkpoint_dir:
                 pipe.save(c.checkpoint_dir)
+            if agreement is not None and epoch + 1 < c.epochs and (
+                    feed.limit is not None or agreement.stop_at(request, 0) is not None):
+                summary.preempted = True  # asked during validation or the save: the epoch's checkpoint is it
+                if rank0:
+                    print(f"stopped by SIGTERM after epoch {epoch + 1} (step {pipe.updates}); saved "
+                          f"{c.checkpoint_dir}, resume with --resume auto", flush=True)
+                break
         summary.version_lag = [s / summary.steps for s in lag_sum] if summary.steps else []
         summary.weight_version_bytes = [s / summary.steps for s in weight_sum] if summary.steps else []
     finally:
