@@ -218,6 +218,8 @@ class Pipeline:
                 pending.append(self._reporter.post(result, loss_sum))
                 while pending and pending[0][1].is_completed():
                     yield self._finish(self._reporter.collect(*pending.pop(0)))
+        for stepper in self._steppers.values():
+            stepper.finish_stream()
         self._transport.flush()
         for item in pending:
             yield self._finish(self._reporter.collect(*item))

@@ -154,9 +154,23 @@ def sync_run(engine, stages, nonfinite):
     return results, error, name, pipe.state_dict()
 
 
+def async_raise(engine, stages):
+    """A stash stream with stage 1's gradient poisoned in mini-batch 2 and nonfinite="raise"."""
+    pipe = wrap(engine, stages=stages, schedule="async-1f1b", staleness="stash")
+    m = pipe.options.micro_batches
+    name = poison(pipe, 1, lambda g: g // m == 2) if 1 in pipe._runtimes else None
+    try:
+        results = [r.step for r in pipe.train(batches(steps=6))]
+        error = None
+    except pipetrain.NonFiniteError as e:
+        results, error = None, str(e)
+    finite = all(torch.isfinite(t).all() for t in pipe.state_dict().values())
+    return results, error, name, finite, {v: rt.policy.updates for v, rt in pipe._runtimes.items()}
+
+
 def world2(rank, world):
     return {"skip": sync_run("distributed", world, "skip"), "raise": sync_run("distributed", world, "raise"),
-            "async": async_stash("distributed", world)}
+            "async": async_stash("distributed", world), "async-raise": async_raise("distributed", world)}
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +210,25 @@ def test_two_ranks_async_stash_skip_equals_the_local_engine(two_ranks):
         assert r_steps == [rank] * 5 and r_policies == {rank: policies[rank]}, rank
         merged.update(r_state)
     assert same(merged, state)
+
+
+def test_async_stream_raises_on_every_rank_without_waiting_at_each_step(two_ranks):
+    # Across processes an async stream's STEP t does not wait for the other ranks' verdict (that would
+    # hold each stage until stage 0 finished the mini-batch's backward); STEP t + 1 reads it. Both ranks
+    # raise naming the poisoned step; the poisoned stage never applied it, the clean stage did.
+    _, _, name, _, _ = two_ranks[1]["async-raise"]
+    for rank in range(2):
+        results, error, _, finite, updates = two_ranks[rank]["async-raise"]
+        assert results is None and error is not None, rank
+        assert "optimizer step 3 (mini-batch 2 of this train() stream)" in error, error
+        assert "an async stream learns of it one step later" in error, error
+        assert finite, rank
+        assert updates == {rank: 2 if rank == 1 else 3}, (rank, updates)
+    assert f"stage 1, parameter {name!r}" in two_ranks[1]["async-raise"][1]
+    assert "found by rank 1 (stage 1, replica 0)" in two_ranks[0]["async-raise"][1]
+
+
+def test_async_stream_in_one_process_raises_before_any_stage_applies_the_step():
+    results, error, _, finite, updates = async_raise("local", 3)
+    assert results is None and "optimizer step 3" in error and "was not applied on any stage" in error
+    assert finite and updates == {0: 2, 1: 2, 2: 2}

@@ -46,6 +46,10 @@ class LocalOverflowAgreement:
     def where(self, index: int) -> str:
         return self.describe(index)
 
+    def post(self, t: int, position: int, flags: torch.Tensor) -> None:
+        """In one process every device's step already runs in turn: nothing to gain in the background."""
+        return None
+
     def forget(self, t: int) -> None:
         """The step raised: the devices still waiting never read the decision, so drop it here."""
         self.flags.pop(t, None)
@@ -69,6 +73,16 @@ class DistributedOverflowAgreement:
         dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
         yield from ()
         return _first(code.tolist(), self.size)
+
+    def post(self, t: int, position: int, flags: torch.Tensor) -> Callable[[], list[int | None]]:
+        """The same all-reduce, started without waiting; the returned call waits and decodes it."""
+        code = flags.detach().to(self.device, torch.float32) * (self.size - self.rank)
+        work = dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+        def result() -> list[int | None]:
+            work.wait()
+            return _first(code.tolist(), self.size)
+        return result
 
     def where(self, index: int) -> str:
         return self.describe(index)

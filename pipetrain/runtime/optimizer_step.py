@@ -47,6 +47,10 @@ class OverflowAgreement(Protocol):
 
     def forget(self, t: int) -> None: ...
 
+    def post(self, t: int, position: int, flags: torch.Tensor) -> Callable[[], list[int | None]] | None:
+        """Start the agreement without waiting and return what waits for its result; None where the
+        agreement cannot run in the background (one process: the devices wait in the executor loop)."""
+
 
 class OptimizerStep:
     """What one device does at STEP t for all of its stages.
@@ -76,6 +80,9 @@ class OptimizerStep:
         self.skipped: list[int] = []  # which of this device's steps (0-based, over its lifetime) were skipped
         self.steps_seen = 0
         self.outcomes: dict[int, bool] = {}  # mini-batch t -> skipped; the pipeline reads them into results
+        # async-1f1b with nonfinite="raise": the agreement of the previous step, still running, with what
+        # this device found then (t, wait for the result, this device's first bad parameter).
+        self.in_flight: tuple[int, Callable[[], list[int | None]], tuple[int, str] | None] | None = None
         self.first_update = 1  # the pipeline's update number of mini-batch 0 of the current call (messages)
         self.stream = False
 
@@ -89,6 +96,11 @@ class OptimizerStep:
         m = self.micro_batches
         losses = [s.losses[g] for s in self.stages if s.is_last for g in range(t * m, (t + 1) * m) if g in s.losses]
         flags = torch.cat([grads_bad, losses_nonfinite(losses, self.device)])
+        if self.stream and self.nonfinite == "raise":
+            result = self.agreement.post(t, self.position, flags)
+            if result is not None:
+                self._step_then_agree(t, flags, result)
+                return
         first = yield from self.agreement.agree(t, self.position, flags)
         overflow = self.scaler is not None and first[GRADS] is not None
         bad = first[LOSSES] is not None or (self.scaler is None and first[GRADS] is not None)
@@ -117,13 +129,53 @@ class OptimizerStep:
             self.agreement.forget(t)
             raise NonFiniteError(error)
 
+    def _step_then_agree(self, t: int, flags: torch.Tensor, result: Callable[[], list[int | None]]) -> None:
+        """async-1f1b, nonfinite="raise", several processes: the stream never flushes, so waiting at STEP t
+        for every rank would hold each stage until stage 0 finished mini-batch t's backward (N-1 backward
+        hops every mini-batch). Nothing needs the decision before the next step, so STEP t steps on this
+        device's own finding while the all-reduce runs, and STEP t + 1 (or the end of the stream) reads
+        it: every rank raises there, before applying t + 1. Stages whose gradients were finite have then
+        applied update t; a stage that found a non-finite value never applies it."""
+        self.finish_stream()
+        mine = bool(flags.any())
+        found = first_nonfinite(self.process_stages()) if mine and self.scaler is None else None
+        self.in_flight = (t, result, found)
+        if mine:
+            self.skipped.append(self.steps_seen)
+        self.steps_seen += 1
+        self.outcomes[t] = mine
+        for s in self.stages:
+            if s.optimizer is not None:
+                if not mine:
+                    s.optimizer.step()
+                s.optimizer.zero_grad(set_to_none=True)
+            elif mine:
+                s.module.zero_grad(set_to_none=True)
+            if not mine:
+                s.policy.on_step()
+
+    def finish_stream(self) -> None:
+        """Read the agreement still running from the last step; raise NonFiniteError if any rank found a
+        non-finite value there (every rank raises at the same point)."""
+        if self.in_flight is None:
+            return
+        t, result, found = self.in_flight
+        self.in_flight = None
+        first = result()
+        if first[LOSSES] is not None or first[GRADS] is not None:
+            for _, module in self.process_stages():
+                module.zero_grad(set_to_none=True)
+            raise NonFiniteError(self._message(t, first, found).replace(
+                "the update was not applied on any stage",
+                "stages whose gradients were finite applied it (an async stream learns of it one step later)"))
+
     def start(self, first_update: int, stream: bool) -> None:
         """Called before each step() (stream=False) or train() stream: the update number of its
         mini-batch 0, for messages."""
         self.first_update = first_update
         self.stream = stream
 
-    def _message(self, t: int, first: list[int | None]) -> str:
+    def _message(self, t: int, first: list[int | None], found: tuple[int, str] | None = None) -> str:
         """Every rank raises; the one holding the first bad parameter names it, the others name that rank."""
         update = self.first_update + t
         when = f"optimizer step {update}" + (f" (mini-batch {t} of this train() stream)" if self.stream else "")
@@ -131,7 +183,8 @@ class OptimizerStep:
             what = f"the loss is NaN or infinite at {when}, computed by {self.agreement.where(first[LOSSES])}"
         else:
             what = f"a gradient is NaN or infinite at {when}"
-            found = first_nonfinite(self.process_stages()) if self.scaler is None else None
+            if found is None and self.scaler is None:
+                found = first_nonfinite(self.process_stages())
             if found is not None:
                 what += f": stage {found[0]}, parameter {found[1]!r} (the first bad one)"
             else:
