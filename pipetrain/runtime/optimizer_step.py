@@ -112,6 +112,17 @@ class OptimizerStep:
         self.steps_seen += 1
         self.outcomes[t] = skip
         error = self._message(t, first) if bad and self.nonfinite == "raise" else None  # before grads go
+        self._apply(skip)
+        if error is not None:
+            # In one process the other devices never resume this step: clear what they hold too, so a
+            # caller that catches the error and goes on starts from clean gradients.
+            for _, module in self.process_stages():
+                module.zero_grad(set_to_none=True)
+            self.agreement.forget(t)
+            raise NonFiniteError(error)
+
+    def _apply(self, skip: bool) -> None:
+        """Step every stage of this device (or skip the step), then clear the gradients."""
         for s in self.stages:
             if s.optimizer is not None:
                 if not skip:
@@ -121,13 +132,6 @@ class OptimizerStep:
                 s.module.zero_grad(set_to_none=True)
             if not skip:
                 s.policy.on_step()
-        if error is not None:
-            # In one process the other devices never resume this step: clear what they hold too, so a
-            # caller that catches the error and goes on starts from clean gradients.
-            for _, module in self.process_stages():
-                module.zero_grad(set_to_none=True)
-            self.agreement.forget(t)
-            raise NonFiniteError(error)
 
     def _step_then_agree(self, t: int, flags: torch.Tensor, result: Callable[[], list[int | None]]) -> None:
         """async-1f1b, nonfinite="raise", several processes: the stream never flushes, so waiting at STEP t
@@ -144,15 +148,7 @@ class OptimizerStep:
             self.skipped.append(self.steps_seen)
         self.steps_seen += 1
         self.outcomes[t] = mine
-        for s in self.stages:
-            if s.optimizer is not None:
-                if not mine:
-                    s.optimizer.step()
-                s.optimizer.zero_grad(set_to_none=True)
-            elif mine:
-                s.module.zero_grad(set_to_none=True)
-            if not mine:
-                s.policy.on_step()
+        self._apply(mine)
 
     def finish_stream(self) -> None:
         """Read the agreement still running from the last step; raise NonFiniteError if any rank found a
