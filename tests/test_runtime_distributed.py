@@ -62,3 +62,26 @@ def test_distributed_equals_local_exactly(tmp_path, world, cases):
             ref = reference_training(case[0], batches(case[0]), case[3]).state_dict()
             for key, value in ref.items():
                 torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0, msg=f"{case}: {key}")
+
+
+def long_async_stream(rank, world):
+    """A 200-mini-batch async stream: the most sends this rank keeps alive at any mini-batch."""
+    x, y = data("mlp", 8)
+    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=2, schedule="async-1f1b",
+                          staleness="vanilla", optimizer=sgd, partitioner="uniform", profile=False,
+                          engine="distributed")
+    most, steps = 0, []
+    for result in pipe.train((x, y) for _ in range(200)):
+        most = max(most, len(pipe._transport.pending_sends))
+        steps.append(result.step)
+    return most, steps
+
+
+def test_a_never_flushed_stream_keeps_a_bounded_number_of_sends_alive(tmp_path):
+    # gloo marks a send complete only once it is waited on; without the window an async stream kept
+    # every activation and gradient it ever sent (400 after 200 mini-batches here: a memory leak).
+    from pipetrain.comm.transport import SEND_WINDOW
+
+    for most, steps in run_world(2, "test_runtime_distributed", "long_async_stream", tmp_path):
+        assert steps == list(range(1, 201))
+        assert most <= SEND_WINDOW, most

@@ -25,6 +25,7 @@ class PeerFailure(RuntimeError):
 
 COMM_KIND = {ACT: "activations", GRAD: "activation_grads"}
 HEADER_BYTES = 1 << 16
+SEND_WINDOW = 64  # sends kept before the oldest are waited on (DistributedTransport._prune)
 
 
 class LocalTransport:
@@ -132,8 +133,23 @@ class DistributedTransport:
         self._prune()
 
     def _prune(self) -> None:
-        if len(self.pending_sends) > 64:
-            self.pending_sends = [(w, t) for w, t in self.pending_sends if not all(x.is_completed() for x in w)]
+        """Let go of sends that completed. gloo marks a send complete only once it is waited on, so an
+        async-1f1b stream (never flushed) would otherwise keep every message it ever sent alive. Past
+        SEND_WINDOW sends, the oldest are waited on: their receivers took them long ago, since a link
+        holds only the few micro-batches in flight of a 1F1B schedule."""
+        if len(self.pending_sends) <= SEND_WINDOW:
+            return
+        self.pending_sends = [(w, t) for w, t in self.pending_sends if not all(x.is_completed() for x in w)]
+        while len(self.pending_sends) > SEND_WINDOW // 2:
+            self._wait_sent(self.pending_sends.pop(0)[0])
+
+    def _wait_sent(self, works: list) -> None:
+        for w in works:
+            try:
+                w.wait(self.timeout)
+            except RuntimeError as error:
+                raise PeerFailure(f"rank {self.rank}: a send to another stage did not complete within "
+                                  f"{self.timeout.total_seconds():g} s (the receiver died or hangs): {error}") from error
 
     def post(self, link: Link, kind: str, micro_batch: int, shape_key: Any = None) -> None:
         if self._is_local(link):
@@ -225,12 +241,7 @@ class DistributedTransport:
     def flush(self) -> None:
         """Wait until every send this rank posted has completed."""
         for works, _ in self.pending_sends:
-            for w in works:
-                try:
-                    w.wait(self.timeout)
-                except RuntimeError as error:
-                    raise PeerFailure(f"rank {self.rank}: a send to another stage did not complete within "
-                                      f"{self.timeout.total_seconds():g} s (the receiver died or hangs): {error}") from error
+            self._wait_sent(works)
         self.pending_sends.clear()
         if self.dynamic_shapes:  # per-micro-batch metadata is only needed within a step
             self.meta_sent.clear()
