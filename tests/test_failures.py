@@ -95,3 +95,4 @@ def test_a_rank_hung_before_a_collective_stops_the_others_within_the_timeout(tmp
         assert codes[r] == 1, f"rank {r} exit code {codes[r]}"
         stamp, message = (tmp_path / f"rank{r}").read_text().split("\n", 1)
         assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s: {message}"
+        assert "PeerFailure" in message and "skip-or-step agreement" in message, message

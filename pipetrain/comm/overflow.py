@@ -10,12 +10,14 @@ across processes it is one all-reduce (MAX) over every rank, the only collective
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from pipetrain.comm.transport import PeerFailure
 from pipetrain.runtime.executor import BLOCKED
 
 
@@ -70,7 +72,8 @@ class DistributedOverflowAgreement:
     def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
         """This rank's flags for mini-batch t, maximised over every rank; returns the first reporters."""
         code = flags.detach().to(self.device, torch.float32) * (self.size - self.rank)
-        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
+        with self._peers_answer(t):
+            dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
         yield from ()
         return _first(code.tolist(), self.size)
 
@@ -80,12 +83,24 @@ class DistributedOverflowAgreement:
         work = dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
         def result() -> list[int | None]:
-            work.wait()
+            with self._peers_answer(t):
+                work.wait()
             return _first(code.tolist(), self.size)
         return result
 
     def where(self, index: int) -> str:
         return self.describe(index)
+
+    @contextlib.contextmanager
+    def _peers_answer(self, t: int) -> Iterator[None]:
+        """A rank that died or hangs before its step: an error that says so, not gloo's bare time-out."""
+        try:
+            yield
+        except RuntimeError as error:
+            raise PeerFailure(
+                f"rank {self.rank}: the skip-or-step agreement of mini-batch {t} (every rank, each optimizer "
+                f"step) did not complete: another rank died or hangs before its step; see the other ranks' logs "
+                f"(raise wrap(..., timeout=...) for very slow steps). {error}") from error
 
     def forget(self, t: int) -> None:
         """Nothing is kept between steps."""
