@@ -20,6 +20,7 @@ import math
 import signal
 import threading
 import time
+from datetime import timedelta
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -237,8 +238,10 @@ class _StopAgreement:
     collectives). Every rank yields each mini-batch's result in the same order, so the calls pair up;
     the pulled count is at least what every rank has taken, so each can continue to it and drain."""
 
-    def __init__(self, schedule: str) -> None:
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    def __init__(self, schedule: str, timeout: float) -> None:
+        # Bounded like every collective of the pipeline (wrap's timeout), not torch's 30-minute default.
+        self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+                       if dist.is_initialized() else None)
         # A blocking vote inside a distributed async-1f1b stream can deadlock: a rank waiting in the
         # vote holds back activations another rank needs before it reaches the same vote (seen in
         # tests). There the vote waits for the epoch's end, when the stream has drained.
@@ -312,7 +315,7 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
     example = x0[:max(1, c.batch_size // (c.micro_batches * c.data_parallel))]
     pipe = pipetrain.wrap(model, example, **c.wrap_options())
     rank0 = is_rank_zero()
-    agreement = _StopAgreement(c.schedule) if request is not None else None
+    agreement = _StopAgreement(c.schedule, pipe.options.timeout) if request is not None else None
     val_log = None
     if c.logdir and rank0:
         from torch.utils.tensorboard import SummaryWriter
