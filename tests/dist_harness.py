@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import socket
 import traceback
 from datetime import timedelta
@@ -17,10 +18,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to 0) is in the ephemeral range, where the many outgoing
+    connections gloo opens in parallel tests can take it between this choice and rank 0's listen
+    (seen in CI as EADDRINUSE); a port below that range is only ever taken by an explicit bind.
+    """
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    chooser = random.SystemRandom()  # independent of any test's random.seed
+    for _ in range(200):
+        port = chooser.randrange(10000, ephemeral_low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 10000..{ephemeral_low}")
 
 
 def _worker(rank: int, world: int, port: int, module: str, function: str, out: str, args: tuple) -> None:
@@ -55,7 +73,14 @@ def run_checks(checks: dict) -> dict[str, str]:
 def run_world(world: int, module: str, function: str, tmp_path: Path, *args) -> list:
     """Run ``module.function(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result."""
     Path(tmp_path).mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(world, _free_port(), module, function, str(tmp_path), args), nprocs=world)
+    for attempt in range(3):
+        try:
+            mp.spawn(_worker, args=(world, free_port(), module, function, str(tmp_path), args), nprocs=world)
+            break
+        except mp.ProcessRaisedException as error:
+            # Another test may bind the same port between our check and rank 0's listen: choose anew.
+            if "EADDRINUSE" not in str(error) or attempt == 2:
+                raise
     results = []
     for rank in range(world):
         saved = torch.load(Path(tmp_path) / f"rank{rank}.pt", weights_only=False)

@@ -1,6 +1,5 @@
 """A rank that dies or hangs stops every other rank within the timeout, with an error naming it."""
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -11,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pipetrain
+from dist_harness import free_port
 from runtime_models import data, make, sgd
 
 WORLD, VICTIM, TIMEOUT = 4, 2, 8.0
@@ -54,9 +54,7 @@ def _rank(rank, port, out, mode):
 
 
 def _run(tmp_path, mode):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.start_processes(_rank, args=(port, str(tmp_path), mode), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.time() + 120
     for r, p in enumerate(ctx.processes):

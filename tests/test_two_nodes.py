@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_harness import free_port
 from test_hybrid import batches, reference_global
 
 TESTS = Path(__file__).resolve().parent
 
 
 def _two_agents(out: Path, allreduce: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{allreduce}",
