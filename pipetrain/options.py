@@ -6,11 +6,13 @@ from typing import Any, Callable
 
 import torch
 
+from pipetrain.runtime.staleness.two_buffered import check_two_buffered
 from schedules.cluster import load_cluster
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b")
 SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-STALENESS = ("none", "vanilla", "stash", "spectrain")
+STALENESS = ("none", "vanilla", "stash", "2bw", "spectrain", "nesterov")
+PREDICTING = ("spectrain", "nesterov")  # the policies `lookahead` scales
 PARTITIONERS = ("graph", "time", "params", "uniform")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLREDUCE = ("hybrid", "flat", "hierarchical", "per-tensor")
@@ -44,6 +46,8 @@ class PipelineOptions:
     # Beyond the contract: tuning knobs with safe defaults.
     chunks: int = 2                    # virtual stages per device for interleaved-1f1b
     spectrain_variant: str = "paper"
+    # spectrain / nesterov: scales the prediction distance (1.0: predict the schedule's real lag; see README).
+    lookahead: float = 1.0
     devices: list[torch.device] | None = None  # local engine: device per stage
     seed: int = 0
     profile: bool = True
@@ -93,7 +97,15 @@ class PipelineOptions:
                 "schedule flushes the pipeline, so weights are never stale: use staleness='none'")
         if self.schedule == "async-1f1b" and self.staleness == "none":
             raise ValueError("schedule='async-1f1b' needs a staleness policy: staleness='vanilla', 'stash' "
-                             "(PipeDream weight stashing) or 'spectrain' (weight prediction)")
+                             "(PipeDream weight stashing), '2bw' (PipeDream-2BW), 'spectrain' (weight prediction) "
+                             "or 'nesterov' (Nesterov look-ahead)")
+        if not isinstance(self.lookahead, (int, float)) or not self.lookahead >= 0:
+            raise ValueError(f"lookahead must be a number >= 0 (1.0: predict the schedule's real lag), got {self.lookahead!r}")
+        if self.lookahead != 1.0 and self.staleness not in PREDICTING:
+            raise ValueError(f"lookahead={self.lookahead} scales the prediction of staleness='spectrain' or 'nesterov'; "
+                             f"staleness={self.staleness!r} predicts nothing: leave lookahead at 1.0")
+        if self.staleness == "2bw":
+            check_two_buffered(self.stages, self.micro_batches)
         if self.schedule == "async-1f1b" and self.precision == "fp16":
             raise ValueError("fp16 loss scaling needs every stage to agree on skipped steps, which a "
                              "never-flushed async-1f1b pipeline cannot do without stalling: use "

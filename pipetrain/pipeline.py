@@ -97,7 +97,8 @@ class Pipeline:
         if params and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a factory: params -> torch.optim.Optimizer, "
                             "e.g. lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)")
-        policy = POLICIES[o.policy_name](module, optimizer, v, self._topology.num_stages)
+        policy = POLICIES[o.policy_name](module, optimizer, v, self._topology.num_stages,
+                                         micro_batches=o.micro_batches, lookahead=o.lookahead)
         return StageRuntime(v, self._topology.num_stages, module, optimizer, policy, device, o.loss_fn,
                             self._precision.autocast_dtype, o.seed)
 
@@ -183,10 +184,14 @@ class Pipeline:
 
     def _async_stream(self, batches: Iterable) -> Iterator[StepResult]:
         self._in_stream = True
+        for rt in self._runtimes.values():
+            rt.policy.start_stream()
         try:
             yield from self._run_stream(batches)
         finally:
             self._in_stream = False
+            for rt in self._runtimes.values():
+                rt.policy.end_stream()
 
     def _run_stream(self, batches: Iterable) -> Iterator[StepResult]:
         o = self.options

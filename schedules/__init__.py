@@ -7,6 +7,7 @@ from schedules.builders import BUILDERS, async_1f1b_actions, build
 from schedules.cluster import PRESETS, Cluster, load_cluster
 from schedules.cluster.reductions import Reduction
 from schedules.costs import Costs
+from schedules.lags import StreamLags, forward_backward_lags
 from schedules.cluster.step import ClusterStepResult, StageWork, simulate_cluster_step
 from schedules.cluster.overheads import RuntimeOverheads
 from schedules.schedule import Schedule, ScheduleError
@@ -16,6 +17,6 @@ from schedules.validate import validate
 
 __all__ = [
     "Action", "ActionKind", "BUILDERS", "Cluster", "Costs", "ClusterStepResult", "PRESETS", "Reduction", "RuntimeOverheads", "StageWork",
-    "load_cluster", "simulate_cluster_step", "Schedule", "ScheduleError", "SimResult",
-    "async_1f1b_actions", "build", "simulate", "validate", "write_chrome_trace", "write_png",
+    "load_cluster", "simulate_cluster_step", "Schedule", "ScheduleError", "SimResult", "StreamLags",
+    "async_1f1b_actions", "build", "forward_backward_lags", "simulate", "validate", "write_chrome_trace", "write_png",
 ]

@@ -15,10 +15,11 @@ from schedules.actions import ActionKind
 from schedules.costs import Costs
 from schedules.timeline import Timeline, execute
 from schedules.gc_pause import gc_paused
+from schedules.lags import forward_backward_lags
 from schedules.schedule import Schedule
 from schedules.validate import check_structure, raise_if_deadlocked
 
-F, B, W, STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 _kind = attrgetter("kind")
 
 
@@ -105,21 +106,14 @@ def result_of_timeline(schedule: Schedule, costs: Costs, timeline: Timeline, spl
 
 
 def _memory_and_lag(actions, split: bool) -> tuple[int, list[tuple[int, int]]]:
-    held = peak = steps = 0
-    version: dict[tuple[int, int], int] = {}
-    lags = []
+    held = peak = 0
     for a in actions:
         kind = a.kind
         if kind is F:
             held += 1
-            if held > peak:
-                peak = held
-            version[(a.micro_batch, a.chunk)] = steps
+            peak = max(peak, held)
         elif kind is B:
-            lags.append((a.micro_batch, steps - version[(a.micro_batch, a.chunk)]))
             held -= not split
         elif kind is W:
             held -= 1
-        elif kind is STEP:
-            steps += 1
-    return peak, lags
+    return peak, [(u, lag) for _, u, lag in forward_backward_lags(actions)]

@@ -6,6 +6,7 @@ for the first one to finish a mini-batch before it can report.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -83,10 +84,13 @@ class Reporter:
         is the loss summed over samples."""
         V = self.num_stages
         busy, lag, weight_bytes, act_bytes = [0.0] * V, [0.0] * V, [0] * V, [0] * V
+        distance, error = [0.0] * V, [0.0] * V
         for v, rt in self.runtimes.items():
             busy[v] = busy_seconds.get(v, 0.0) / max(seconds, 1e-12)
-            lags = [rt.version_lags.pop(g) for g in micro_batches if g in rt.version_lags]
-            lag[v] = sum(lags) / len(lags) if lags else 0.0
+            lag[v] = _mean_popped(rt.version_lags, micro_batches, 0.0)
+            distance[v] = _mean_popped(rt.policy.distances, micro_batches, 0.0)
+            # NaN where no micro-batch of this mini-batch was sampled (synchronous: nothing ever differs)
+            error[v] = _mean_popped(rt.policy.errors, micro_batches, 0.0 if rt.policy.name == "none" else math.nan)
             weight_bytes[v] = rt.policy.extra_weight_bytes()
             act_bytes[v] = rt.peak_activation_bytes
             rt.peak_activation_bytes = rt.activation_bytes()
@@ -98,14 +102,16 @@ class Reporter:
             for v, rt in self.runtimes.items():
                 if rt.device.type == "cuda":
                     peak[v] = torch.cuda.max_memory_allocated(rt.device)
-        return StepResult(0, loss_sum / samples, samples, seconds, busy, lag, weight_bytes, act_bytes, comm, peak)
+        return StepResult(0, loss_sum / samples, samples, seconds, busy, lag, weight_bytes, act_bytes, comm, peak,
+                          prediction_distance=distance, prediction_error=error)
 
     def post(self, result: StepResult, loss_sum: float) -> tuple[StepResult, SumExchange]:
         """Start summing over ranks: the loss sums and sample counts of last stages, per-stage numbers."""
         V = self.num_stages
         is_last = any(rt.is_last for rt in self.runtimes.values())
         per_stage = [result.busy_fraction, result.version_lag, result.weight_version_bytes,
-                     result.activation_bytes] + [result.comm_bytes[k] for k in COMM_KINDS]
+                     result.activation_bytes, result.prediction_distance,
+                     result.prediction_error] + [result.comm_bytes[k] for k in COMM_KINDS]
         mine = torch.zeros(2 + len(per_stage) * V, dtype=torch.float64)
         if is_last:
             mine[0], mine[1] = loss_sum, result.samples
@@ -125,5 +131,13 @@ class Reporter:
         result.version_lag = [x / D for x in part(1)]
         result.weight_version_bytes = [int(x / D) for x in part(2)]
         result.activation_bytes = [int(x / D) for x in part(3)]
-        result.comm_bytes = {k: [int(x) for x in part(4 + i)] for i, k in enumerate(COMM_KINDS)}
+        result.prediction_distance = [x / D for x in part(4)]
+        result.prediction_error = [x / D for x in part(5)]
+        result.comm_bytes = {k: [int(x) for x in part(6 + i)] for i, k in enumerate(COMM_KINDS)}
         return result
+
+
+def _mean_popped(values: dict[int, float], micro_batches: range, empty: float) -> float:
+    """Mean of the entries of ``micro_batches`` (removed from ``values``); ``empty`` when there are none."""
+    found = [values.pop(g) for g in micro_batches if g in values]
+    return sum(found) / len(found) if found else empty

@@ -29,7 +29,8 @@ _NO_SMOOTHED = (
 )
 
 
-def smoothed_update(optimizer: torch.optim.Optimizer, param: Tensor) -> Tensor | None:
+def smoothed_update(optimizer: torch.optim.Optimizer, param: Tensor,
+                    group: dict[str, Any] | None = None) -> Tensor | None:
     """Direction ``v`` with next update ``W <- W - lr * v`` (approximately).
 
     The estimate assumes the next gradient equals the optimizer's current
@@ -50,12 +51,14 @@ def smoothed_update(optimizer: torch.optim.Optimizer, param: Tensor) -> Tensor |
     Returns None before the parameter's first step (no history yet; predict
     ``W_hat = W``). Raises TypeError for optimizers without a running
     average (e.g. SGD without momentum), naming the working choices.
+    ``group``: the parameter's group when the caller knows it (saves a scan of every group).
     """
     if isinstance(optimizer, LARS):
-        _group_of(optimizer, param)
+        if group is None:
+            _group_of(optimizer, param)
         return optimizer.smoothed_update(param)
     if isinstance(optimizer, torch.optim.SGD):
-        group = _group_of(optimizer, param)
+        group = group or _group_of(optimizer, param)
         if group["momentum"] == 0:
             raise TypeError(f"torch.optim.SGD without momentum {_NO_SMOOTHED}")
         buf = optimizer.state[param].get("momentum_buffer") if param in optimizer.state else None
@@ -63,7 +66,7 @@ def smoothed_update(optimizer: torch.optim.Optimizer, param: Tensor) -> Tensor |
             return None
         return buf
     if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
-        group = _group_of(optimizer, param)
+        group = group or _group_of(optimizer, param)
         state = optimizer.state[param] if param in optimizer.state else {}
         if "exp_avg" not in state:
             return None

@@ -40,6 +40,10 @@ class StepResult:
     peak_allocated: list[int] | None = None                        # device allocator peak, where the device reports it
     skipped: bool = False  # no update was applied for this mini-batch (non-finite values or fp16 overflow), on any stage
     skipped_total: int = 0  # mini-batches skipped so far by this pipeline, this one included
+    # async-1f1b, per stage: mean updates ahead the forwards predicted the weights (spectrain, nesterov; 0 otherwise) and
+    # the distance, in updates (lr * |v|), between a sampled forward's weights and those its gradient is applied to.
+    prediction_distance: list[float] = field(default_factory=list)
+    prediction_error: list[float] = field(default_factory=list)
 
     @property
     def bytes_sent(self) -> list[int]:
@@ -67,6 +71,9 @@ class TensorBoardLog:
         for k in range(len(result.busy_fraction)):
             w.add_scalar(f"stage{k}/busy_fraction", result.busy_fraction[k], s)
             w.add_scalar(f"stage{k}/version_lag", result.version_lag[k], s)
+            w.add_scalar(f"stage{k}/prediction_distance", result.prediction_distance[k], s)
+            if result.prediction_error[k] == result.prediction_error[k]:  # NaN: not measured this mini-batch
+                w.add_scalar(f"stage{k}/prediction_error", result.prediction_error[k], s)
             w.add_scalar(f"stage{k}/weight_version_bytes", result.weight_version_bytes[k], s)
             w.add_scalar(f"stage{k}/activation_bytes", result.activation_bytes[k], s)
             for kind, per_stage in result.comm_bytes.items():

@@ -126,6 +126,7 @@ class OptimizerStep:
         for s in self.stages:
             if s.optimizer is not None:
                 if not skip:
+                    s.policy.before_step()
                     s.optimizer.step()
                 s.optimizer.zero_grad(set_to_none=True)
             elif skip:  # a stage without an optimizer still must not carry bad gradients into the next step

@@ -1,0 +1,215 @@
+"""The policy interface, the diagnostics every policy reports, and the two policies without
+prediction: vanilla (latest weights) and stash (PipeDream weight stashing).
+
+Writes into tensors that autograd saved go through ``.data`` on purpose: they must not bump the
+version counter, because the point is that the backward reads new values.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pipetrain.runtime.staleness.extrapolation import Extrapolation
+
+WeightSet = dict[str, torch.Tensor]
+
+
+def _named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def accumulate(params: list[tuple[str, nn.Parameter]], weights: WeightSet) -> None:
+    """Move the gradients autograd left on ``weights`` into the live parameters' ``.grad``."""
+    for name, p in params:
+        g = weights[name].grad
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.add_(g)
+        weights[name].grad = None
+
+
+class StalenessPolicy:
+    """Synchronous schedules: forward and backward both use the live parameters.
+
+    Subclasses override ``_forward_weights`` / ``_before_backward``; the public methods around
+    them record the diagnostics: per micro-batch the prediction distance its forward used, and
+    for one sampled micro-batch per mini-batch the prediction error, the distance between the
+    weights its forward used and the weights in force when its backward runs (those its gradient
+    is applied to), in units of one update ``lr * |v|`` (v: the optimizer's smoothed update; NaN
+    when the optimizer has none, e.g. SGD without momentum).
+    """
+
+    name = "none"
+    keeps_forward_weights = True  # the forward's weight set is not overwritten before its backward
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, stage: int, stages: int,
+                 micro_batches: int = 1, lookahead: float = 1.0):
+        self.module = module
+        self.optimizer = optimizer
+        self.stage = stage
+        self.stages = stages
+        self.micro_batches = micro_batches
+        self.lookahead = lookahead
+        self.params = _named_params(module)
+        self.updates = 0  # optimizer steps taken by this stage
+        self.distances: dict[int, float] = {}  # micro-batch -> prediction distance (updates) of its forward
+        self.errors: dict[int, float] = {}     # sampled micro-batch -> prediction error (updates)
+        self._probe: tuple[int, list[torch.Tensor]] | None = None  # the sampled micro-batch's forward weights
+        self._update_size: Extrapolation | None = None
+        if optimizer is not None and self.name != "none":
+            try:
+                self._update_size = Extrapolation(optimizer, [p for _, p in self.params])
+            except TypeError:  # no smoothed update: the error has no unit (reported as NaN)
+                pass
+
+    # -- what the stage runtime calls ------------------------------------------------------------
+
+    def forward_weights(self, micro_batch: int) -> WeightSet | None:
+        """Weights for the forward of ``micro_batch``; None means the module's own."""
+        weights = self._forward_weights(micro_batch)
+        if weights is not None:
+            self.distances[micro_batch] = self.distance(micro_batch)
+            if self._probe is None and self._sampled(micro_batch):
+                kept = [weights[n] for n, _ in self.params]
+                self._probe = (micro_batch, kept if self.keeps_forward_weights else [w.detach().clone() for w in kept])
+        return weights
+
+    def before_backward(self, micro_batch: int) -> None:
+        """Make the weights the backward of ``micro_batch`` must see current."""
+        if self._probe is not None and self._probe[0] == micro_batch:
+            self.errors[micro_batch] = self._error(self._probe[1])
+            self._probe = None
+        self._before_backward(micro_batch)
+
+    def after_backward(self, micro_batch: int) -> None:
+        """Release what the backward of ``micro_batch`` held; gradients go to ``.grad``."""
+
+    def before_step(self) -> None:
+        """Called right before the optimizer applies an update (not for a skipped step)."""
+
+    def on_step(self) -> None:
+        self.updates += 1
+        if self._update_size is not None:
+            self._update_size.invalidate()
+
+    def start_stream(self) -> None:
+        """A train() stream begins: micro-batch numbers start again at 0 and the optimizer state may
+        have been loaded from a checkpoint since the last stream."""
+        if self._update_size is not None:
+            self._update_size.invalidate()
+
+    def end_stream(self) -> None:
+        """The stream has drained (or was abandoned): drop what only later micro-batches would read."""
+        self._probe = None
+
+    def extra_weight_bytes(self) -> int:
+        """Bytes held in weight copies beyond the live parameters."""
+        return 0
+
+    def versions_held(self) -> int:
+        return 0
+
+    def distance(self, micro_batch: int) -> float:
+        """How many updates ahead the forward of ``micro_batch`` predicts the weights (0: no prediction)."""
+        return 0.0
+
+    # -- overridden by the policies --------------------------------------------------------------
+
+    def _forward_weights(self, micro_batch: int) -> WeightSet | None:
+        return None
+
+    def _before_backward(self, micro_batch: int) -> None:
+        pass
+
+    # -- diagnostics -----------------------------------------------------------------------------
+
+    def _sampled(self, micro_batch: int) -> bool:
+        # One micro-batch per mini-batch, its position rotating from one mini-batch to the next so
+        # every position (and so every lag the schedule gives) is measured in turn.
+        m = self.micro_batches
+        return micro_batch % m == (micro_batch // m) % m
+
+    def _error(self, forward: list[torch.Tensor]) -> float:
+        if self._update_size is None:
+            return math.nan
+        unit = self._update_size.update_norm()
+        if unit == 0.0:  # before the first step: nothing has moved, nothing was predicted
+            return 0.0
+        live = [p.detach() for _, p in self.params]
+        diff = torch._foreach_sub([w.detach() for w in forward], live)
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diff)))) / unit
+
+
+class VanillaPolicy(StalenessPolicy):
+    """Latest weights in the forward and in the backward (PipeDream without stashing)."""
+
+    name = "vanilla"
+    keeps_forward_weights = False  # the aliases follow the live weights
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Aliases share storage with the live weights but not their version counter,
+        # so in-place optimizer steps are visible to the backward without tripping autograd.
+        self.alias = {n: p.data.requires_grad_() for n, p in self.params}
+
+    def _forward_weights(self, micro_batch: int) -> WeightSet:
+        return self.alias
+
+    def after_backward(self, micro_batch: int) -> None:
+        accumulate(self.params, self.alias)
+
+
+class StashPolicy(StalenessPolicy):
+    """PipeDream weight stashing: the backward uses exactly the forward's weight version.
+
+    Versions are keyed by ``_key(micro_batch)`` (here the update count at the forward) and made by
+    ``_make_version``; subclasses that stash predicted weights key them by prediction as well.
+    """
+
+    name = "stash"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.versions: dict = {}  # key -> (weights, micro-batches using them)
+        self.of_micro_batch: dict[int, object] = {}
+        self.peak_versions = 0
+
+    def _key(self, micro_batch: int) -> object:
+        return self.updates
+
+    def _make_version(self, micro_batch: int) -> WeightSet:
+        return {n: p.detach().clone().requires_grad_() for n, p in self.params}
+
+    def _forward_weights(self, micro_batch: int) -> WeightSet:
+        key = self._key(micro_batch)
+        weights, users = self.versions.get(key, (None, 0))
+        if weights is None:
+            weights = self._make_version(micro_batch)
+        self.versions[key] = (weights, users + 1)
+        self.of_micro_batch[micro_batch] = key
+        self.peak_versions = max(self.peak_versions, len(self.versions))
+        return weights
+
+    def after_backward(self, micro_batch: int) -> None:
+        key = self.of_micro_batch.pop(micro_batch)
+        weights, users = self.versions[key]
+        accumulate(self.params, weights)
+        if users == 1 and self._release_when_unused(key):
+            del self.versions[key]
+        else:
+            self.versions[key] = (weights, users - 1)
+
+    def _release_when_unused(self, key: object) -> bool:
+        return True
+
+    def extra_weight_bytes(self) -> int:
+        per_version = sum(p.numel() * p.element_size() for _, p in self.params)
+        return per_version * len(self.versions)
+
+    def versions_held(self) -> int:
+        return len(self.versions)

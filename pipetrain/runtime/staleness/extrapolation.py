@@ -1,0 +1,84 @@
+"""Extrapolating a stage's weights along the optimizer's smoothed update: W - s * lr * v.
+
+This runs before every forward (and, for spectrain, every backward) of an asynchronous
+stage, so it is built for the hot path: the parameter -> group map is made once, each
+parameter's smoothed update v is computed once per optimizer step (Adam's
+m_hat / (sqrt(v_hat) + eps) costs as much as a prediction) and reused until the next step, and
+the writes are a few ``torch._foreach_*`` calls per parameter group.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pipetrain.optim import smoothed_update
+
+
+def require_smoothed_update(optimizer: torch.optim.Optimizer | None) -> None:
+    """Fail now, naming the optimizers that work, if ``optimizer`` has no smoothed update."""
+    if optimizer is None:  # a stage without parameters predicts nothing
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"][:1]:
+            smoothed_update(optimizer, p)
+
+
+def momentum_of(group: dict) -> float:
+    """The momentum coefficient of a parameter group: SGD's and LARS's ``momentum``, Adam's beta1."""
+    if "betas" in group:
+        return float(group["betas"][0])
+    return float(group["momentum"])
+
+
+class Extrapolation:
+    """Writes W - s * lr * v for a fixed list of parameters of one optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]):
+        require_smoothed_update(optimizer)
+        self.optimizer = optimizer
+        self.params = params
+        index = {id(p): i for i, p in enumerate(params)}
+        self.groups = [(group, [index[id(p)] for p in group["params"] if id(p) in index])
+                       for group in optimizer.param_groups]
+        self.groups = [(group, members) for group, members in self.groups if members]
+        self._directions: list[torch.Tensor | None] | None = None
+
+    def invalidate(self) -> None:
+        """The optimizer stepped (or its state was loaded): recompute v at the next use."""
+        self._directions = None
+
+    def directions(self) -> list[torch.Tensor | None]:
+        """Each parameter's smoothed update (None before its first step)."""
+        if self._directions is None:
+            directions: list[torch.Tensor | None] = [None] * len(self.params)
+            for group, members in self.groups:
+                for i in members:
+                    directions[i] = smoothed_update(self.optimizer, self.params[i], group)
+            self._directions = directions
+        return self._directions
+
+    def write(self, outs: list[torch.Tensor], steps: Callable[[dict], float]) -> None:
+        """``outs[i] = W_i - steps(group) * lr * v_i``; ``steps`` gives the distance for a parameter
+        group (it may depend on the group's momentum). Writes through ``.data`` (see the package)."""
+        directions = self.directions()
+        with torch.no_grad():
+            torch._foreach_copy_([o.data for o in outs], [p.detach() for p in self.params])
+            for group, members in self.groups:
+                alpha = -steps(group) * group["lr"]
+                moving = [i for i in members if directions[i] is not None]
+                if alpha != 0.0 and moving:
+                    torch._foreach_add_([outs[i].data for i in moving], [directions[i] for i in moving], alpha=alpha)
+
+    def update_norm(self) -> float:
+        """|lr * v| over all the parameters: the size of the next update, the unit of the diagnostics."""
+        directions = self.directions()
+        total = 0.0
+        for group, members in self.groups:
+            moving = [directions[i] for i in members if directions[i] is not None]
+            if moving:
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(moving)))
+                total += float(group["lr"] * norm) ** 2
+        return math.sqrt(total)

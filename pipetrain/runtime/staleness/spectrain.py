@@ -1,0 +1,90 @@
+"""SpecTrain weight prediction (Chen et al., 2018), by the schedule's real lag per micro-batch.
+
+The paper predicts floor(k/2) + N-k-1 updates ahead in the forward and floor(k/2) in the
+backward, with one micro-batch per mini-batch. With m micro-batches a stage steps once every m
+backwards, so the distance counts real updates: s_fwd(u) = lag(u) + floor(k/2)/m (the paper's
+floor(k/2) slots of offset are micro-batch slots, 1/m of an update each) and s_bwd = floor(k/2)/m,
+where lag(u) is read off the stage's action list (schedules.StreamLags). ``lookahead`` scales
+both: 1 is the prediction above, larger values predict further ahead than the weights will move.
+"""
+from __future__ import annotations
+
+import torch
+
+from pipetrain.runtime.staleness.base import StalenessPolicy, StashPolicy, WeightSet, accumulate
+from pipetrain.runtime.staleness.extrapolation import require_smoothed_update
+from schedules import StreamLags
+
+
+class SpecTrainPolicy(StalenessPolicy):
+    """Forward and backward use W_hat = W - s * lr * v (v: the optimizer's smoothed update).
+
+    One scratch copy of the weights serves every in-flight micro-batch: it is rewritten with
+    the forward prediction before each forward and with the backward prediction before each
+    backward, so memory stays at one extra version whatever the depth.
+    """
+
+    name = "spectrain"
+    keeps_forward_weights = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        require_smoothed_update(self.optimizer)
+        self.lags = StreamLags(self.stage, self.stages, self.micro_batches)
+        self.offset = (self.stage // 2) / self.micro_batches
+        self.s_bwd = self.lookahead * self.offset
+        # Predicting 0 updates ahead in both passes (the last stage of a short pipeline) means W as it
+        # is at forward and at backward time: aliases of the live weights give exactly that, copy-free.
+        ahead = self.offset > 0 or self.stages - self.stage - 1 > 0
+        self.predicts = self.optimizer is not None and self.lookahead != 0 and ahead
+        self.scratch = ({n: torch.empty_like(p).requires_grad_() for n, p in self.params} if self.predicts
+                        else {n: p.data.requires_grad_() for n, p in self.params})
+        self._outs = list(self.scratch.values())
+
+    def distance(self, micro_batch: int) -> float:
+        return self.lookahead * (self.lags(micro_batch) + self.offset)
+
+    def _forward_weights(self, micro_batch: int) -> WeightSet:
+        if self.predicts:
+            steps = self.distance(micro_batch)
+            self._update_size.write(self._outs, lambda group: steps)
+        return self.scratch
+
+    def _before_backward(self, micro_batch: int) -> None:
+        if self.predicts:
+            self._update_size.write(self._outs, lambda group: self.s_bwd)
+
+    def after_backward(self, micro_batch: int) -> None:
+        accumulate(self.params, self.scratch)
+
+    def extra_weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.params) if self.predicts else 0
+
+    def versions_held(self) -> int:
+        return 1 if self.predicts else 0
+
+
+class SpecTrainForwardOnlyPolicy(StashPolicy):
+    """SpecTrain's forward-only variant: predict lag(u) updates ahead in the forward and keep that
+    prediction for the backward (one copy per distinct (version, distance) in flight, like stash)."""
+
+    name = "spectrain-forward"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        require_smoothed_update(self.optimizer)
+        self.lags = StreamLags(self.stage, self.stages, self.micro_batches)
+
+    def distance(self, micro_batch: int) -> float:
+        return self.lookahead * self.lags(micro_batch)
+
+    def _key(self, micro_batch: int) -> object:
+        return self.updates, self.distance(micro_batch)
+
+    def _make_version(self, micro_batch: int) -> WeightSet:
+        if self._update_size is None:  # a stage without parameters
+            return {}
+        weights = {n: torch.empty_like(p).requires_grad_() for n, p in self.params}
+        steps = self.distance(micro_batch)
+        self._update_size.write(list(weights.values()), lambda group: steps)
+        return weights
