@@ -10,7 +10,8 @@ from runtime_models import RANDOM, data, loss_fn, make, reference_training, sgd
 WORLD2 = [
     ("skip", "gpipe", "none", 4), ("skip", "1f1b", "none", 4), ("skip", "interleaved-1f1b", "none", 4),
     ("skip", "async-1f1b", "vanilla", 1), ("skip", "async-1f1b", "stash", 1), ("skip", "async-1f1b", "spectrain", 1),
-    ("skip", "async-1f1b", "stash", 2),
+    ("skip", "async-1f1b", "stash", 2), ("skip", "async-1f1b", "spectrain", 3), ("skip", "async-1f1b", "2bw", 2),
+    ("skip", "async-1f1b", "nesterov", 2),
     ("convbn", "1f1b", "none", 4), ("tied", "1f1b", "none", 4), ("tied", "async-1f1b", "stash", 1),
     ("skip", "zb-h1", "none", 4),
     # Dropout: every engine must draw the same masks (seeded per update, stage and micro-batch).
@@ -18,7 +19,8 @@ WORLD2 = [
 ]
 WORLD4 = [("skip", "1f1b", "none", 4), ("mlp", "interleaved-1f1b", "none", 4),
           ("skip", "async-1f1b", "spectrain", 1), ("tied", "gpipe", "none", 4), ("convbn", "zb-h1", "none", 4),
-          ("dropout", "interleaved-1f1b", "none", 4), ("dropout", "async-1f1b", "spectrain", 1)]
+          ("dropout", "interleaved-1f1b", "none", 4), ("dropout", "async-1f1b", "spectrain", 1),
+          ("mlp", "async-1f1b", "spectrain", 4), ("mlp", "async-1f1b", "2bw", 3), ("mlp", "async-1f1b", "nesterov", 4)]
 
 
 def batches(name, steps=3, size=12, last=7):
