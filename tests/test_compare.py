@@ -6,7 +6,9 @@ import pytest
 
 from _example_runs import scalars
 from pipetrain.cli import main
-from pipetrain.apps.compare import METHODS, format_table, method_config
+import json
+
+from pipetrain.apps.compare import METHODS, MethodResult, format_table, method_config
 from pipetrain.apps.training import RunConfig
 
 TINY = ["--model", "vgg", "--width", "4", "--stages", "2", "--micro-batches", "2", "--train-samples", "64",
@@ -26,7 +28,8 @@ def test_compare_writes_runs_png_and_table(tmp_path, capsys):
         tags = set(acc.Tags()["scalars"])
         stages = 1 if method == "data-parallel" else 2
         expected = {"train/loss", "train/samples_per_second", "val/loss", "val/accuracy"}
-        expected |= {f"stage{k}/{name}" for k in range(stages) for name in ("version_lag", "weight_version_bytes")}
+        expected |= {f"stage{k}/{name}" for k in range(stages)
+                     for name in ("version_lag", "weight_version_bytes", "prediction_distance")}
         assert expected <= tags, (method, expected - tags)
         assert len(scalars(tmp_path / method, "train/loss")) == 2 * 64 // 16
         assert len(scalars(tmp_path / method, "val/accuracy")) == 2
@@ -41,6 +44,10 @@ def test_compare_writes_runs_png_and_table(tmp_path, capsys):
     # of them straddles an update once the stream is full (mean lag 0.5); the last stage never lags.
     assert max(scalars(tmp_path / "stash", "stage0/version_lag")) == 0.5
     assert max(scalars(tmp_path / "stash", "stage1/version_lag")) == 0
+    # SpecTrain at stage 0 of 2 predicts each micro-batch's real lag (0 or 1 update, mean 0.5 when the
+    # stream is full); nothing else predicts.
+    assert max(scalars(tmp_path / "spectrain", "stage0/prediction_distance")) == 0.5
+    assert max(scalars(tmp_path / "2bw", "stage0/prediction_distance")) == 0
     png = tmp_path / "compare.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert f"tensorboard --logdir {tmp_path}" in out
@@ -56,12 +63,37 @@ def test_method_configs():
     assert method_config(base, "data-parallel").data_parallel == 1
     sync = method_config(base, "1f1b")
     assert (sync.stages, sync.micro_batches, sync.schedule, sync.staleness) == (4, 8, "1f1b", "none")
-    for method in ("vanilla", "stash", "spectrain"):
+    for method in ("vanilla", "stash", "2bw", "spectrain", "nesterov"):
         c = method_config(base, method)
         assert (c.stages, c.micro_batches, c.schedule, c.staleness, c.lr) == (4, 8, "async-1f1b", method, 0.1)
         assert method_config(base, method, async_micro_batches=1).micro_batches == 1  # the papers' setting
     with pytest.raises(ValueError, match="unknown method"):
         method_config(base, "gpipe")
+    ahead = method_config(base, "spectrain@2.5")
+    assert (ahead.staleness, ahead.lookahead, ahead.label) == ("spectrain", 2.5, "spectrain@2.5")
+    assert method_config(base, "stash").lookahead == 1.0
+    with pytest.raises(ValueError, match="only spectrain and nesterov take a lookahead"):
+        method_config(base, "stash@2")
+
+
+def test_a_grid_reports_each_method_at_its_best_rate_over_seeds(tmp_path, capsys):
+    argv = ["compare", *TINY, "--epochs", "1", "--logdir", str(tmp_path), "--methods", "1f1b,nesterov@0.5",
+            "--lr-grid", "0.002,0.2", "--seeds", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "results.json").read_text())
+    for method in ("1f1b", "nesterov@0.5"):
+        runs = record[method]["runs"]
+        assert sorted((r["lr"], r["seed"]) for r in runs) == [(0.002, 0), (0.002, 1), (0.2, 0), (0.2, 1)]
+        for r in runs:
+            assert (tmp_path / method / f"lr{r['lr']:g}-seed{r['seed']}").is_dir()
+        mean = {lr: sum(r["max_val_accuracy"] for r in runs if r["lr"] == lr) / 2 for lr in (0.002, 0.2)}
+        assert record[method]["best_lr"] == max(mean, key=mean.get)
+        assert f"| {method} |" in out
+    # Two seeds of the same method and rate differ (otherwise the spread would mean nothing).
+    seed_runs = [r for r in record["1f1b"]["runs"] if r["lr"] == 0.2]
+    assert seed_runs[0]["epochs"][0]["train_loss"] != seed_runs[1]["epochs"][0]["train_loss"]
+    assert "±" in out and "mean ± sample standard deviation over 2 seeds" in out
 
 
 def test_unknown_method_is_a_clear_error(tmp_path):
@@ -86,6 +118,6 @@ def test_table_has_one_row_per_method():
 
     s = RunSummary(RunConfig(model="vgg", dataset="digits"), steps=2, samples=100, train_seconds=2.0, bytes_sent=3000)
     s.epochs = [EpochRecord(1, 1, 0.9, 0.8, 0.5, 50.0, 0), EpochRecord(2, 2, 0.7, 0.85, 0.6, 50.0, 0)]
-    table = format_table({"stash": s})
+    table = format_table({"stash": MethodResult({(0.05, 0): s})})
     row = table.splitlines()[2]
     assert row.startswith("| stash | 1f1b 4 stages x 4 micro-batches | 0.7000 | 0.8000 | 60.00% | 50 | 1.5 KB |")

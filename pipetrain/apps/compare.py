@@ -2,13 +2,18 @@
 
 Methods: "data-parallel" (the synchronous baseline: a one-stage pipeline is plain training;
 under torchrun stages=1 and data_parallel=world), "1f1b" (synchronous pipeline with a flush),
-and async-1f1b with "vanilla" (stale weights), "stash" (PipeDream weight stashing) and
-"spectrain" (weight prediction). The pipelines all split each mini-batch into the same
-micro-batches (so the same updates per epoch); `async_micro_batches=1` gives the papers'
-setting, one micro-batch per mini-batch, where stage k's weights are stages - k - 1 updates
-stale instead of a fraction of one. Each method gets its own TensorBoard run under one log
-directory (so TensorBoard overlays them), and the comparison ends with a PNG of the curves and
-the table the SpecTrain paper reports.
+and async-1f1b with "vanilla" (stale weights), "stash" (PipeDream weight stashing), "2bw"
+(PipeDream-2BW), "spectrain" (weight prediction) and "nesterov" (Nesterov look-ahead);
+"spectrain@2" is spectrain with lookahead 2 (likewise nesterov@x). The pipelines all split each
+mini-batch into the same micro-batches (so the same updates per epoch); `async_micro_batches=1`
+gives the papers' setting, one micro-batch per mini-batch, where stage k's weights are
+stages - k - 1 updates stale instead of a fraction of one.
+
+A fair comparison gives every method the same chances: with several learning rates
+(``lrs``) every method trains at each of them and is reported at its best (by mean validation
+accuracy over the seeds), and with several ``seeds`` the table shows mean and spread. Each run
+gets its own TensorBoard run under one log directory (so TensorBoard overlays them), and the
+comparison ends with a PNG of the curves and the table the SpecTrain paper reports.
 """
 from __future__ import annotations
 
@@ -17,13 +22,32 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from pathlib import Path
 from typing import Sequence
 
 from pipetrain.apps.models import MODELS
 from pipetrain.apps.training import RunConfig, RunSummary, human_bytes, is_rank_zero, add_arguments, run
 
-METHODS = ["data-parallel", "1f1b", "vanilla", "stash", "spectrain"]
+METHODS = ["data-parallel", "1f1b", "vanilla", "stash", "2bw", "spectrain", "nesterov"]
+ASYNC = ("vanilla", "stash", "2bw", "spectrain", "nesterov")
+PREDICTING = ("spectrain", "nesterov")
+
+
+def parse_method(method: str) -> tuple[str, float]:
+    """``"spectrain@2"`` -> ("spectrain", 2.0); a plain name has lookahead 1."""
+    name, _, lookahead = method.partition("@")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} "
+                         f"(spectrain@x / nesterov@x: lookahead x)")
+    if not lookahead:
+        return name, 1.0
+    if name not in PREDICTING:
+        raise ValueError(f"{method!r}: only {' and '.join(PREDICTING)} take a lookahead (@x)")
+    try:
+        return name, float(lookahead)
+    except ValueError:
+        raise ValueError(f"{method!r}: the lookahead after @ must be a number, e.g. spectrain@2") from None
 
 
 def method_config(base: RunConfig, method: str, world: int | None = None,
@@ -32,22 +56,68 @@ def method_config(base: RunConfig, method: str, world: int | None = None,
 
     The async methods split a mini-batch into ``async_micro_batches`` (default base.micro_batches).
     """
-    c = dataclasses.replace(base, label=method, staleness="none", schedule="1f1b")
-    if method == "data-parallel":
+    name, lookahead = parse_method(method)
+    c = dataclasses.replace(base, label=method, staleness="none", schedule="1f1b", lookahead=1.0)
+    if name == "data-parallel":
         return dataclasses.replace(c, stages=1, micro_batches=1, data_parallel=world or 1)
-    if method == "1f1b":
+    if name == "1f1b":
         return c
-    if method in ("vanilla", "stash", "spectrain"):
-        m = base.micro_batches if async_micro_batches is None else async_micro_batches
-        return dataclasses.replace(c, schedule="async-1f1b", staleness=method, micro_batches=m)
-    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    m = base.micro_batches if async_micro_batches is None else async_micro_batches
+    return dataclasses.replace(c, schedule="async-1f1b", staleness=name, micro_batches=m, lookahead=lookahead)
+
+
+@dataclasses.dataclass
+class MethodResult:
+    """One method's runs over the learning-rate grid and the seeds, and its best learning rate."""
+
+    runs: dict[tuple[float, int], RunSummary]
+
+    def at(self, lr: float) -> list[RunSummary]:
+        return [s for (rate, _), s in self.runs.items() if rate == lr]
+
+    @property
+    def lrs(self) -> list[float]:
+        return sorted({lr for lr, _ in self.runs})
+
+    @property
+    def best_lr(self) -> float:
+        """The rate with the highest mean validation accuracy over the seeds (then the lowest mean val loss)."""
+        def score(lr: float) -> tuple[float, float]:
+            runs = self.at(lr)
+            acc = statistics.fmean(_finite(s.max_val_accuracy) for s in runs)
+            return acc, -statistics.fmean(_finite(s.min_val_loss, math.inf) for s in runs)
+        return max(self.lrs, key=score)
+
+    @property
+    def best(self) -> list[RunSummary]:
+        return self.at(self.best_lr)
+
+
+def _finite(value: float, instead: float = 0.0) -> float:
+    """A diverged run (NaN) counts as the worst score, not as a hole in the mean."""
+    return value if value == value else instead
+
+
+def spread(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def run_directory(root: Path, method: str, lr: float, seed: int, grid: bool) -> Path:
+    return root / method / f"lr{lr:g}-seed{seed}" if grid else root / method
 
 
 def compare(base: RunConfig, methods: Sequence[str], logdir: str | os.PathLike,
-            async_micro_batches: int | None = None) -> dict[str, RunSummary]:
-    """Train ``base`` with every method; method m logs to ``logdir/m``. Returns the summaries by method."""
+            async_micro_batches: int | None = None, lrs: Sequence[float] | None = None,
+            seeds: Sequence[int] | None = None) -> dict[str, MethodResult]:
+    """Train ``base`` with every method at every learning rate of ``lrs`` (default: base's) and every
+    seed of ``seeds`` (default: base's). With one rate and one seed method m logs to ``logdir/m``,
+    otherwise to ``logdir/m/lr<rate>-seed<seed>``."""
     root = Path(logdir)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    rates = list(lrs) if lrs else [base.resolved().lr]
+    seed_list = list(seeds) if seeds else [base.seed]
+    grid = len(rates) > 1 or len(seed_list) > 1
     configs = {m: method_config(base, m, world, async_micro_batches) for m in methods}
     for config in configs.values():  # every method's bad option (e.g. bf16 with async vanilla) before any training
         config.check()
@@ -56,22 +126,54 @@ def compare(base: RunConfig, methods: Sequence[str], logdir: str | os.PathLike,
     if taken:
         raise ValueError(f"{root} already holds runs for {', '.join(taken)}; TensorBoard would mix old and new "
                          "curves: pass a new --logdir (or delete the old runs)")
-    return {m: run(dataclasses.replace(c, logdir=str(root / m))) for m, c in configs.items()}
+    results = {}
+    for m, c in configs.items():
+        runs = {}
+        for lr in rates:
+            for seed in seed_list:
+                label = f"{m} lr={lr:g} seed={seed}" if grid else m
+                where = run_directory(root, m, lr, seed, grid)
+                runs[(lr, seed)] = run(dataclasses.replace(c, lr=lr, seed=seed, label=label, logdir=str(where)))
+        results[m] = MethodResult(runs)
+    return results
 
 
-def format_table(summaries: dict[str, RunSummary]) -> str:
-    """The SpecTrain paper's table (min train loss, min val loss, max val accuracy) plus throughput and traffic."""
+def format_table(results: dict[str, MethodResult]) -> str:
+    """The SpecTrain paper's table (min train loss, min val loss, max val accuracy) at each method's best
+    learning rate, mean +- standard deviation over the seeds, plus throughput and traffic; with a
+    learning-rate grid, each rate's mean accuracy too."""
+    grid = any(len(r.lrs) > 1 for r in results.values())
+    seeds = max(len(r.best) for r in results.values())
+    pm = (lambda mean, sd, f: f"{f(mean)} ± {f(sd)}") if seeds > 1 else (lambda mean, sd, f: f(mean))
     head = ["method", "schedule", "min train loss", "min val loss", "max val acc", "samples/s", "sent/step"]
-    rows = [[m, s.config.describe(), f"{s.min_train_loss:.4f}", f"{s.min_val_loss:.4f}",
-             f"{100 * s.max_val_accuracy:.2f}%", f"{s.samples_per_second:.0f}", human_bytes(s.bytes_per_step)]
-            for m, s in summaries.items()]
+    if grid:
+        head[2:2] = ["best lr"]
+        head.append("val acc by lr")
+    rows = []
+    for m, r in results.items():
+        best = r.best
+        acc = spread([100 * _finite(s.max_val_accuracy) for s in best])
+        row = [m, best[0].config.describe(),
+               pm(*spread([s.min_train_loss for s in best]), lambda v: f"{v:.4f}"),
+               pm(*spread([s.min_val_loss for s in best]), lambda v: f"{v:.4f}"),
+               pm(*acc, lambda v: f"{v:.2f}%"),
+               f"{statistics.fmean(s.samples_per_second for s in best):.0f}",
+               human_bytes(statistics.fmean(s.bytes_per_step for s in best))]
+        if grid:
+            row[2:2] = [f"{r.best_lr:g}"]
+            row.append(", ".join(f"{lr:g}: {statistics.fmean(100 * _finite(s.max_val_accuracy) for s in r.at(lr)):.1f}"
+                                 for lr in r.lrs))
+        rows.append(row)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    if seeds > 1:
+        lines.append(f"\nmean ± sample standard deviation over {seeds} seeds, each method at its best learning rate")
     return "\n".join(lines)
 
 
 def plot(summaries: dict[str, RunSummary], path: str | os.PathLike) -> Path:
-    """Train loss per step, val loss and val accuracy per epoch, and throughput, one line per method."""
+    """Train loss per step, val loss and val accuracy per epoch, and throughput, one line per method
+    (one run each: with a grid, the caller passes each method's first seed at its best rate)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,8 +189,13 @@ def plot(summaries: dict[str, RunSummary], path: str | os.PathLike) -> Path:
     speed_ax.bar(list(summaries), [s.samples_per_second for s in summaries.values()])
     first = next(iter(summaries.values())).config
     stages = max(s.config.stages for s in summaries.values())  # the baseline runs one stage
+    # The local engine runs the stages one after another in one process: its samples/s measure the
+    # cost of each method's bookkeeping, not pipeline speed, and must not be read as such.
+    world = os.environ.get("WORLD_SIZE")
+    speed = (f"throughput, torchrun with {world} processes" if world else
+             "throughput of the local engine\n(stages run one after another: overhead, not pipeline speed)")
     for ax, title, ylabel in ((loss_ax, "train loss (smoothed)", "loss"), (val_ax, "validation loss", "loss"),
-                              (acc_ax, "validation accuracy", "%"), (speed_ax, "throughput", "samples/s")):
+                              (acc_ax, "validation accuracy", "%"), (speed_ax, speed, "samples/s")):
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         if ax is not speed_ax:
@@ -98,7 +205,9 @@ def plot(summaries: dict[str, RunSummary], path: str | os.PathLike) -> Path:
     acc_ax.set_xlabel("epoch")
     loss_ax.set_yscale("log")
     val_ax.set_yscale("log")
-    fig.suptitle(f"{first.model} on {first.dataset}: {stages} stages, lr {first.lr:g}, batch {first.batch_size}")
+    rates = {s.config.lr for s in summaries.values()}
+    lr = f"lr {first.lr:g}" if len(rates) == 1 else "each method at its best lr"
+    fig.suptitle(f"{first.model} on {first.dataset}: {stages} stages, {lr}, batch {first.batch_size}")
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -121,18 +230,41 @@ def add_arguments_compare(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser, MODELS, pipeline=False)
     parser.set_defaults(logdir="runs/compare")
     parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of {','.join(METHODS)}")
+                        help=f"comma-separated subset of {','.join(METHODS)}; spectrain@x / nesterov@x: lookahead x")
+    parser.add_argument("--lr-grid", help="comma-separated learning rates: every method trains at each and is "
+                                          "reported at its best (default: --lr only)")
+    parser.add_argument("--seeds", help="comma-separated seeds (or a count N for 0..N-1): mean and spread over them "
+                                        "(default: --seed only)")
     parser.add_argument("--async-micro-batches", type=int,
                         help="micro-batches per mini-batch of the async runs (default: --micro-batches; "
                              "1 is the PipeDream/SpecTrain papers' setting)")
     parser.add_argument("--png", help="curves picture (default: <logdir>/compare.png)")
 
 
+def _numbers(text: str | None, kind: type, flag: str) -> list:
+    if not text:
+        return []
+    try:
+        return [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
+def grid_from_args(args: argparse.Namespace) -> tuple[list[float], list[int]]:
+    """The learning rates and seeds of --lr-grid and --seeds (empty: the single --lr / --seed)."""
+    lrs = _numbers(args.lr_grid, float, "--lr-grid")
+    seeds = _numbers(args.seeds, int, "--seeds")
+    if args.seeds and "," not in args.seeds and len(seeds) == 1:  # a count
+        seeds = list(range(seeds[0]))
+    return lrs, seeds
+
+
 def config_from_compare_args(args: argparse.Namespace) -> tuple[RunConfig, list[str]]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ValueError(f"unknown method(s) {unknown} in --methods; choose from {', '.join(METHODS)}")
+    if not methods:
+        raise ValueError(f"--methods is empty; choose from {', '.join(METHODS)}")
+    for m in methods:
+        parse_method(m)
     base = RunConfig(model=args.model, dataset=args.dataset, data_dir=args.data_dir, download=args.download,
                      width=args.width,
                      depth=args.depth, stages=args.stages, micro_batches=args.micro_batches,
@@ -145,25 +277,31 @@ def config_from_compare_args(args: argparse.Namespace) -> tuple[RunConfig, list[
     return base, methods
 
 
-def run_compare(args: argparse.Namespace) -> tuple[dict[str, RunSummary], Path | None]:
-    """Train every method, then (rank 0) print the table, write the PNG and a results.json."""
+def run_compare(args: argparse.Namespace) -> tuple[dict[str, MethodResult], Path | None]:
+    """Train every method (over the grid), then (rank 0) print the table, write the PNG and a results.json."""
     base, methods = config_from_compare_args(args)
-    summaries = compare(base, methods, args.logdir, args.async_micro_batches)
+    lrs, seeds = grid_from_args(args)
+    results = compare(base, methods, args.logdir, args.async_micro_batches, lrs, seeds)
     if not is_rank_zero():
-        return summaries, None
-    png = plot(summaries, args.png or Path(args.logdir) / "compare.png")
-    results = {m: {"summary": s.line(), "min_train_loss": s.min_train_loss, "min_val_loss": s.min_val_loss,
-                   "max_val_accuracy": s.max_val_accuracy, "samples_per_second": s.samples_per_second,
-                   "bytes_per_step": s.bytes_per_step, "version_lag": s.version_lag,
-                   "weight_version_bytes": s.weight_version_bytes, "config": dataclasses.asdict(s.config),
-                   "epochs": [dataclasses.asdict(e) for e in s.epochs]} for m, s in summaries.items()}
-    (Path(args.logdir) / "results.json").write_text(json.dumps(results, indent=1))
-    for s in summaries.values():
-        print(s.line())
+        return results, None
+    png = plot({m: r.best[0] for m, r in results.items()}, args.png or Path(args.logdir) / "compare.png")
+    record = {m: {"best_lr": r.best_lr,
+                  "runs": [{"lr": lr, "seed": seed, "summary": s.line(), "min_train_loss": s.min_train_loss,
+                            "min_val_loss": s.min_val_loss, "max_val_accuracy": s.max_val_accuracy,
+                            "samples_per_second": s.samples_per_second, "bytes_per_step": s.bytes_per_step,
+                            "version_lag": s.version_lag, "weight_version_bytes": s.weight_version_bytes,
+                            "prediction_distance": s.prediction_distance, "prediction_error": s.prediction_error,
+                            "config": dataclasses.asdict(s.config), "epochs": [dataclasses.asdict(e) for e in s.epochs]}
+                           for (lr, seed), s in r.runs.items()]}
+              for m, r in results.items()}
+    (Path(args.logdir) / "results.json").write_text(json.dumps(record, indent=1))
+    for r in results.values():
+        for s in r.runs.values():
+            print(s.line())
     print()
-    print(format_table(summaries))
+    print(format_table(results))
     print(f"\ncurves: {png}\nTensorBoard: tensorboard --logdir {args.logdir}")
-    return summaries, png
+    return results, png
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -73,6 +73,7 @@ class RunConfig:
     resume: str = "never"  # "auto": continue from the newest checkpoint in checkpoint_dir
     progress: bool = True
     label: str = ""  # names the run in the progress bar and summary line
+    lookahead: float = 1.0  # spectrain / nesterov: scales the prediction distance
 
     def resolved(self) -> "RunConfig":
         """A copy with every family default filled in (dataset, epochs, batch size, lr)."""
@@ -98,7 +99,7 @@ class RunConfig:
         return dict(stages=self.stages, micro_batches=self.micro_batches, schedule=self.schedule,
                     staleness=self.staleness, partitioner=self.partitioner, loss_fn=F.cross_entropy,
                     precision=self.precision, data_parallel=self.data_parallel, engine=self.engine,
-                    logdir=self.logdir, seed=self.seed,
+                    logdir=self.logdir, seed=self.seed, lookahead=self.lookahead,
                     profile=self.profile and self.partitioner in ("graph", "time"),
                     optimizer=optimizer_factory(self.optimizer, self.lr, self.momentum))
 
@@ -109,6 +110,7 @@ class RunConfig:
     def describe(self) -> str:
         """Schedule and layout in a few words, e.g. 'async-1f1b/spectrain 4 stages x 1 micro-batch'."""
         kind = self.schedule + (f"/{self.staleness}" if self.staleness != "none" else "")
+        kind += f" (lookahead {self.lookahead:g})" if self.lookahead != 1.0 else ""
         dp = f" x {self.data_parallel} replicas" if self.data_parallel > 1 else ""
         return f"{kind} {self.stages} stages x {self.micro_batches} micro-batches{dp}"
 
@@ -126,6 +128,30 @@ class EpochRecord:
     bytes_per_step: float
 
 
+class PerStageMeans:
+    """Per-stage means over a run's steps of the StepResult lists below; NaN entries (a mini-batch
+    where nothing was measured) are left out of their stage's mean."""
+
+    FIELDS = ("version_lag", "weight_version_bytes", "prediction_distance", "prediction_error")
+
+    def __init__(self):
+        self.sums: dict[str, list[float]] = {}
+        self.counts: dict[str, list[int]] = {}
+
+    def add(self, result: "pipetrain.StepResult") -> None:
+        for name in self.FIELDS:
+            values = getattr(result, name)
+            sums = self.sums.setdefault(name, [0.0] * len(values))
+            counts = self.counts.setdefault(name, [0] * len(values))
+            for k, value in enumerate(values):
+                if value == value:
+                    sums[k] += value
+                    counts[k] += 1
+
+    def mean(self, name: str) -> list[float]:
+        return [s / n if n else math.nan for s, n in zip(self.sums.get(name, []), self.counts.get(name, []))]
+
+
 @dataclass
 class RunSummary:
     """Everything one run reports: per-step losses, per-epoch records, wall time."""
@@ -135,6 +161,8 @@ class RunSummary:
     step_losses: list[float] = field(default_factory=list)
     version_lag: list[float] = field(default_factory=list)  # per stage, mean over steps
     weight_version_bytes: list[float] = field(default_factory=list)  # per stage, mean over steps
+    prediction_distance: list[float] = field(default_factory=list)  # per stage, mean over steps
+    prediction_error: list[float] = field(default_factory=list)  # per stage, mean over the measured steps
     samples: int = 0
     train_seconds: float = 0.0
     bytes_sent: int = 0
@@ -327,8 +355,7 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
             print(f"resumed from {c.checkpoint_dir} at step {pipe.updates}", flush=True)
         steps_per_epoch = len(loader)
         done = pipe.updates
-        lag_sum: list[float] = []
-        weight_sum: list[float] = []
+        per_stage = PerStageMeans()
         for epoch in range(c.epochs):
             order = list(loader.sampler)  # draws this epoch's permutation, even for epochs resume skips
             skip = min(max(done - epoch * steps_per_epoch, 0), steps_per_epoch)
@@ -343,9 +370,7 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
                 samples += result.samples
                 seconds += result.seconds
                 sent += sum(result.bytes_sent)
-                lag_sum = [a + b for a, b in zip(lag_sum, result.version_lag)] or list(result.version_lag)
-                weight_sum = ([a + b for a, b in zip(weight_sum, result.weight_version_bytes)]
-                              or list(map(float, result.weight_version_bytes)))
+                per_stage.add(result)
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{result.samples_per_second:.0f}")
                 if agreement is not None and agreement.mid_stream and feed.limit is None:
@@ -387,8 +412,8 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
                     print(f"stopped by SIGTERM after epoch {epoch + 1} (step {pipe.updates}); saved "
                           f"{c.checkpoint_dir}, resume with --resume auto", flush=True)
                 break
-        summary.version_lag = [s / summary.steps for s in lag_sum] if summary.steps else []
-        summary.weight_version_bytes = [s / summary.steps for s in weight_sum] if summary.steps else []
+        for name in PerStageMeans.FIELDS:
+            setattr(summary, name, per_stage.mean(name))
     finally:
         if val_log is not None:
             val_log.close()
@@ -419,7 +444,9 @@ def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pip
     if pipeline:
         parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
         parser.add_argument("--staleness", default=None, choices=STALENESS,
-                            help="async-1f1b: vanilla | stash | spectrain (default spectrain); sync: none")
+                            help="async-1f1b: vanilla | stash | 2bw | spectrain | nesterov (default spectrain); sync: none")
+        parser.add_argument("--lookahead", type=float, default=1.0,
+                            help="spectrain/nesterov: scale the prediction distance (1: the schedule's real lag)")
         parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the whole pipeline")
         parser.add_argument("--checkpoint-dir", help="save a checkpoint here after every epoch")
         parser.add_argument("--resume", default="never", choices=["never", "auto"],
@@ -447,7 +474,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         precision=args.precision, data_parallel=args.data_parallel, partitioner=args.partitioner,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
         train_samples=args.train_samples, val_samples=args.val_samples, logdir=args.logdir,
-        checkpoint_dir=args.checkpoint_dir, resume=args.resume, progress=args.progress)
+        checkpoint_dir=args.checkpoint_dir, resume=args.resume, progress=args.progress, lookahead=args.lookahead)
 
 
 def example_main(models: Sequence[str], description: str, argv: Sequence[str] | None = None) -> RunSummary:
