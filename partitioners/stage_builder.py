@@ -68,4 +68,6 @@ def stage_graph_module(cg: CostGraph, members: set[str], inputs: list[str],
             env[n] = g.node_copy(n, lookup)
     if outputs is not None:
         g.output(tuple(lookup(nodes[v]) for v in outputs))
-    return fx.GraphModule(cg.module, g, name)
+    stage = fx.GraphModule(cg.module, g, name)
+    cg.state_names.apply(stage)
+    return stage
