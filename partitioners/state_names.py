@@ -20,11 +20,24 @@ class StateNames:
 
     def __init__(self, model: nn.Module):
         groups: dict[int, list[str]] = {}
-        for name, t in itertools.chain(model.named_parameters(remove_duplicate=False),
-                                       model.named_buffers(remove_duplicate=False)):
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.buffers = dict(model.named_buffers(remove_duplicate=False))
+        for name, t in itertools.chain(self.params.items(), self.buffers.items()):
             groups.setdefault(id(t), []).append(name)
         self.aliases = {name: names for names in groups.values() for name in names}
         self.persistent = set(model.state_dict(keep_vars=True))
+
+    def hold_unread(self, stage: nn.Module, traced: nn.Module) -> None:
+        """Give ``stage`` the model's state that no node of the capture ``traced`` reads (an unused
+        head, a counter the forward never touches), so the stages together hold all of it."""
+        read = {alias for name, _ in itertools.chain(traced.named_parameters(remove_duplicate=False),
+                                                     traced.named_buffers(remove_duplicate=False))
+                for alias in self.aliases.get(name, [name])}
+        for name in self.persistent - read:
+            if name in self.params:
+                _register(stage, name, self.params[name], parameter=True)
+            elif name in self.buffers:
+                _register(stage, name, self.buffers[name], parameter=False)
 
     def apply(self, stage: nn.Module) -> None:
         """Register every alias of the stage's tensors and mark buffers the model keeps out of its

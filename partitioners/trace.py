@@ -8,6 +8,7 @@ every capture is checked to reproduce the model's eval-mode output.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
 import re
@@ -30,17 +31,32 @@ from .modes import follow_training_flag
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
+@functools.cache
+def _reads_training_flag(cls: type) -> bool:
+    """Whether ``cls.forward`` reads ``self.training`` (stochastic depth, hand-written dropout)."""
+    try:
+        return "self.training" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
 class _Tracer(fx.Tracer):
     """fx tracer with extra leaves, TransformerEncoder unrolled into its layers, and a
-    record of the submodule being traced (to name the culprit when tracing fails)."""
+    record of the submodule being traced (to name the culprit when tracing fails).
+
+    Buffers are proxied (``self.num_batches_tracked.add_(1)`` is recorded, not run at trace
+    time), and a module without children whose forward branches on ``self.training`` (timm's
+    DropPath) stays a leaf, so its branch follows the stage's mode."""
 
     def __init__(self, leaves: set[str]):
         super().__init__()
+        self.proxy_buffer_attributes = True
         self.leaves = leaves
         self.stack: list[str] = []
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+        return (qualname in self.leaves or super().is_leaf_module(m, qualname)
+                or (not any(True for _ in m.children()) and _reads_training_flag(type(m))))
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         qualname = self.path_of_module(m)
@@ -109,15 +125,19 @@ def _symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[str], give
 
 
 def _drop_constant_placeholders(graph: fx.Graph, concrete: set[str]) -> None:
-    """fx keeps a placeholder (and an `is None` assert) for every argument traced as a constant; the
-    graph's inputs are then exactly the arguments the example inputs give, as the runtime feeds them."""
+    """fx keeps a placeholder (and an assert on its value) for every argument traced as a constant;
+    the constant replaces it, so the graph's inputs are exactly the arguments the example inputs give,
+    as the runtime feeds them."""
     for node in [n for n in graph.nodes if n.op == "placeholder"
                  and re.sub(r"_\d+$", "", str(n.target)) in concrete]:  # fx names it mask_1
+        value = node.args[0] if node.args else None
         for user in list(node.users):
             if user.op == "call_function" and getattr(user.target, "__name__", "") == "_assert_is_none":
                 graph.erase_node(user)
-        if not node.users:
-            graph.erase_node(node)
+            else:
+                user.args = fx.map_arg(user.args, lambda n: value if n is node else n)
+                user.kwargs = fx.map_arg(user.kwargs, lambda n: value if n is node else n)
+        graph.erase_node(node)
 
 
 def _chain_trace(model: nn.Module) -> fx.GraphModule:
