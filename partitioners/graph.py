@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import networkx as nx
 import torch.fx as fx
 import torch.nn as nn
+
+from .state_names import StateNames
 
 
 @dataclass
@@ -30,6 +33,11 @@ class CostGraph:
     def order(self) -> list[str]:
         """Node names in fx (topological) order."""
         return [n.name for n in self.module.graph.nodes]
+
+    @cached_property
+    def state_names(self) -> StateNames:
+        """The original model's alias groups and state-dict keys (for stage modules)."""
+        return StateNames(self.model)
 
     def total_time(self) -> float:
         """Sum of forward and backward seconds over all nodes."""

@@ -46,13 +46,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fresh(args: Any) -> tuple[Any, list[torch.Tensor]]:
+def _fresh(args: Any, keep: set[int] = frozenset()) -> tuple[Any, list[torch.Tensor]]:
     """Copies of the argument tensors; floating ones become grad leaves behind a clone
-    (the clone keeps in-place ops from touching the leaf)."""
+    (the clone keeps in-place ops from touching the leaf). Tensors whose id is in ``keep``
+    (the model's parameters and buffers) are passed as they are: a buffer never requires grad."""
     leaves: list[torch.Tensor] = []
 
     def copy(v: Any) -> Any:
-        if not isinstance(v, torch.Tensor):
+        if not isinstance(v, torch.Tensor) or id(v) in keep:
             return v
         if v.is_floating_point():
             leaf = v.detach().requires_grad_(True)
@@ -64,13 +65,14 @@ def _fresh(args: Any) -> tuple[Any, list[torch.Tensor]]:
 
 
 def measure(fn: Callable[..., Any], args: tuple, kwargs: dict, params: list[torch.Tensor],
-            device: torch.device, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of fn(*args, **kwargs) over `repeats` runs."""
+            device: torch.device, repeats: int, keep: set[int] = frozenset()) -> tuple[float, float]:
+    """Median forward and backward seconds of fn(*args, **kwargs) over `repeats` runs
+    (arguments in ``keep``, the model's own tensors, are not copied)."""
     fwd: list[float] = []
     out: Any = None
     leaves: list[torch.Tensor] = []
     for rep in range(repeats + 1):  # the first run warms up and is not counted
-        (a, k), leaves = _fresh((args, kwargs))
+        (a, k), leaves = _fresh((args, kwargs), keep)
         _sync(device)
         start = time.perf_counter()
         out = fn(*a, **k)
@@ -104,12 +106,13 @@ def _rnn_flops(module: torch.nn.Module, args: tuple) -> int:
 
 
 def estimate(fn: Callable[..., Any], args: tuple, kwargs: dict, module: torch.nn.Module | None,
-             out: Any, param_bytes: int, device: torch.device) -> tuple[float, float]:
+             out: Any, param_bytes: int, device: torch.device, keep: set[int] = frozenset()
+             ) -> tuple[float, float]:
     """Forward and backward seconds from counted FLOPs and bytes moved (no timing)."""
     if _is_view(out, (args, kwargs)) or not _tensors(out):
         return 0.0, 0.0
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        (a, k), _ = _fresh((args, kwargs))
+        (a, k), _ = _fresh((args, kwargs), keep)
         fn(*a, **k)
     flops = counter.get_total_flops()
     if isinstance(module, torch.nn.RNNBase):

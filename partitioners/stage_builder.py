@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from .graph import CostGraph
 
@@ -23,16 +25,48 @@ _INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.imatmul, operator.setitem}
 
 
+_VIEW_METHODS = {"view", "view_as", "reshape", "flatten", "unflatten", "transpose", "permute", "squeeze",
+                 "unsqueeze", "expand", "contiguous", "t", "narrow", "select", "unfold", "as_strided"}
+
+
 def mutates_first_arg(node: fx.Node, owner: fx.GraphModule) -> bool:
     """Whether `node` may modify its first argument in place."""
     if node.op == "call_module":
         return bool(getattr(owner.get_submodule(str(node.target)), "inplace", False))
     if node.op == "call_method":
         return str(node.target).endswith("_") and not str(node.target).startswith("__")
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):  # torch.export's ATen calls
+        args = node.target._schema.arguments
+        return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
     if node.op == "call_function":
         name = getattr(node.target, "__name__", "")
         return (node.target in _INPLACE_FUNCTIONS or bool(node.kwargs.get("inplace"))
                 or (name.endswith("_") and not name.startswith("_")))
+    return False
+
+
+def _aliases_first_arg(node: fx.Node, owner: fx.GraphModule) -> bool:
+    """Whether `node` may return its first argument or a view of it (nn.Identity, x.view(...))."""
+    if node.op == "call_module":
+        return isinstance(owner.get_submodule(str(node.target)), nn.Identity)
+    if node.op == "call_method":
+        return str(node.target) in _VIEW_METHODS
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in _VIEW_METHODS
+
+
+def modified_in_place(value: fx.Node, members: set[str], owner: fx.GraphModule, depth: int = 8) -> bool:
+    """Whether a node of the stage (`members`) may modify `value` in place, directly or through an
+    alias of it (nn.Identity before a ReLU(inplace=True), a view before `add_`)."""
+    for user in value.users:
+        if user.name not in members or not user.args or user.args[0] is not value:
+            continue
+        if mutates_first_arg(user, owner):
+            return True
+        if depth and _aliases_first_arg(user, owner) and modified_in_place(user, members, owner, depth - 1):
+            return True
     return False
 
 
@@ -56,8 +90,7 @@ def stage_graph_module(cg: CostGraph, members: set[str], inputs: list[str],
         for value in inputs:
             src_node = nodes[value]
             env[src_node] = g.placeholder(value)
-            if any(u.name in members and u.args and u.args[0] is src_node
-                   and mutates_first_arg(u, cg.module) for u in src_node.users):
+            if modified_in_place(src_node, members, cg.module):
                 env[src_node] = g.call_method("clone", (env[src_node],))
     for n in src.nodes:
         if n.name not in members or n.op == "get_attr":
@@ -68,4 +101,8 @@ def stage_graph_module(cg: CostGraph, members: set[str], inputs: list[str],
             env[n] = g.node_copy(n, lookup)
     if outputs is not None:
         g.output(tuple(lookup(nodes[v]) for v in outputs))
-    return fx.GraphModule(cg.module, g, name)
+    stage = fx.GraphModule(cg.module, g, name)
+    if outputs is None:  # the last stage also keeps the state no node reads
+        cg.state_names.hold_unread(stage, cg.module)
+    cg.state_names.apply(stage)
+    return stage

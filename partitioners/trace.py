@@ -1,9 +1,17 @@
-"""model + example inputs -> CostGraph (torch.fx trace, example values, costs)."""
+"""model + example inputs -> CostGraph (captured graph, example values, costs).
+
+Three captures give the same kind of fx graph: torch.fx symbolic tracing (module calls stay
+nodes), torch.export non-strict (ATen calls; see capture.py) and the chain of top-level children.
+Calls that depend on the training mode follow the stage module's train()/eval() (modes.py), and
+every capture is checked to reproduce the model's eval-mode output.
+"""
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
+import re
 import traceback
 import warnings
 from typing import Any, Iterable
@@ -14,24 +22,41 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from .capture import bind_inputs, export_capture, training_call
 from .profiling import estimate, measure, value_bytes
 from .errors import TraceError
 from .graph import CostGraph
+from .modes import follow_training_flag
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
+@functools.cache
+def _reads_training_flag(cls: type) -> bool:
+    """Whether ``cls.forward`` reads ``self.training`` (stochastic depth, hand-written dropout)."""
+    try:
+        return "self.training" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
 class _Tracer(fx.Tracer):
     """fx tracer with extra leaves, TransformerEncoder unrolled into its layers, and a
-    record of the submodule being traced (to name the culprit when tracing fails)."""
+    record of the submodule being traced (to name the culprit when tracing fails).
+
+    Buffers are proxied (``self.num_batches_tracked.add_(1)`` is recorded, not run at trace
+    time), and a module without children whose forward branches on ``self.training`` (timm's
+    DropPath) stays a leaf, so its branch follows the stage's mode."""
 
     def __init__(self, leaves: set[str]):
         super().__init__()
+        self.proxy_buffer_attributes = True
         self.leaves = leaves
         self.stack: list[str] = []
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+        return (qualname in self.leaves or super().is_leaf_module(m, qualname)
+                or (not any(True for _ in m.children()) and _reads_training_flag(type(m))))
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         qualname = self.path_of_module(m)
@@ -61,21 +86,21 @@ def _user_frame(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
 
 
-def _concrete_args(model: nn.Module, n_inputs: int) -> dict[str, Any]:
+def _concrete_args(model: nn.Module, n_inputs: int, given: Iterable[str] = ()) -> dict[str, Any]:
     """Defaults of forward() arguments the example inputs do not give: tracing them as
     constants keeps `if mask is not None` branches correct for this call."""
     params = list(inspect.signature(model.forward).parameters.values())[n_inputs:]
     return {p.name: p.default for p in params
-            if p.default is not inspect.Parameter.empty
+            if p.default is not inspect.Parameter.empty and p.name not in given
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[str]
+def _symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[str], given: Iterable[str] = ()
                     ) -> tuple[fx.GraphModule, list[str]]:
     """Trace; a submodule whose forward fx cannot trace becomes a leaf (and is reported)."""
     forced = set(leaves)
     auto: list[str] = []
-    concrete = _concrete_args(model, n_inputs)
+    concrete = _concrete_args(model, n_inputs, given)
     while True:
         tracer = _Tracer(forced)
         try:
@@ -95,7 +120,24 @@ def _symbolic_trace(model: nn.Module, n_inputs: int, leaves: Iterable[str]
             warnings.warn(f"partitioners.trace: {culprit} ({_user_frame(exc)}) cannot be traced by "
                           f"torch.fx ({exc}); it is kept whole as one node", stacklevel=3)
             continue
+        _drop_constant_placeholders(graph, set(concrete))
         return fx.GraphModule(tracer.root, graph, type(model).__name__), auto
+
+
+def _drop_constant_placeholders(graph: fx.Graph, concrete: set[str]) -> None:
+    """fx keeps a placeholder (and an assert on its value) for every argument traced as a constant;
+    the constant replaces it, so the graph's inputs are exactly the arguments the example inputs give,
+    as the runtime feeds them."""
+    for node in [n for n in graph.nodes if n.op == "placeholder"
+                 and re.sub(r"_\d+$", "", str(n.target)) in concrete]:  # fx names it mask_1
+        value = node.args[0] if node.args else None
+        for user in list(node.users):
+            if user.op == "call_function" and getattr(user.target, "__name__", "") == "_assert_is_none":
+                graph.erase_node(user)
+            else:
+                user.args = fx.map_arg(user.args, lambda n: value if n is node else n)
+                user.kwargs = fx.map_arg(user.kwargs, lambda n: value if n is node else n)
+        graph.erase_node(node)
 
 
 def _chain_trace(model: nn.Module) -> fx.GraphModule:
@@ -109,13 +151,33 @@ def _chain_trace(model: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph, type(model).__name__)
 
 
-def _as_tuple(example_inputs: Any) -> tuple:
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict[str, Any]]:
+    """(positional, keyword) forward() arguments of the example inputs."""
     if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
+        return (example_inputs,), {}
     if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    raise TypeError(f"example_inputs must be a tensor or a tuple of forward() arguments, "
-                    f"got {type(example_inputs).__name__}; fix: pass (x,) or (x, mask)")
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict) and all(isinstance(k, str) for k in example_inputs):
+        return (), dict(example_inputs)
+    raise TypeError(f"example_inputs must be a tensor, a tuple of forward() arguments or a dict of "
+                    f"keyword arguments, got {type(example_inputs).__name__}; fix: pass x, (x, mask) "
+                    "or {'input_ids': ids, 'attention_mask': mask}")
+
+
+def _placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """The example values of the graph's placeholders, in order (positional first, then by name)."""
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names))
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Same structure and values up to float rounding (ATen calls may group sums differently)."""
+    la, sa = tree_flatten(a)
+    lb, sb = tree_flatten(b)
+    if sa != sb:
+        return False
+    return all(torch.allclose(x, y, rtol=1e-4, atol=1e-6, equal_nan=True) if isinstance(x, torch.Tensor)
+               else x == y for x, y in zip(la, lb))
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -138,6 +200,8 @@ def _kind(value: Any) -> str:
 
 
 def _scope(node: fx.Node) -> str:
+    if "scope" in node.meta:  # a call replaced by a TrainingSwitch keeps the module it came from
+        return node.meta["scope"]
     if node.op == "call_module":
         return str(node.target)
     stack = node.meta.get("nn_module_stack") or {}
@@ -158,64 +222,131 @@ def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, nn.Parame
     return []
 
 
+CAPTURES = ("fx", "export", "chain")
+
+
 def trace(model: nn.Module, example_inputs: Any, *, device: str | torch.device = "cpu",
           profile: bool = True, repeats: int = 5, leaves: Iterable[str] = (),
-          chain: bool = False) -> CostGraph:
-    """Trace `model` with torch.fx and attach costs to every node.
+          chain: bool = False, capture: str = "fx") -> CostGraph:
+    """Capture `model` as an fx graph and attach costs to every node.
 
-    profile=True times each node's forward and backward on `device` (median of
-    `repeats` runs); profile=False estimates them from FLOPs and bytes. `leaves`
-    names submodules to keep whole; chain=True treats the model as the chain of its
-    top-level children (for models fx cannot trace). The model's parameters, buffers
-    and the RNG state are left as they were.
+    example_inputs: one micro-batch as forward() takes it: a tensor, a tuple in argument
+    order or a dict of keyword arguments. capture: "fx" (torch.fx symbolic tracing; `leaves`
+    names submodules to keep whole), "export" (torch.export non-strict, for code fx cannot
+    follow) or "chain" (the model's top-level children in order; chain=True is the same).
+    The capture follows the model's current mode (train() for a graph to train) and calls that
+    depend on it follow the mode of the stage modules built from it (modes.py).
+    profile=True times each node's forward and backward on `device` (median of `repeats`
+    runs); profile=False estimates them from FLOPs and bytes. The model's parameters,
+    buffers, training mode and the RNG state are left as they were.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    inputs = _as_tuple(example_inputs)
+    capture = "chain" if chain else capture
+    if capture not in CAPTURES:
+        raise ValueError(f"unknown capture {capture!r}; choose one of {', '.join(CAPTURES)}")
+    args, kwargs = _split_inputs(example_inputs)
     dev = torch.device(device)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    modes = {m: m.training for m in model.modules()}
     try:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            return _trace(model, inputs, dev, profile, repeats, leaves, chain)
+            return _trace(model, args, kwargs, dev, profile, repeats, leaves, capture)
     finally:
         # Running the model (BatchNorm in train mode) must not change the user's model.
         with torch.no_grad():
             for k, v in model.named_buffers():
                 v.copy_(buffers[k])
+        for m, training in modes.items():
+            m.training = training
 
 
-def _trace(model: nn.Module, inputs: tuple, dev: torch.device, profile: bool, repeats: int,
-           leaves: Iterable[str], chain: bool) -> CostGraph:
+def _capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], leaves: Iterable[str], capture: str,
+             given: set[str]) -> tuple[fx.GraphModule, list[str]]:
+    if capture == "chain":
+        if kwargs or len(args) != 1:
+            raise TraceError(f"capture='chain' passes one input through the children of {type(model).__name__}, "
+                             f"but the inputs are {len(args)} positional and {sorted(kwargs)} keyword arguments")
+        return _chain_trace(model), []
+    if capture == "export":
+        try:
+            return export_capture(model, kwargs, given), []
+        except Exception as exc:  # torch.export raises many types; all mean "cannot capture this code"
+            raise TraceError(
+                f"torch.export cannot capture {type(model).__name__}.forward: {type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
+                f"  failing code: {_user_frame(exc)}") from exc
+    return _symbolic_trace(model, len(args), leaves, given=kwargs)
+
+
+def _trace(model: nn.Module, args: tuple, kwargs: dict[str, Any], dev: torch.device, profile: bool,
+           repeats: int, leaves: Iterable[str], capture: str) -> CostGraph:
     runner = model
     if any(p.device != dev for p in model.parameters()):
         runner = copy.deepcopy(model).to(dev)  # profile a copy on the target device
-    dev_inputs = _to(inputs, dev)
+    given = set(kwargs)
+    if capture == "export":  # export takes keyword arguments, and runs as a training call (no KV cache)
+        kwargs = bind_inputs(model, args) if args else kwargs
+        args, given = (), set(kwargs)
+        kwargs = training_call(model, kwargs)
+    dev_args, dev_kwargs = _to((args, kwargs), dev)
+    training = model.training
     try:
         with torch.no_grad():
-            expected = runner(*dev_inputs)
+            expected = runner(*dev_args, **dev_kwargs)
     except Exception as exc:
         raise ValueError(f"example_inputs do not fit {type(model).__name__}: "
                          f"{type(exc).__name__}: {exc}; fix: pass one micro-batch exactly as "
-                         "forward() takes it (a tensor, or a tuple in argument order)") from exc
-    if chain:
-        gm = _chain_trace(model)
-        auto: list[str] = []
-    else:
-        gm, auto = _symbolic_trace(model, len(inputs), leaves)
+                         "forward() takes it (a tensor, a tuple in argument order or a dict of "
+                         "keyword arguments)") from exc
+    gm, auto = _capture(model, dev_args, dev_kwargs, leaves, capture, given)
+    follow_training_flag(gm)
     run_gm = gm if runner is model else fx.GraphModule(runner, copy.deepcopy(gm.graph))
+    inputs = _placeholder_values(gm, dev_args, dev_kwargs)
     interp = fx.Interpreter(run_gm, garbage_collect_values=False)
-    with torch.no_grad():
-        got = interp.run(*dev_inputs)
-    if chain and not _same(got, expected):
+    try:
+        with torch.no_grad():
+            got = interp.run(*inputs)
+    except Exception as exc:  # e.g. a child that takes more than its predecessor's output
+        raise TraceError(f"the {capture} capture of {type(model).__name__} fails on the example inputs: "
+                         f"{type(exc).__name__}: {exc}\n  failing code: {_user_frame(exc)}") from exc
+    if capture == "chain" and not _same(got, expected):
         raise TraceError(f"chain=True: running the top-level children of {type(model).__name__} "
                          "in order does not reproduce its output; fix: pass split points or make "
                          "forward() traceable")
+    _check_eval_mode(runner, run_gm, dev_args, dev_kwargs, inputs, capture, training)
     return _build(model, gm, run_gm, interp, dev, profile, repeats, auto)
+
+
+def _check_eval_mode(runner: nn.Module, run_gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],
+                     inputs: tuple, capture: str, training: bool) -> None:
+    """The captured graph in eval mode must give the model's eval output (what predict returns);
+    afterwards both are in the mode of the capture again."""
+    runner.eval()
+    run_gm.eval()
+    try:
+        with torch.no_grad():
+            expected, got = runner(*args, **kwargs), run_gm(*inputs)
+    except Exception as exc:
+        raise TraceError(f"the {capture} capture of {type(runner).__name__} fails in eval mode: "
+                         f"{type(exc).__name__}: {exc}\n  failing code: {_user_frame(exc)}") from exc
+    finally:
+        runner.train(training)
+        run_gm.train(training)
+    if not _close(got, expected):
+        raise TraceError(
+            f"the {capture} capture of {type(runner).__name__} in eval mode does not reproduce the model's "
+            "eval-mode output: its forward branches on self.training in a way the capture cannot follow "
+            "(e.g. stochastic depth written as `if self.training:`); fix: pass split points on the "
+            "model's top-level children, or make the branch a module call")
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp: fx.Interpreter,
            dev: torch.device, profile: bool, repeats: int, auto: list[str]) -> CostGraph:
     g = nx.DiGraph()
+    # Parameters and buffers are passed to the profiler as they are: only activations become grad
+    # leaves (a buffer made to require grad breaks F.batch_norm(x, self.running_mean, ...)).
+    state = {id(t) for t in run_gm.parameters()} | {id(t) for t in run_gm.buffers()}
     seen: dict[int, str] = {}  # id(parameter) -> first name
     users_of: dict[str, list[str]] = {}  # first param name -> nodes using it
     run_nodes = dict(zip((n.name for n in gm.graph.nodes), run_gm.graph.nodes))
@@ -237,11 +368,12 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
             fn = _callable(interp, rnode)
             module = run_gm.get_submodule(str(node.target)) if node.op == "call_module" else None
             params = list(module.parameters()) if module is not None else []
+            params += [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, nn.Parameter)]
             if profile:
-                fwd, bwd = measure(fn, args, kwargs, params, dev, repeats)
+                fwd, bwd = measure(fn, args, kwargs, params, dev, repeats, keep=state)
             else:
                 pbytes = sum(p.numel() * p.element_size() for p in params)
-                fwd, bwd = estimate(fn, args, kwargs, module, value, pbytes, dev)
+                fwd, bwd = estimate(fn, args, kwargs, module, value, pbytes, dev, keep=state)
         g.add_node(node.name, op=node.op, target=_target_name(node), order=idx,
                    fwd_time=fwd, bwd_time=bwd, param_bytes=new_bytes,
                    act_bytes=0 if node.op in ("get_attr", "output") else value_bytes(value),

@@ -9,11 +9,12 @@ from importlib.metadata import version
 
 from pipetrain.api import wrap
 from pipetrain.checkpoint import CheckpointError, export_state_dict
+from pipetrain.losses import model_loss
 from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.nonfinite import NonFiniteError
 from pipetrain.options import PipelineOptions
 from pipetrain.pipeline import Pipeline
 
 __all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult", "export_state_dict", "CheckpointError",
-           "NonFiniteError"]
+           "NonFiniteError", "model_loss"]
 __version__ = version("pipetrain")  # one source: pyproject.toml

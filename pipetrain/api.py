@@ -12,8 +12,11 @@ from pipetrain.pipeline import Pipeline
 def wrap(model: nn.Module, example_inputs: Any, **options: Any) -> Pipeline:
     """Split ``model`` into pipeline stages and return a :class:`Pipeline` that trains it.
 
-    ``example_inputs`` is one micro-batch of inputs (a tensor or a tuple), used to trace and
-    profile the model. Options are those of :class:`PipelineOptions` (stages, micro_batches,
+    ``example_inputs`` is one micro-batch of inputs (a tensor, a tuple in argument order or a dict of
+    keyword arguments such as ``{"input_ids": ids, "attention_mask": mask}``), used to capture and
+    profile the model; ``step``/``train``/``predict`` take inputs of the same form. The model's
+    output reaches ``loss_fn`` and ``predict`` in its own structure (``ModelOutput``, dict, tuple);
+    ``loss_fn=pipetrain.model_loss`` trains a model that computes its loss itself (``labels``). Options are those of :class:`PipelineOptions` (stages, micro_batches,
     schedule, staleness, partitioner, loss_fn, optimizer, precision, data_parallel, engine,
     logdir, ...); an unknown option is an error, not ignored.
     """

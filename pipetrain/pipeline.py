@@ -30,20 +30,28 @@ FORWARD_ONLY = {ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT}
 
 
 def trace_model(model: nn.Module, example_inputs: Any, profile: bool) -> partitioners.CostGraph:
-    """Trace with torch.fx; a forward fx cannot follow falls back to the model's top-level children as a
-    chain, which the tracer accepts only when running them in order reproduces the model's output."""
+    """Capture with torch.fx; where fx cannot follow forward(), with torch.export (non-strict); failing
+    both, as the chain of the model's top-level children, which the tracer accepts only when running them
+    in order reproduces the model's output. When none works: one TraceError saying why each failed."""
+    errors = []
+    modes = {m: m.training for m in model.modules()}
+    model.train()  # capture what training runs (a model from_pretrained() comes in eval mode)
     try:
-        return partitioners.trace(model, example_inputs, profile=profile)
-    except partitioners.TraceError as error:
-        try:
-            return partitioners.trace(model, example_inputs, profile=profile, chain=True)
-        except partitioners.TraceError as chain_error:
-            children = [name for name, _ in model.named_children()]
-            raise partitioners.TraceError(
-                f"{error}\n  pipetrain also tried the model as the chain of its top-level children {children}: "
-                f"{chain_error}\n  fix: make forward() traceable, or build the model so that its children run "
-                f"in order (nn.Sequential) and split it between them with partitioner=[<child names>]"
-            ) from error
+        for capture in ("fx", "export", "chain"):
+            try:
+                return partitioners.trace(model, example_inputs, profile=profile, capture=capture)
+            except partitioners.TraceError as error:
+                errors.append((capture, error))
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    children = [name for name, _ in model.named_children()]
+    why = "\n".join(f"  {capture}: {str(error).strip()}".replace("\n", "\n    ") for capture, error in errors)
+    raise partitioners.TraceError(
+        f"pipetrain cannot capture {type(model).__name__}:\n{why}\n  fix: make the failing code capturable (no "
+        f"Python control flow on tensor values: torch.where), or build the model so that its top-level children "
+        f"{children} run in order (nn.Sequential) and split it between them with partitioner=[<child names>]"
+    ) from errors[0][1]
 
 
 class Pipeline:
@@ -132,8 +140,9 @@ class Pipeline:
         return executors
 
     # ----- user calls -----------------------------------------------------------------------
-    def step(self, x: Any, y: Any) -> float:
-        """Train one mini-batch and return its mean loss (on every rank)."""
+    def step(self, x: Any, y: Any = None) -> float:
+        """Train one mini-batch and return its mean loss (on every rank). ``y`` may be None when the
+        model computes its own loss from its inputs (e.g. Hugging Face ``labels``, loss_fn=model_loss)."""
         if self.options.schedule == "async-1f1b":
             return next(iter(self.train([(x, y)]))).loss
         return self._sync_step(x, y).loss

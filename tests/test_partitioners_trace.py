@@ -188,7 +188,7 @@ def test_example_inputs_that_do_not_fit() -> None:
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="example_inputs do not fit Sequential.*fix:"):
         partitioners.trace(model, torch.randn(2, 5), profile=False)
-    with pytest.raises(TypeError, match="example_inputs must be a tensor or a tuple"):
+    with pytest.raises(TypeError, match="example_inputs must be a tensor, a tuple .* or a dict"):
         partitioners.trace(model, "not a tensor", profile=False)
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         partitioners.trace(lambda t: t, torch.randn(2, 4))

@@ -130,7 +130,7 @@ class StageRuntime:
                 out = self.module(*args)
             else:
                 out = functional_call(self.module, weights, tuple(args))
-            if self.is_last and target is not None:
+            if self.is_last and grad:  # target None: the model computes its own loss (model_loss)
                 loss = self.loss_fn(out, target)
                 to_differentiate = [loss * weight]
         if not grad:

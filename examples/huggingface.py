@@ -1,0 +1,112 @@
+"""Pretrain a small GPT-2- or Llama-style language model (Hugging Face transformers, from its config) on the offline text data.
+
+The model is passed to pipetrain.wrap as it is: torch.export captures it (its forward takes **kwargs,
+which torch.fx cannot), and its ModelOutput reaches the loss function.
+
+    python examples/huggingface.py --model gpt2 --stages 2
+    python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness spectrain
+    torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.utils.data import Dataset, Subset, default_collate
+
+import pipetrain
+from pipetrain.apps.datasets import dataset_info, load_dataset, make_loader
+from pipetrain.apps.training import add_arguments, config_from_args, is_rank_zero, optimizer_factory
+
+# Tiny defaults: one epoch of the text data takes seconds on 2 CPU cores (like the other examples).
+DEFAULTS = {"width": 64, "depth": 2, "batch_size": 32, "epochs": 2, "lr": 0.1}
+
+
+def build(name: str, vocab: int, width: int, depth: int, length: int) -> torch.nn.Module:
+    """A randomly initialised causal LM from its config: GPT-2 (tied embeddings) or Llama (rotary, RMSNorm)."""
+    heads = max(1, width // 32)
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=vocab, n_positions=length, n_embd=width, n_layer=depth, n_head=heads))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=depth,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=length))
+
+
+def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Next-character cross-entropy; the text data's targets are the inputs shifted by one already."""
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def batches(dataset: Dataset, order: list[int], size: int) -> Iterator[tuple[Any, Any]]:
+    for start in range(0, len(order) - size + 1, size):
+        yield default_collate([dataset[i] for i in order[start:start + size]])
+
+
+@torch.no_grad()
+def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, size: int) -> tuple[float, float]:
+    """Per-token validation loss and accuracy (predict runs the model in eval mode: no dropout)."""
+    loss, correct, tokens = 0.0, 0, 0
+    for x, y in batches(dataset, list(range(len(dataset))), size):
+        logits = pipe.predict(x).logits
+        loss += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+        correct += int((logits.argmax(-1) == y).sum())
+        tokens += y.numel()
+    return loss / tokens, correct / tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, ["gpt2", "llama"])
+    c = config_from_args(parser.parse_args(argv))
+    width, depth = c.width or DEFAULTS["width"], c.depth or DEFAULTS["depth"]
+    size, epochs = c.batch_size or DEFAULTS["batch_size"], c.epochs or DEFAULTS["epochs"]
+    lr = c.lr or (DEFAULTS["lr"] if c.optimizer == "sgd" else 1e-3)
+    train, val = (load_dataset("text", split=split, seed=c.seed) for split in ("train", "val"))
+    train = Subset(train, range(min(len(train), c.train_samples or len(train))))
+    val = Subset(val, range(min(len(val), c.val_samples or len(val))))
+    info = dataset_info("text")
+    torch.manual_seed(c.seed)  # the same initial weights on every rank and engine
+    model = build(c.model, info.num_classes, width, depth, info.input_shape[0])
+    example = default_collate([train[i] for i in range(size)])[0][:max(1, size // (c.micro_batches * c.data_parallel))]
+    pipe = pipetrain.wrap(model, example, stages=c.stages, micro_batches=c.micro_batches, schedule=c.schedule,
+                          staleness=c.staleness, partitioner=c.partitioner, loss_fn=lm_loss, precision=c.precision,
+                          data_parallel=c.data_parallel, logdir=c.logdir, seed=c.seed,
+                          profile=c.partitioner in ("graph", "time"),
+                          optimizer=optimizer_factory(c.optimizer, lr, c.momentum))
+    val_log = None
+    if c.logdir and is_rank_zero():
+        from torch.utils.tensorboard import SummaryWriter
+
+        val_log = SummaryWriter(c.logdir, filename_suffix=".val")
+    loader = make_loader(train, size, shuffle=True, seed=c.seed, drop_last=True)
+    start = time.perf_counter()
+    train_losses, val_losses, accuracies = [], [], []
+    for epoch in range(epochs):
+        losses = [r.loss for r in pipe.train(batches(train, list(loader.sampler), size))]  # every rank, same order
+        val_loss, val_accuracy = evaluate(pipe, val, size)
+        train_losses.append(sum(losses) / len(losses))
+        val_losses.append(val_loss)
+        accuracies.append(val_accuracy)
+        if val_log is not None:
+            val_log.add_scalar("val/loss", val_loss, pipe.updates)
+            val_log.add_scalar("val/accuracy", val_accuracy, pipe.updates)
+            val_log.flush()
+        if is_rank_zero() and c.progress:
+            print(f"epoch {epoch + 1}/{epochs}: train loss {train_losses[-1]:.4f}, val loss {val_loss:.4f}, "
+                  f"val accuracy {100 * val_accuracy:.2f}%", flush=True)
+    if val_log is not None:
+        val_log.close()
+    pipe.close()
+    if is_rank_zero():
+        print(f"{c.model} ({width} wide, {depth} layers) on text, {c.describe()}, {epochs} epochs ({pipe.updates} "
+              f"steps): min train loss {min(train_losses):.4f}, min val loss {min(val_losses):.4f}, max val accuracy "
+              f"{100 * max(accuracies):.2f}%, {time.perf_counter() - start:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Capture a model with ``torch.export`` (non-strict) as the same kind of fx graph torch.fx gives.
+
+torch.fx cannot follow much of what real models do (Hugging Face's ``forward(**kwargs)``, shape
+arithmetic in Python, masks built from ``input.shape``); non-strict ``torch.export`` runs the
+Python code with fake tensors and records ATen calls, as ``torch.distributed.pipelining`` does.
+The result is turned into a plain ``fx.GraphModule`` the partitioner, stage builder and runtime
+already consume:
+
+- parameters and buffers keep their original qualified names and are the model's own tensors
+  (``get_attr`` nodes, each moved just before its first user so a stage holds what it reads);
+- placeholders are the forward arguments by name (tensors; the batch dimension is dynamic);
+- the output is the model's own structure (``ModelOutput``, dict, tuple), rebuilt by the last node;
+- export's input guards and pytree codegen are removed (the runtime feeds flat arguments).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+# Keyword arguments a capture for training sets when forward() takes them and the inputs do not:
+# a Hugging Face decoder would otherwise return its key/value cache, an inference-only object.
+TRAINING_DEFAULTS = {"use_cache": False}
+_KEPT_META = ("nn_module_stack", "stack_trace", "scope")
+
+
+class Restructure(nn.Module):
+    """The model's output structure around the graph's flat outputs (the last node of a capture)."""
+
+    def __init__(self, spec: pytree.TreeSpec):
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, *leaves: Any) -> Any:
+        return pytree.tree_unflatten(list(leaves), self.spec)
+
+
+def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
+    """Example inputs (tensor, tuple in argument order, or dict of keyword arguments) as forward()'s
+    keyword arguments, in the order given."""
+    if isinstance(inputs, dict):
+        return dict(inputs)
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args)
+    except TypeError as exc:
+        raise TypeError(f"example_inputs do not match {type(model).__name__}.forward{inspect.signature(model.forward)}: "
+                        f"{exc}; fix: pass a dict of keyword arguments") from exc
+    if any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(model.forward).parameters.values()
+           if p.name in bound.arguments):
+        raise TypeError(f"{type(model).__name__}.forward takes *args; fix: pass a dict of keyword arguments")
+    return dict(bound.arguments)
+
+
+def training_call(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the TRAINING_DEFAULTS forward() takes and ``kwargs`` does not set."""
+    params = inspect.signature(model.forward).parameters
+    return {**kwargs, **{k: v for k, v in TRAINING_DEFAULTS.items() if k in params and k not in kwargs}}
+
+
+def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> fx.GraphModule:
+    """``model(**call)`` captured by non-strict torch.export as a plain fx.GraphModule (module doc);
+    only the arguments named in ``given`` (the user's) stay inputs, the others are constants.
+
+    Raises what torch.export raises when it cannot capture the model."""
+    dynamic = {k: ({0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() > 0 else None)
+               for k, v in call.items()}
+    program = torch.export.export(model, (), call, strict=False, dynamic_shapes=dynamic)
+    out_spec = program.call_spec.out_spec
+    gm = program.module()
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target) == "_guards_fn":
+            graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and not isinstance(call.get(node.name), torch.Tensor):
+            if node.users:
+                raise TypeError(f"torch.export kept the non-tensor input {node.name!r} as an input; "
+                                "fix: pass it as a tensor or leave it out of the inputs")
+            if node.name not in given:
+                graph.erase_node(node)
+    output = next(n for n in graph.nodes if n.op == "output")
+    leaves = output.args[0]
+    gm.add_submodule("_pipetrain_output", Restructure(out_spec))
+    with graph.inserting_before(output):
+        structured = graph.call_module("_pipetrain_output", tuple(leaves))
+    structured.meta["scope"] = ""
+    output.args = (structured,)
+    _move_get_attrs_to_first_use(graph)
+    for node in graph.nodes:
+        node.meta = {k: v for k, v in node.meta.items() if k in _KEPT_META}  # fake tensors are not needed
+    graph._codegen = fx.graph.CodeGen()  # plain positional placeholders, no pytree flattening
+    # A plain GraphModule over the same tensors: export's module refuses train()/eval().
+    return fx.GraphModule(gm, graph, type(model).__name__)
+
+
+def _move_get_attrs_to_first_use(graph: fx.Graph) -> None:
+    """export reads every parameter at the top of the graph; the partitioner places a get_attr at
+    its position, so each goes just before its first user (and unused ones go)."""
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        if not node.users:
+            graph.erase_node(node)
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(node.users, key=order.__getitem__)
+        first.prepend(node)
