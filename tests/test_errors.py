@@ -80,7 +80,7 @@ def test_example_inputs_of_the_wrong_shape():
 
 @pytest.mark.parametrize("option,value,valid", [
     ("schedule", "pipedream", "gpipe, 1f1b, interleaved-1f1b, zb-h1, async-1f1b"),
-    ("staleness", "predict", "none, vanilla, stash, spectrain"),
+    ("staleness", "predict", "none, vanilla, stash, 2bw, spectrain, nesterov"),
     ("partitioner", "balanced", "graph, time, params, uniform"),
     ("precision", "fp8", "fp32, bf16, fp16"),
     ("engine", "mpi", "auto, local, distributed"),
