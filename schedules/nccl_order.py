@@ -3,9 +3,10 @@
 gloo buffers and forgives; NCCL does not. The model replayed here is NCCL's worst case:
 
 * A rank's program is a list of ``Group`` and ``Wait`` items, in the order its host issues them.
-  The host posts a ``Group`` without blocking and blocks at a ``Wait`` until every op of that
-  rank carrying one of the named messages has completed. (On NCCL, ``work.wait()`` does not
-  block the host but makes later kernels wait for the work, which orders later groups the same way.)
+  The host posts a ``Group`` without blocking and blocks at a ``Wait`` until every group of that
+  rank holding one of the named messages has completed: NCCL returns one work for a whole group.
+  (On NCCL, ``work.wait()`` does not block the host but makes later kernels wait for the work,
+  which orders later groups the same way.)
 * A ``Group`` is one ``batch_isend_irecv`` call: one kernel on one communicator (``comm``: a
   process group). Per rank and communicator, groups run strictly in posting order: a group
   starts running once every earlier group of that rank on that communicator has completed.
@@ -106,7 +107,7 @@ def replay(programs: dict[int, Program]) -> Stall | None:
     queues: dict[tuple[int, Hashable], deque[int]] = defaultdict(deque)  # (rank, comm) -> posted item indices
     pending: dict[tuple[int, int], set[int]] = {}  # (rank, item) -> op indices not yet completed
     running: dict[tuple, tuple[int, int, int]] = {}  # (key, is send) -> (rank, item, op) of a running op
-    done_messages: dict[int, set] = defaultdict(set)
+    group_of: dict[tuple[int, Hashable], int] = {}  # (rank, message) -> item of the group that posted it
     ready: deque[int] = deque(programs)  # ranks whose host may advance
 
     def start(rank: int, i: int) -> None:
@@ -127,7 +128,6 @@ def replay(programs: dict[int, Program]) -> Stall | None:
             complete(*other)
 
     def complete(rank: int, i: int, j: int) -> None:
-        done_messages[rank].add(programs[rank][i].ops[j].message)
         left = pending[(rank, i)]
         left.discard(j)
         ready.append(rank)
@@ -138,6 +138,9 @@ def replay(programs: dict[int, Program]) -> Stall | None:
             if queue:
                 start(rank, queue[0])
 
+    def _group_done(rank: int, i: int | None) -> bool:
+        return i is not None and (rank, i) not in pending and i not in queues[(rank, programs[rank][i].comm)]
+
     try:
         while ready:
             rank = ready.popleft()
@@ -145,9 +148,10 @@ def replay(programs: dict[int, Program]) -> Stall | None:
             while pc[rank] < len(program):
                 item = program[pc[rank]]
                 if isinstance(item, Wait):
-                    if not set(item.messages) <= done_messages[rank]:
+                    if not all(_group_done(rank, group_of.get((rank, m))) for m in item.messages):
                         break
                 else:
+                    group_of.update(((rank, op.message), pc[rank]) for op in item.ops)
                     queue = queues[(rank, item.comm)]
                     queue.append(pc[rank])
                     if len(queue) == 1:
@@ -178,7 +182,8 @@ def _first_stall(programs, pc, queues, pending, keys) -> Stall | None:
                    for j, op in enumerate(program[i].ops) if op.message in wanted]
             if len(ops) < len(wanted):
                 return Stall(rank, pc[rank], wanted[0], "the host waits for a message it never posted")
-            unfinished = [(i, j) for i, j in ops if j in pending.get((rank, i), ())
+            items = sorted({i for i, _ in ops})  # the whole group of a waited message must complete
+            unfinished = [(i, j) for i in items for j in range(len(program[i].ops)) if j in pending.get((rank, i), ())
                           or (i in queues[(rank, program[i].comm)] and (rank, i) not in pending)]
         else:
             unfinished = sorted((i, j) for (r, i), left in pending.items() if r == rank for j in left)
@@ -244,38 +249,41 @@ def comm_batches(actions: Iterable[Action]) -> Iterator[Action | tuple[Action, .
 Links = Sequence[tuple[int, int]]  # (src, dst) virtual stages of each link
 
 
-def link_comm(index: int, src: int, dst: int, kind: str) -> Hashable:
-    """The communicator a message of ``kind`` ("act" or "grad") on link ``index`` (src -> dst) uses.
+def link_comm(index: int, src: int, dst: int, kind: str, chunks: int = 1) -> Hashable:
+    """The communicator a message of ``kind`` ("act" or "grad") on link ``index`` (virtual stages
+    src -> dst, ``chunks`` per device) uses.
 
-    A link between adjacent virtual stages carries both directions on one communicator: the comm
-    batches of its two ends pair up (checked for every schedule). A skip connection's ends compute
-    in another rhythm, so their batches need not pair; each direction gets a communicator of its
-    own, where one-way traffic in FIFO order can never wait behind the other direction.
+    A link between adjacent stages of a one-chunk pipeline carries both directions on one
+    communicator: the comm batches of its two ends pair up (checked for every schedule). Elsewhere
+    (a skip connection, an interleaved pipeline) the two ends compute in other rhythms, and a group
+    mixing directions could hold a send whose receive the peer posts only after it waited for this
+    rank's next result (NCCL completes, and waits for, a group as a whole). There each direction gets
+    a communicator of its own: one-way traffic in FIFO order never waits behind the other direction.
     """
-    return index if dst == src + 1 else (index, kind)
+    return index if dst == src + 1 and chunks == 1 else (index, kind)
 
 
-def link_ops(a: Action, stages: int, links: Links) -> Iterator[tuple[Hashable, Op]]:
+def link_ops(a: Action, stages: int, links: Links, chunks: int = 1) -> Iterator[tuple[Hashable, Op]]:
     """(communicator, op) of each message a comm action of device ``a.stage`` posts."""
     v = a.chunk * stages + a.stage
     for index, (src, dst) in enumerate(links):
         if src % stages == dst % stages:
             continue  # both ends on one device: handed over in memory
         if a.kind is SEND_ACT and src == v:
-            yield link_comm(index, src, dst, "act"), Op(True, dst % stages, ("act", index, a.micro_batch))
+            yield link_comm(index, src, dst, "act", chunks), Op(True, dst % stages, ("act", index, a.micro_batch))
         elif a.kind is RECV_ACT and dst == v:
-            yield link_comm(index, src, dst, "act"), Op(False, src % stages, ("act", index, a.micro_batch))
+            yield link_comm(index, src, dst, "act", chunks), Op(False, src % stages, ("act", index, a.micro_batch))
         elif a.kind is SEND_GRAD and dst == v:
-            yield link_comm(index, src, dst, "grad"), Op(True, src % stages, ("grad", index, a.micro_batch))
+            yield link_comm(index, src, dst, "grad", chunks), Op(True, src % stages, ("grad", index, a.micro_batch))
         elif a.kind is RECV_GRAD and src == v:
-            yield link_comm(index, src, dst, "grad"), Op(False, dst % stages, ("grad", index, a.micro_batch))
+            yield link_comm(index, src, dst, "grad", chunks), Op(False, dst % stages, ("grad", index, a.micro_batch))
 
 
-def batch_groups(batch: Sequence[Action], stages: int, links: Links) -> list[Group]:
+def batch_groups(batch: Sequence[Action], stages: int, links: Links, chunks: int = 1) -> list[Group]:
     """One group per communicator holding every op of ``batch`` on it (in the order first used)."""
     by_comm: dict[Hashable, list[Op]] = {}
     for a in batch:
-        for comm, op in link_ops(a, stages, links):
+        for comm, op in link_ops(a, stages, links, chunks):
             by_comm.setdefault(comm, []).append(op)
     return [Group(comm, tuple(ops)) for comm, ops in by_comm.items()]
 
@@ -291,10 +299,11 @@ def posted_groups(schedule: Schedule, links: Links | None = None) -> dict[int, l
         program: list[Group | Wait] = []
         for item in comm_batches(actions):
             if isinstance(item, tuple):
-                program += batch_groups(item, p, links)
+                program += batch_groups(item, p, links, schedule.chunks)
             elif item.kind in BOUNDARY:
                 receive = RECV_ACT if item.kind is F else RECV_GRAD
-                needed = [op.message for _, op in link_ops(Action(d, receive, item.micro_batch, item.chunk), p, links)]
+                needed = [op.message for _, op in link_ops(Action(d, receive, item.micro_batch, item.chunk), p, links,
+                                                       schedule.chunks)]
                 if needed:
                     program.append(Wait(tuple(needed)))
         programs[d] = program

@@ -71,6 +71,17 @@ def test_communicators_are_independent_and_waits_block_the_host():
     assert "never posted" in replay({0: [Wait(("z",))]}).reason
 
 
+def test_a_wait_lasts_until_the_whole_group_completes():
+    # NCCL returns one work per group: waiting for "y" also waits for the send of "x" in its group,
+    # whose receive rank 1 posts only after it got "z", which rank 0 sends after that wait.
+    programs = {0: [Group("L", (recv(1, "y"), send(1, "x"))), Wait(("y",)), Group("M", (send(1, "z"),))],
+                1: [Group("L", (send(0, "y"),)), Group("M", (recv(0, "z"),)), Wait(("z",)), Group("L", (recv(0, "x"),))]}
+    stall = replay(programs)
+    assert stall is not None and (stall.rank, stall.message) == (0, "x"), stall
+    programs[0] = [Group("L", (recv(1, "y"),)), Wait(("y",)), Group("M", (send(1, "z"),)), Group("L", (send(1, "x"),))]
+    assert replay(programs) is None
+
+
 def test_comm_batches_gathers_the_comm_actions_between_two_computations():
     text = "RECV_ACT0 F0 SEND_ACT0 W1 RECV_GRAD0 STEP0 B0 SEND_GRAD0".split()
     items = list(comm_batches(Action.parse(t, 0) for t in text))

@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from pipetrain.comm import recording
 from pipetrain.comm.transport import PeerFailure
 from pipetrain.runtime.executor import BLOCKED
 
@@ -68,10 +69,13 @@ class DistributedOverflowAgreement:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.describe = describe
+        self.recorder = recording.active()  # None unless a test records what is posted
 
     def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
         """This rank's flags for mini-batch t, maximised over every rank; returns the first reporters."""
         code = flags.detach().to(self.device, torch.float32) * (self.size - self.rank)
+        if self.recorder is not None:
+            self.recorder.collective("agreement", list(range(self.size)), self.rank)
         with self._peers_answer(t):
             dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
         yield from ()

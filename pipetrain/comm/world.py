@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Hashable
 
 import torch
 import torch.distributed as dist
 
 from pipetrain.allreduce.hierarchy import build_hierarchy_groups
-from pipetrain.runtime.topology import Topology
+from pipetrain.runtime.topology import ACT, GRAD, Topology
+from schedules.nccl_order import link_comm
 
 
 def _replicas_per_node(ranks: list[int]) -> tuple[int, int]:
@@ -102,18 +104,23 @@ class World:
         """The rank running pipeline position ``position`` of ``replica`` (default: this rank's)."""
         return (self.replica if replica is None else replica) * self.stages + position
 
-    def link_groups(self, topology: Topology) -> dict[int, object]:
-        """One two-rank group per link between stages on different devices, for this replica."""
+    def link_groups(self, topology: Topology) -> dict[Hashable, object]:
+        """This replica's process groups for the links between stages on different devices, keyed by
+        ``schedules.nccl_order.link_comm``: one per link between adjacent stages, one per direction of a
+        skip connection or of an interleaved pipeline's link."""
         mine = {}
+        chunks = topology.num_stages // topology.devices
         for replica in range(self.data_parallel):
             for link in topology.links:
                 ranks = sorted({self.rank_of(topology.position_of(link.src), replica),
                                 self.rank_of(topology.position_of(link.dst), replica)})
                 if len(ranks) < 2:
                     continue
-                group = self._group(ranks)
-                if replica == self.replica:
-                    mine[link.index] = group
+                for comm in dict.fromkeys(link_comm(link.index, link.src, link.dst, kind, chunks)
+                                           for kind in (ACT, GRAD)):
+                    group = self._group(ranks)
+                    if replica == self.replica:
+                        mine[comm] = group
         return mine
 
     def tied_groups(self, topology: Topology, tied: list[list[tuple[int, str]]]) -> dict[int, object]:
