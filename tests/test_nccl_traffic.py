@@ -11,6 +11,7 @@ import torch
 import pipetrain
 from dist_harness import run_world
 from pipetrain.comm.recording import recording
+from pipetrain.runtime import host_sync
 from runtime_models import data, loss_fn, make, sgd
 from schedules.nccl_order import Group, replay
 
@@ -39,7 +40,8 @@ def batches(name, steps=3, size=12, last=7):
 
 
 def record(rank, world, cases):
-    """This rank's recorded program for each case (training three mini-batches, then one predict)."""
+    """This rank's recorded program and host synchronisations for each case (training three
+    mini-batches, then one predict)."""
     programs = []
     for name, schedule, staleness, micro_batches, extra in cases:
         bs = batches(name)
@@ -48,10 +50,11 @@ def record(rank, world, cases):
             pipe = pipetrain.wrap(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches,
                                   schedule=schedule, staleness=staleness, loss_fn=loss_fn(name), optimizer=sgd,
                                   partitioner="uniform", profile=False, engine="distributed", **extra)
-            for _ in pipe.train(bs):
-                pass
+            with host_sync.counting() as syncs:
+                for _ in pipe.train(bs):
+                    pass
             pipe.predict(data(name, 6, seed=9)[0])
-        programs.append(recorder.program)
+        programs.append((recorder.program, syncs))
     return programs
 
 
@@ -60,10 +63,17 @@ def test_recorded_traffic_replays_under_nccl(tmp_path, world):
     torch.set_num_threads(1)
     per_rank = run_world(world, "test_nccl_traffic", "record", tmp_path, CASES[world])
     for i, case in enumerate(CASES[world]):
-        programs = {rank: per_rank[rank][i] for rank in range(world)}
+        programs = {rank: per_rank[rank][i][0] for rank in range(world)}
         assert all(any(isinstance(g, Group) for g in p) for p in programs.values()), case
         stall = replay(programs)
         assert stall is None, f"{case}: {stall}"
+        for rank in range(world):  # per step: one decision, one report (one loss read on a last stage)
+            syncs = per_rank[rank][i][1]
+            headers = syncs.pop("shape header", 0)
+            assert syncs == {"skip-or-step decision": 3, "step report": 3, "loss report": 3} or \
+                syncs == {"skip-or-step decision": 3, "step report": 3}, (case, rank, syncs)
+            if not case[4].get("dynamic_shapes"):  # a header per incoming link and micro-batch size
+                assert headers <= 6, (case, rank, headers)
         if case[0] == "tied":  # the tied gradients' all-reduce is in the replay
             assert any(isinstance(g, Group) and isinstance(g.comm, tuple) and g.comm[0] == "tied"
                        for p in programs.values() for g in p), case

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from pipetrain.comm import recording
 from pipetrain.comm.transport import PeerFailure
+from pipetrain.runtime import host_sync
 from pipetrain.runtime.executor import BLOCKED
 
 
@@ -37,6 +38,7 @@ class LocalOverflowAgreement:
 
     def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
         """This device's flags for mini-batch t; waits (BLOCKED) for every device, returns the first reporters."""
+        host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
         self.flags.setdefault(t, []).append(flags.detach().cpu() * (self.devices - position))
         while len(self.flags[t]) < self.devices:
             yield BLOCKED
@@ -79,6 +81,7 @@ class DistributedOverflowAgreement:
         with self._peers_answer(t):
             dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
         yield from ()
+        host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
         return _first(code.tolist(), self.size)
 
     def post(self, t: int, position: int, flags: torch.Tensor) -> Callable[[], list[int | None]]:
@@ -89,6 +92,7 @@ class DistributedOverflowAgreement:
         def result() -> list[int | None]:
             with self._peers_answer(t):
                 work.wait()
+            host_sync.note("skip-or-step decision")
             return _first(code.tolist(), self.size)
         return result
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from pipetrain.comm import recording
+from pipetrain.runtime import host_sync
+from pipetrain.runtime.devices import to_device
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.topology import ACT, GRAD, Link, Message, Topology
 from schedules.nccl_order import Op, link_comm
@@ -41,7 +43,8 @@ class LocalTransport:
     def send(self, link: Link, kind: str, micro_batch: int, values: list, shape_key: Any = None) -> None:
         src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
         self.counter.add(COMM_KIND[kind], src, payload_bytes(values))
-        moved = pytree.tree_map(lambda v: v.detach().to(self.devices[dst]) if isinstance(v, torch.Tensor) else v, values)
+        moved = to_device(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, values),
+                          self.devices[dst])
         self.messages[(link.index, kind, micro_batch)] = moved
 
     def exchange(self, messages: list[Message]) -> None:
@@ -131,6 +134,7 @@ class DistributedTransport:
             self._post(comm, group)
         for m, meta_key, header, works, recorded in reads:
             self._wait(works, m.link, m.kind, m.micro_batch, recorded)
+            host_sync.note("shape header")
             self.meta_received[meta_key] = _decode_header(header.cpu())
             self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta_key, batch)
         for comm, group in batch.payloads.items():

@@ -42,6 +42,12 @@ def ensure_process_group(timeout_seconds: float) -> None:
                            "group); run `torchrun --nproc-per-node N script.py` or use engine='local'")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_seconds)
+    # NCCL binds each rank to one GPU: set it before the first collective, and name it to the group
+    # (device_id) so that communicators are created eagerly on that device instead of guessed later.
+    device = None
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's store outlives a restart (--max-restarts); without a per-attempt namespace the
         # restarted workers read the dead workers' addresses and fail to connect their groups.
@@ -50,9 +56,9 @@ def ensure_process_group(timeout_seconds: float) -> None:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend, store=dist.PrefixStore(f"pipetrain/attempt-{attempt}", store),
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timeout)
+                                timeout=timeout, device_id=device)
         return
-    dist.init_process_group(backend, timeout=timeout)
+    dist.init_process_group(backend, timeout=timeout, device_id=device)
 
 
 class World:

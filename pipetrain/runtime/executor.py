@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
+from pipetrain.runtime.devices import move, to_device
 from pipetrain.runtime.feed import Feed
 from pipetrain.runtime.stage import StageRuntime, takes_grad
 from pipetrain.runtime.topology import ACT, GRAD, Message, Topology
@@ -89,15 +90,14 @@ class DeviceExecutor:
         g = a.micro_batch
         if stage.index == 0:
             inputs = self.feed.inputs(g)
-            inputs = tuple(v.to(stage.device) if isinstance(v, torch.Tensor) else v for v in inputs)
+            inputs = tuple(move(v, stage.device) if isinstance(v, torch.Tensor) else v for v in inputs)
         else:
             links = self.topology.into[stage.index]
             yield from self._wait(links, ACT, g)
             inputs = self.topology.assemble(stage.index, {l.index: self.transport.take(l, ACT, g) for l in links})
         target = None
         if stage.is_last and self.train:
-            target = pytree.tree_map(lambda v: v.to(stage.device) if isinstance(v, torch.Tensor) else v,
-                                     self.feed.target(g))
+            target = to_device(self.feed.target(g), stage.device)  # the loss is computed where the output is
         start = time.perf_counter()
         out = stage.forward(g, inputs, target, self.feed.grad_weight(g), grad=self.train)
         self.busy_seconds[stage.index] += time.perf_counter() - start
