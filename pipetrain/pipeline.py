@@ -15,7 +15,9 @@ import schedules
 from pipetrain import checkpoint as ckpt
 from pipetrain.comm.engine import select_engine
 from pipetrain.options import PipelineOptions
+from pipetrain.runtime import host_sync
 from pipetrain.runtime.batching import batch_size, merge_micro_batches
+from pipetrain.runtime.devices import caller_device, to_device
 from pipetrain.runtime.executor import DeviceExecutor, drive
 from pipetrain.runtime.feed import Feed, StreamFeed
 from pipetrain.runtime.metrics import CommCounter, StepResult, TensorBoardLog
@@ -174,9 +176,18 @@ class Pipeline:
 
     def _loss_sum(self, feed: Feed, micro_batches: range) -> float:
         """Sum over samples of the loss (0 where this process has no last stage); mean = sum / samples
-        in every engine, so local and distributed report the same bits."""
-        return sum(float(rt.losses.pop(g)) * feed.size(g) for rt in self._runtimes.values() if rt.is_last
-                   for g in micro_batches)
+        in every engine, so local and distributed report the same bits. Summed on the device in float64
+        (the same bits as adding the Python floats) and read once: one host synchronisation per step."""
+        total = None
+        for rt in self._runtimes.values():
+            if rt.is_last:
+                for g in micro_batches:
+                    term = rt.losses.pop(g).double() * feed.size(g)
+                    total = term if total is None else total + term
+        if total is None:
+            return 0.0
+        host_sync.note("loss report")
+        return float(total)
 
     def train(self, batches: Iterable) -> Iterator[StepResult]:
         """Train on a stream of (inputs, targets) mini-batches, yielding one result per mini-batch.
@@ -240,7 +251,7 @@ class Pipeline:
 
     @torch.no_grad()
     def predict(self, x: Any) -> Any:
-        """Forward only in eval mode; the full output on every rank."""
+        """Forward only in eval mode; the full output on every rank, on the device of ``x``."""
         m = min(self.options.micro_batches, batch_size(x))
         feed = Feed(m, self._input_names)
         feed.add(0, x)
@@ -260,7 +271,7 @@ class Pipeline:
                 rt.module.train()
         outputs = sorted((g, out) for ex in executors.values() for g, out in ex.predictions.items())
         merged = merge_micro_batches([out for _, out in outputs]) if outputs else None
-        return self._engine.share_prediction(merged, self._topology)
+        return to_device(self._engine.share_prediction(merged, self._topology), caller_device(x))
 
     def _finish(self, result: StepResult) -> StepResult:
         self.updates += 1

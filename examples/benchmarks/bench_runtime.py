@@ -1,6 +1,12 @@
 """Runtime throughput on 2 gloo ranks (CPU, 1 thread each): pipetrain vs torch.distributed.pipelining.
 
     .venv/bin/python examples/benchmarks/bench_runtime.py [--steps 40] [--micro-batches 8] [--batch-size 64]
+    .venv/bin/python examples/benchmarks/bench_runtime.py --tiny [--steps 200]
+
+``--tiny``: the per-action overhead of the two runtimes side by side. A tiny model (4 x Linear(16)
+with ReLU, then Linear(16, 10); 16 micro-batches of 4 samples, split in the middle) computes almost
+nothing, so each rank's CPU time per step divided by its 32 forward and backward actions is what
+the runtime itself costs per action: dispatch, bookkeeping and the point-to-point posting.
 
 Model: VGG-11 with BatchNorm, first conv width 16 (0.58 M parameters) on 32x32 inputs,
 split before `--split` for every pipelined variant (default features.15, which balances
@@ -200,6 +206,56 @@ def report(seconds: dict[str, list[float]], cpu_per_step: torch.Tensor, steps_pe
     print(f"  single process, micro-batched / whole batch:     {ratio(SINGLE_MB, SINGLE)}")
 
 
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 10))
+
+
+def tiny_worker(rank: int, port: int, args: argparse.Namespace) -> None:
+    """CPU per forward or backward action: pipetrain 1f1b vs torch Schedule1F1B, rounds alternating."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    m = 16
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4 * m, 16, generator=gen), torch.randint(0, 10, (4 * m,), generator=gen)) for _ in range(4)]
+    model = tiny_model()
+    pipe = pipetrain.wrap(model, batches[0][0][:4], stages=WORLD, micro_batches=m, partitioner=["4"],
+                          loss_fn=F.cross_entropy, optimizer=sgd, profile=False, engine="distributed")
+    torch_step = torch_pipeline(pipe.plan.build_stage(rank), rank, m)
+    first = check_same_loss(pipe.step, torch_step, batches[0], rank)
+    variants = {PT_1F1B: pipe.step, TORCH_1F1B: torch_step}
+    for step in variants.values():
+        for i in range(args.warmup):
+            step(*batches[i % len(batches)])
+    per_round = max(1, args.steps // args.rounds)
+    cpu = torch.zeros(args.rounds, len(variants), WORLD, dtype=torch.float64)
+    for r in range(args.rounds):
+        for v, step in enumerate(variants.values()):
+            dist.barrier()
+            c0 = time.process_time()
+            for i in range(per_round):
+                step(*batches[(r + i) % len(batches)])
+            cpu[r, v, rank] = time.process_time() - c0
+            dist.barrier()
+    dist.all_reduce(cpu)
+    if rank == 0:
+        per_action = cpu / (per_round * 2 * m) * 1e3  # ms per forward or backward action
+        print(f"tiny MLP (4 x Linear(16)), {m} micro-batches of 4, 2 gloo ranks on 127.0.0.1, 1 thread each; "
+              f"{args.rounds} rounds x {per_round} steps; first-step loss {first[0]:.6f} (both)")
+        print(f"\n{'CPU ms per F or B action':30s} {'rank 0':>8s} {'rank 1':>8s}   (median over rounds; range)")
+        for v, name in enumerate(variants):
+            cells = []
+            for k in range(WORLD):
+                column = per_action[:, v, k].tolist()
+                cells.append(f"{statistics.median(column):6.3f} ({min(column):.3f}-{max(column):.3f})")
+            print(f"{name:30s} " + "   ".join(cells))
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="timed mini-batches per variant (over all rounds)")
@@ -209,13 +265,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--width", type=int, default=16, help="channels of the first conv")
     parser.add_argument("--split", default="features.15", help="module the second stage starts with")
+    parser.add_argument("--tiny", action="store_true", help="per-action CPU of both runtimes on a tiny MLP")
     args = parser.parse_args()
     if args.batch_size % args.micro_batches:
         parser.error("--batch-size must be a multiple of --micro-batches (both frameworks then cut the same pieces)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args), nprocs=WORLD)
+    mp.spawn(tiny_worker if args.tiny else worker, args=(port, args), nprocs=WORLD)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 import signal
 import threading
 import time
 from datetime import timedelta
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -292,21 +293,27 @@ def _batches(dataset: Dataset, order: list[int], batch_size: int, skip: int) -> 
 
 @torch.no_grad()
 def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, batch_size: int) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy (per sample, or per token for language models) over ``dataset``."""
-    total_loss, correct, count = 0.0, 0, 0
-    for x, y in _batches(dataset, list(range(len(dataset))), batch_size, 0):
-        out = pipe.predict(x)
-        total_loss += float(F.cross_entropy(out, y, reduction="sum"))
-        correct += int((out.argmax(dim=1) == y).sum())
-        count += y.numel()
+    """Mean cross-entropy and accuracy (per sample, or per token for language models) over ``dataset``.
+
+    Sums stay tensors on the output's device (targets are moved there, never the reverse) and are
+    read once at the end: one host synchronisation per evaluation, not two per batch."""
+    batches: Iterable = _batches(dataset, list(range(len(dataset))), batch_size, 0)
     tail = len(dataset) % batch_size
     if tail:  # the batches above drop a partial last batch; validation must see every sample
-        x, y = default_collate([dataset[i] for i in range(len(dataset) - tail, len(dataset))])
+        last = default_collate([dataset[i] for i in range(len(dataset) - tail, len(dataset))])
+        batches = itertools.chain(batches, [last])
+    total_loss, correct, count = None, None, 0
+    for x, y in batches:
         out = pipe.predict(x)
-        total_loss += float(F.cross_entropy(out, y, reduction="sum"))
-        correct += int((out.argmax(dim=1) == y).sum())
+        y = y.to(out.device, non_blocking=True)
+        loss = F.cross_entropy(out, y, reduction="sum")
+        hits = (out.argmax(dim=1) == y).sum()
+        total_loss = loss if total_loss is None else total_loss + loss
+        correct = hits if correct is None else correct + hits
         count += y.numel()
-    return total_loss / count, correct / count
+    if total_loss is None:
+        raise ValueError("evaluate needs a dataset with at least one sample")
+    return float(total_loss) / count, int(correct) / count
 
 
 def is_rank_zero() -> bool:

@@ -26,6 +26,7 @@ from pipetrain.comm.tied import DistributedTiedSync, LocalTiedSync
 from pipetrain.comm.transport import DistributedTransport, LocalTransport
 from pipetrain.comm.world import World, ensure_process_group, launched_by_torchrun
 from pipetrain.runtime.batching import batch_size
+from pipetrain.runtime.devices import to_device
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.optimizer_step import OverflowAgreement, TiedSync
 from pipetrain.runtime.precision import DynamicLossScaler
@@ -172,7 +173,8 @@ class DistributedEngine:
 
     def share_prediction(self, output: Any, topology: Topology) -> Any:
         """The full output on every rank, from replica 0's last stage (every replica computes the same)."""
-        box = [output]
+        # Pickled on the CPU: a CUDA tensor would be unpickled onto the source rank's device index.
+        box = [to_device(output, torch.device("cpu")) if output is not None else None]
         last = self.world.rank_of(topology.position_of(topology.num_stages - 1), replica=0)
         dist.broadcast_object_list(box, src=last, group=self.world.control)
         return box[0]

@@ -17,7 +17,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from pipetrain.comm import recording
 from pipetrain.comm.transport import PeerFailure
+from pipetrain.runtime import host_sync
 from pipetrain.runtime.executor import BLOCKED
 
 
@@ -36,6 +38,7 @@ class LocalOverflowAgreement:
 
     def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
         """This device's flags for mini-batch t; waits (BLOCKED) for every device, returns the first reporters."""
+        host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
         self.flags.setdefault(t, []).append(flags.detach().cpu() * (self.devices - position))
         while len(self.flags[t]) < self.devices:
             yield BLOCKED
@@ -68,13 +71,17 @@ class DistributedOverflowAgreement:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.describe = describe
+        self.recorder = recording.active()  # None unless a test records what is posted
 
     def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
         """This rank's flags for mini-batch t, maximised over every rank; returns the first reporters."""
         code = flags.detach().to(self.device, torch.float32) * (self.size - self.rank)
+        if self.recorder is not None:
+            self.recorder.collective("agreement", list(range(self.size)), self.rank)
         with self._peers_answer(t):
             dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
         yield from ()
+        host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
         return _first(code.tolist(), self.size)
 
     def post(self, t: int, position: int, flags: torch.Tensor) -> Callable[[], list[int | None]]:
@@ -85,6 +92,7 @@ class DistributedOverflowAgreement:
         def result() -> list[int | None]:
             with self._peers_answer(t):
                 work.wait()
+            host_sync.note("skip-or-step decision")
             return _first(code.tolist(), self.size)
         return result
 

@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from pipetrain.comm import recording
 from pipetrain.runtime.executor import BLOCKED
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.stage import StageRuntime
@@ -68,6 +69,7 @@ class DistributedTiedSync:
         self.runtimes = runtimes
         self.groups = groups
         self.counter = counter
+        self.recorder = recording.active()  # None unless a test records what is posted
 
     def sync(self, stages: list[int], t: int) -> Iterator[str]:
         for i, copies in enumerate(self.tied):
@@ -77,6 +79,8 @@ class DistributedTiedSync:
             params = [self.runtimes[s].module.get_parameter(n) for s, n in local]
             total = functools.reduce(operator.add, [_grad(p) for p in params]).clone()
             if i in self.groups:
+                if self.recorder is not None:
+                    self.recorder.collective(("tied", i), dist.get_process_group_ranks(self.groups[i]), dist.get_rank())
                 dist.all_reduce(total, group=self.groups[i])
                 self.counter.add("tied_grads", local[0][0], total.numel() * total.element_size())
             for p in params:

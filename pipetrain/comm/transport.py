@@ -1,22 +1,26 @@
 """Moving boundary values between stages: in one process, or over torch.distributed.
 
-Both transports offer the same four calls, which the executor uses for every engine:
-``send`` (non-blocking), ``post`` (announce a receive), ``ready`` (is it there? the
-distributed transport waits until it is) and ``take``. A message is the list of values
+Both transports offer the same calls, which the executor uses for every engine: ``exchange``
+(post one comm batch of sends and receives, non-blocking), ``ready`` (is it there? the
+distributed transport waits until it is), ``take`` and ``flush``. A message is the list of values
 on one link for one micro-batch: activations src -> dst, gradients dst -> src.
 """
 from __future__ import annotations
 
 import pickle
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from pipetrain.comm import recording
+from pipetrain.runtime import host_sync
+from pipetrain.runtime.devices import to_device
 from pipetrain.runtime.metrics import CommCounter
-from pipetrain.runtime.topology import ACT, GRAD, Link, Topology
+from pipetrain.runtime.topology import ACT, GRAD, Link, Message, Topology
+from schedules.nccl_order import Op, link_comm
 
 
 class PeerFailure(RuntimeError):
@@ -39,11 +43,15 @@ class LocalTransport:
     def send(self, link: Link, kind: str, micro_batch: int, values: list, shape_key: Any = None) -> None:
         src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
         self.counter.add(COMM_KIND[kind], src, payload_bytes(values))
-        moved = pytree.tree_map(lambda v: v.detach().to(self.devices[dst]) if isinstance(v, torch.Tensor) else v, values)
+        moved = to_device(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, values),
+                          self.devices[dst])
         self.messages[(link.index, kind, micro_batch)] = moved
 
-    def post(self, link: Link, kind: str, micro_batch: int, shape_key: Any = None) -> None:
-        pass
+    def exchange(self, messages: list[Message]) -> None:
+        """Deliver the sends of one comm batch at once (a receive needs no posting in one process)."""
+        for m in messages:
+            if m.values is not None:
+                self.send(m.link, m.kind, m.micro_batch, m.values)
 
     def ready(self, link: Link, kind: str, micro_batch: int) -> bool:
         return (link.index, kind, micro_batch) in self.messages
@@ -65,21 +73,30 @@ def _describe(leaves: list) -> tuple:
 
 
 class DistributedTransport:
-    """Point-to-point over torch.distributed, one process group per link so that messages on
-    different links never match each other's receives (NCCL ignores tags; FIFO holds per group).
+    """Point-to-point over torch.distributed, safe under NCCL's ordering rules by construction.
+
+    Each ``exchange`` (one comm batch of the executor: everything between two computations) posts
+    one ``batch_isend_irecv`` group per communicator, so a send and the receive its peer posts at
+    the same point run in one kernel; ``schedules.nccl_order`` checks that every schedule's batches
+    pair up. A link between adjacent stages of a one-chunk pipeline has one process group; a skip
+    connection or an interleaved pipeline's link one per direction (``link_comm``). Messages on
+    different communicators never match each other's receives (NCCL ignores tags; FIFO holds per group).
 
     Shapes and dtypes are agreed once per (link, micro-batch size) with a header message and
     re-agreed when the size changes (a shorter last batch); ``dynamic_shapes`` sends a header
-    with every message for models whose boundary shapes depend on the data.
+    with every activation for models whose boundary shapes depend on the data. A header travels
+    in a group of its own just before its payload's group, and the receiver reads it at once (a
+    host synchronisation, once per shape) to allocate the payload's buffers.
     """
 
-    def __init__(self, topology: Topology, rank_of: Callable[[int], int], groups: dict[int, Any],
+    def __init__(self, topology: Topology, rank_of: Callable[[int], int], groups: dict[Hashable, Any],
                  device: torch.device, counter: CommCounter, dynamic_shapes: bool = False,
                  timeout: float = 30.0):
         self.topology = topology
         # Looked up for every message: evaluated once per stage here.
         self.rank_of = [rank_of(v) for v in range(topology.num_stages)].__getitem__
-        self.groups = groups
+        self.groups = groups  # communicator key (link_comm) -> process group
+        self.chunks = topology.num_stages // topology.devices
         self.device = device
         self.dynamic_shapes = dynamic_shapes
         self.timeout = timedelta(seconds=timeout)
@@ -88,15 +105,9 @@ class DistributedTransport:
         self.counter = counter
         self.meta_sent: dict[tuple, tuple] = {}
         self.meta_received: dict[tuple, tuple] = {}
-        self.pending_sends: list[tuple[Any, list]] = []
-        self.posted: dict[tuple, tuple] = {}
-        # Activation receives posted while a header on their link is still on its way: posted now,
-        # they would match the payload that follows that header, so they wait until it is read.
-        self.behind_header: dict[int, list[tuple[tuple, Any]]] = {}
-
-    def _peer(self, link: Link, kind: str, sending: bool) -> int:
-        src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
-        return self.rank_of(dst if sending else src)
+        self.pending_sends: list[tuple[_Posted, list, list]] = []  # (its group, tensors kept alive, recorded ids)
+        self.posted: dict[tuple, tuple] = {}  # (link, kind, micro-batch) -> (its group, buffers, meta, recorded ids)
+        self.recorder = recording.active()  # None unless a test records what is posted
 
     def _is_local(self, link: Link) -> bool:
         return self.rank_of(link.src) == self.rank_of(link.dst)
@@ -104,21 +115,55 @@ class DistributedTransport:
     def _shape_key(self, micro_batch: int, shape_key: Any) -> Any:
         return ("micro-batch", micro_batch) if self.dynamic_shapes else shape_key
 
-    def send(self, link: Link, kind: str, micro_batch: int, values: list, shape_key: Any = None) -> None:
-        if self._is_local(link):
-            return self.local.send(link, kind, micro_batch, values)
-        shape_key = self._shape_key(micro_batch, shape_key)
-        src = link.src if kind == ACT else link.dst
-        peer = self._peer(link, kind, sending=True)
-        group = self.groups[link.index]
-        ops = []
+    def exchange(self, messages: list[Message]) -> None:
+        """Post the sends and receives of one comm batch: per communicator a group of the headers
+        where shapes must be agreed first, then one group with every payload."""
+        batch = _Batch()
+        reads: list[tuple] = []  # header receives, read before their payload's buffers can exist
+        # Sends first: a gradient received in this batch may belong to an activation sent in it.
+        for m in sorted(messages, key=lambda m: m.values is None):
+            if self._is_local(m.link):
+                if m.values is not None:
+                    self.local.send(m.link, m.kind, m.micro_batch, m.values)
+                continue
+            if m.values is not None:
+                self._add_send(m, batch)
+            elif (m.link.index, m.kind, m.micro_batch) not in self.posted:
+                self._add_receive(m, batch, reads)
+        for comm, group in batch.headers.items():
+            self._post(comm, group)
+        for m, meta_key, header, works, recorded in reads:
+            self._wait(works, m.link, m.kind, m.micro_batch, recorded)
+            host_sync.note("shape header")
+            self.meta_received[meta_key] = _decode_header(header.cpu())
+            self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta_key, batch)
+        for comm, group in batch.payloads.items():
+            self._post(comm, group)
+
+    def _post(self, comm: Hashable, group: tuple[list, list, list]) -> None:
+        p2p, recorded, works = group
+        if self.recorder is not None:
+            self.recorder.group(comm, recorded)
+        works.works.extend(dist.batch_isend_irecv(p2p))  # NCCL: one work for the group; gloo: one per op
+
+    def _peer(self, link: Link, kind: str, sending: bool) -> int:
+        src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
+        return self.rank_of(dst if sending else src)
+
+    def _add_send(self, m: Message, batch: _Batch) -> None:
+        link, kind = m.link, m.kind
+        comm = link_comm(link.index, link.src, link.dst, kind, self.chunks)
+        peer, group = self._peer(link, kind, sending=True), self.groups[comm]
         if kind == ACT:
-            leaves, spec = pytree.tree_flatten(values)
+            leaves, spec = pytree.tree_flatten(m.values)
             meta = (_describe(leaves), spec)  # the spec is serialised only for a header
-            key = (link.index, shape_key)
+            key = (link.index, self._shape_key(m.micro_batch, m.shape_key))
             if self.dynamic_shapes or key not in self.meta_sent:
                 self.meta_sent[key] = meta
-                ops.append(dist.P2POp(dist.isend, _encode_header(meta).to(self.device), peer, group))
+                header = _encode_header(meta).to(self.device)
+                message = self._message("header", link, m.micro_batch)
+                works = batch.add(batch.headers, comm, dist.P2POp(dist.isend, header, peer, group), Op(True, peer, message))
+                self.pending_sends.append((works, [header], [message]))
             elif self.meta_sent[key] != meta:
                 raise RuntimeError(
                     f"boundary values {link.names} from stage {link.src} to {link.dst} changed shape or "
@@ -126,11 +171,49 @@ class DistributedTransport:
                     "models whose boundary shapes depend on the data need wrap(..., dynamic_shapes=True)")
             tensors = [v.contiguous() for v in leaves if isinstance(v, torch.Tensor)]
         else:
-            tensors = [g.contiguous() for g in values]
-        ops += [dist.P2POp(dist.isend, t, peer, group) for t in tensors]
+            tensors = [g.contiguous() for g in m.values]
+        message = self._message(kind, link, m.micro_batch)
+        works = _Posted()
+        for i, t in enumerate(tensors):
+            works = batch.add(batch.payloads, comm, dist.P2POp(dist.isend, t, peer, group), Op(True, peer, message + (i,)))
+        src = link.src if kind == ACT else link.dst
         self.counter.add(COMM_KIND[kind], src, sum(t.numel() * t.element_size() for t in tensors))
-        self.pending_sends.append((dist.batch_isend_irecv(ops), tensors))
+        self.pending_sends.append((works, tensors, [message + (i,) for i in range(len(tensors))]))
         self._prune()
+
+    def _add_receive(self, m: Message, batch: _Batch, reads: list) -> None:
+        meta_key = (m.link.index, self._shape_key(m.micro_batch, m.shape_key))
+        if m.kind == ACT and (self.dynamic_shapes or meta_key not in self.meta_received):
+            comm = link_comm(m.link.index, m.link.src, m.link.dst, m.kind, self.chunks)
+            peer = self._peer(m.link, m.kind, sending=False)
+            header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            message = self._message("header", m.link, m.micro_batch)
+            works = batch.add(batch.headers, comm, dist.P2POp(dist.irecv, header, peer, self.groups[comm]),
+                              Op(False, peer, message))
+            reads.append((m, meta_key, header, works, [message]))
+            return
+        self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta_key, batch)
+
+    def _add_payload_receive(self, m: Message, meta_key: tuple, batch: _Batch) -> tuple:
+        """Buffers for one message and their receives in ``batch``: (works, buffers, meta, recorded ids)."""
+        link, kind = m.link, m.kind
+        # Gradients flow back along the link: the receiver of a gradient sent the activation.
+        described, spec = (self.meta_received if kind == ACT else self.meta_sent)[meta_key]
+        wanted = (lambda d: d[0] == "t") if kind == ACT else (lambda d: d[0] == "t" and d[2].is_floating_point)
+        buffers = [torch.empty(d[1], dtype=d[2], device=self.device) for d in described if wanted(d)]
+        comm = link_comm(link.index, link.src, link.dst, kind, self.chunks)
+        peer, group = self._peer(link, kind, sending=False), self.groups[comm]
+        message = self._message(kind, link, m.micro_batch)
+        works = _Posted()
+        for i, b in enumerate(buffers):
+            works = batch.add(batch.payloads, comm, dist.P2POp(dist.irecv, b, peer, group), Op(False, peer, message + (i,)))
+        return works, buffers, (described, spec), [message + (i,) for i in range(len(buffers))]
+
+    def _message(self, kind: str, link: Link, micro_batch: int) -> tuple:
+        """The id a message is recorded under (recording numbers messages, as micro-batch ids repeat)."""
+        if self.recorder is None:
+            return (kind, link.index, micro_batch)
+        return self.recorder.message_id(kind, link.index, micro_batch)
 
     def _prune(self) -> None:
         """Let go of sends that completed. gloo marks a send complete only once it is waited on, so an
@@ -139,53 +222,19 @@ class DistributedTransport:
         holds only the few micro-batches in flight of a 1F1B schedule."""
         if len(self.pending_sends) <= SEND_WINDOW:
             return
-        self.pending_sends = [(w, t) for w, t in self.pending_sends if not all(x.is_completed() for x in w)]
+        self.pending_sends = [entry for entry in self.pending_sends if not entry[0].is_completed()]
         while len(self.pending_sends) > SEND_WINDOW // 2:
-            self._wait_sent(self.pending_sends.pop(0)[0])
+            self._wait_sent(self.pending_sends.pop(0))
 
-    def _wait_sent(self, works: list) -> None:
-        for w in works:
-            try:
-                w.wait(self.timeout)
-            except RuntimeError as error:
-                raise PeerFailure(f"rank {self.rank}: a send to another stage did not complete within "
-                                  f"{self.timeout.total_seconds():g} s (the receiver died or hangs): {error}") from error
-
-    def post(self, link: Link, kind: str, micro_batch: int, shape_key: Any = None) -> None:
-        if self._is_local(link):
-            return
-        key = (link.index, kind, micro_batch)
-        if key in self.posted:
-            return
-        shape_key = self._shape_key(micro_batch, shape_key)
-        if kind == ACT and link.index in self.behind_header:
-            self.posted[key] = ("deferred",)
-            self.behind_header[link.index].append((key, shape_key))
-            return
-        self._post_now(link, kind, key, shape_key)
-
-    def _post_now(self, link: Link, kind: str, key: tuple, shape_key: Any) -> None:
-        peer = self._peer(link, kind, sending=False)
-        group = self.groups[link.index]
-        meta_key = (link.index, shape_key)
-        if kind == ACT and (self.dynamic_shapes or meta_key not in self.meta_received):
-            header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-            work = dist.irecv(header, peer, group)
-            self.posted[key] = ("header", work, header, meta_key)
-            self.behind_header[link.index] = []
-            return
-        self.posted[key] = ("payload",) + self._post_payload(link, kind, meta_key, peer, group)
-
-    def _post_payload(self, link, kind, meta_key, peer, group) -> tuple:
-        # Gradients flow back along the link: the receiver of a gradient sent the activation.
-        described, spec = (self.meta_received if kind == ACT else self.meta_sent)[meta_key]
-        if kind == ACT:
-            buffers = [torch.empty(d[1], dtype=d[2], device=self.device) for d in described if d[0] == "t"]
-        else:
-            buffers = [torch.empty(d[1], dtype=d[2], device=self.device)
-                       for d in described if d[0] == "t" and d[2].is_floating_point]
-        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer, group) for b in buffers]) if buffers else []
-        return works, buffers, (described, spec)
+    def _wait_sent(self, entry: tuple) -> None:
+        works, _, recorded = entry
+        if self.recorder is not None and recorded:
+            self.recorder.wait(recorded)
+        try:
+            works.wait(self.timeout)
+        except RuntimeError as error:
+            raise PeerFailure(f"rank {self.rank}: a send to another stage did not complete within "
+                              f"{self.timeout.total_seconds():g} s (the receiver died or hangs): {error}") from error
 
     def ready(self, link: Link, kind: str, micro_batch: int) -> bool:
         if self._is_local(link):
@@ -198,25 +247,8 @@ class DistributedTransport:
         key = (link.index, kind, micro_batch)
         if key not in self.posted:
             raise RuntimeError(f"schedule error: {kind} of micro-batch {micro_batch} taken before it was received")
-        entry = self.posted.pop(key)
-        if entry[0] == "deferred":
-            raise RuntimeError(f"schedule error: {kind} of micro-batch {micro_batch} taken before the activation "
-                               f"received earlier on link {link.src}->{link.dst}; take messages in receive order")
-        if entry[0] == "header":
-            _, work, header, meta_key = entry
-            self._wait(work, link, kind, micro_batch)
-            self.meta_received[meta_key] = _decode_header(header.cpu())
-            peer = self._peer(link, kind, sending=False)
-            entry = ("payload",) + self._post_payload(link, kind, meta_key, peer, self.groups[link.index])
-            waiting = self.behind_header.pop(link.index)
-            for i, (later, later_shape) in enumerate(waiting):  # in posting order, before any newer receive
-                self._post_now(link, ACT, later, later_shape)
-                if link.index in self.behind_header:  # it needs a header too: the rest wait behind that one
-                    self.behind_header[link.index] = waiting[i + 1:]
-                    break
-        _, works, buffers, (described, spec) = entry
-        for w in works:
-            self._wait(w, link, kind, micro_batch)
+        works, buffers, (described, spec), recorded = self.posted.pop(key)
+        self._wait(works, link, kind, micro_batch, recorded)
         if kind == GRAD:
             return buffers
         if spec.is_leaf():  # the common case of one tensor: no tree to rebuild
@@ -225,10 +257,12 @@ class DistributedTransport:
         leaves = [next(it) if d[0] == "t" else d[1] for d in described]
         return pytree.tree_unflatten(leaves, spec)
 
-    def _wait(self, work: Any, link: Link, kind: str, micro_batch: int) -> None:
-        """Wait for a receive; a dead or hung peer becomes an error that names it, within the timeout."""
+    def _wait(self, works: _Posted, link: Link, kind: str, micro_batch: int, recorded: list) -> None:
+        """Wait for the group of a receive; a dead or hung peer becomes an error that names it, within the timeout."""
+        if self.recorder is not None and recorded:
+            self.recorder.wait(recorded)
         try:
-            work.wait(self.timeout)
+            works.wait(self.timeout)
         except RuntimeError as error:
             src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
             what = "activations" if kind == ACT else "gradients"
@@ -240,12 +274,46 @@ class DistributedTransport:
 
     def flush(self) -> None:
         """Wait until every send this rank posted has completed."""
-        for works, _ in self.pending_sends:
-            self._wait_sent(works)
+        for entry in self.pending_sends:
+            self._wait_sent(entry)
         self.pending_sends.clear()
         if self.dynamic_shapes:  # per-micro-batch metadata is only needed within a step
             self.meta_sent.clear()
             self.meta_received.clear()
+
+
+class _Posted:
+    """The works of one posted group, each waited on once: waiting twice for a completed gloo send
+    waits for another send that never comes."""
+
+    __slots__ = ("works",)
+
+    def __init__(self):
+        self.works: list = []
+
+    def wait(self, timeout: timedelta) -> None:
+        while self.works:
+            self.works[0].wait(timeout)
+            self.works.pop(0)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+class _Batch:
+    """The ops of one exchange by communicator, headers apart: (P2POps, recorded ops, its works once posted)."""
+
+    def __init__(self):
+        self.headers: dict[Hashable, tuple[list, list, _Posted]] = {}
+        self.payloads: dict[Hashable, tuple[list, list, _Posted]] = {}
+
+    @staticmethod
+    def add(table: dict, comm: Hashable, p2p: Any, op: Op) -> _Posted:
+        """Add an op to ``comm``'s group in ``table``; returns the group's works (filled on posting)."""
+        group = table.setdefault(comm, ([], [], _Posted()))
+        group[0].append(p2p)
+        group[1].append(op)
+        return group[2]
 
 
 def _encode_header(meta: tuple) -> torch.Tensor:

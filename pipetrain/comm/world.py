@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Hashable
 
 import torch
 import torch.distributed as dist
 
 from pipetrain.allreduce.hierarchy import build_hierarchy_groups
-from pipetrain.runtime.topology import Topology
+from pipetrain.runtime.topology import ACT, GRAD, Topology
+from schedules.nccl_order import link_comm
 
 
 def _replicas_per_node(ranks: list[int]) -> tuple[int, int]:
@@ -40,6 +42,12 @@ def ensure_process_group(timeout_seconds: float) -> None:
                            "group); run `torchrun --nproc-per-node N script.py` or use engine='local'")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_seconds)
+    # NCCL binds each rank to one GPU: set it before the first collective, and name it to the group
+    # (device_id) so that communicators are created eagerly on that device instead of guessed later.
+    device = None
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's store outlives a restart (--max-restarts); without a per-attempt namespace the
         # restarted workers read the dead workers' addresses and fail to connect their groups.
@@ -48,9 +56,9 @@ def ensure_process_group(timeout_seconds: float) -> None:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend, store=dist.PrefixStore(f"pipetrain/attempt-{attempt}", store),
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timeout)
+                                timeout=timeout, device_id=device)
         return
-    dist.init_process_group(backend, timeout=timeout)
+    dist.init_process_group(backend, timeout=timeout, device_id=device)
 
 
 class World:
@@ -102,18 +110,23 @@ class World:
         """The rank running pipeline position ``position`` of ``replica`` (default: this rank's)."""
         return (self.replica if replica is None else replica) * self.stages + position
 
-    def link_groups(self, topology: Topology) -> dict[int, object]:
-        """One two-rank group per link between stages on different devices, for this replica."""
+    def link_groups(self, topology: Topology) -> dict[Hashable, object]:
+        """This replica's process groups for the links between stages on different devices, keyed by
+        ``schedules.nccl_order.link_comm``: one per link between adjacent stages, one per direction of a
+        skip connection or of an interleaved pipeline's link."""
         mine = {}
+        chunks = topology.num_stages // topology.devices
         for replica in range(self.data_parallel):
             for link in topology.links:
                 ranks = sorted({self.rank_of(topology.position_of(link.src), replica),
                                 self.rank_of(topology.position_of(link.dst), replica)})
                 if len(ranks) < 2:
                     continue
-                group = self._group(ranks)
-                if replica == self.replica:
-                    mine[link.index] = group
+                for comm in dict.fromkeys(link_comm(link.index, link.src, link.dst, kind, chunks)
+                                           for kind in (ACT, GRAD)):
+                    group = self._group(ranks)
+                    if replica == self.replica:
+                        mine[comm] = group
         return mine
 
     def tied_groups(self, topology: Topology, tied: list[list[tuple[int, str]]]) -> dict[int, object]:

@@ -1,7 +1,9 @@
 """The executor: one loop that runs a device's action list, dispatching on the action kind.
 
 It is a generator: it yields ``BLOCKED`` while a message it needs has not arrived and
-``DONE`` after each action. The local engine interleaves the generators of all devices
+``DONE`` after each action. The SEND and RECV actions between two computations are posted as one
+comm batch (``schedules.nccl_order.comm_batches``), which the transport turns into one group per
+communicator: the order NCCL needs, checked for every schedule. The local engine interleaves the generators of all devices
 in one process; the distributed engine drives the one of its rank (its transport waits
 instead of blocking the generator). Both execute the same lists ``schedules`` builds.
 """
@@ -13,10 +15,12 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
+from pipetrain.runtime.devices import move, to_device
 from pipetrain.runtime.feed import Feed
 from pipetrain.runtime.stage import StageRuntime, takes_grad
-from pipetrain.runtime.topology import ACT, GRAD, Topology
+from pipetrain.runtime.topology import ACT, GRAD, Message, Topology
 from schedules import Action, ActionKind
+from schedules.nccl_order import comm_batches
 
 BLOCKED, DONE, STEPPED = "blocked", "done", "stepped"
 
@@ -50,16 +54,16 @@ class DeviceExecutor:
             ActionKind.FORWARD: self._forward,
             ActionKind.BACKWARD: self._backward,
             ActionKind.WEIGHT: self._weight,
-            ActionKind.SEND_ACT: self._send_act,
-            ActionKind.RECV_ACT: self._recv_act,
-            ActionKind.SEND_GRAD: self._send_grad,
-            ActionKind.RECV_GRAD: self._recv_grad,
             ActionKind.STEP: self._step,
             ActionKind.REDUCE: self._reduce,
         }
 
     def run(self, actions: Iterable[Action]) -> Iterator[str]:
-        for action in hoist_receives(actions):
+        for action in comm_batches(actions):
+            if isinstance(action, tuple):
+                self.transport.exchange([m for a in action for m in self._messages(a)])
+                yield DONE
+                continue
             handler = self._handlers.get(action.kind)
             if handler is None:
                 raise ValueError(f"the runtime cannot execute action {action} ({action.kind.name}); "
@@ -86,15 +90,14 @@ class DeviceExecutor:
         g = a.micro_batch
         if stage.index == 0:
             inputs = self.feed.inputs(g)
-            inputs = tuple(v.to(stage.device) if isinstance(v, torch.Tensor) else v for v in inputs)
+            inputs = tuple(move(v, stage.device) if isinstance(v, torch.Tensor) else v for v in inputs)
         else:
             links = self.topology.into[stage.index]
             yield from self._wait(links, ACT, g)
             inputs = self.topology.assemble(stage.index, {l.index: self.transport.take(l, ACT, g) for l in links})
         target = None
         if stage.is_last and self.train:
-            target = pytree.tree_map(lambda v: v.to(stage.device) if isinstance(v, torch.Tensor) else v,
-                                     self.feed.target(g))
+            target = to_device(self.feed.target(g), stage.device)  # the loss is computed where the output is
         start = time.perf_counter()
         out = stage.forward(g, inputs, target, self.feed.grad_weight(g), grad=self.train)
         self.busy_seconds[stage.index] += time.perf_counter() - start
@@ -107,19 +110,26 @@ class DeviceExecutor:
             if self.train:
                 self.float_leaves[(stage.index, g)] = {n: _count_float(v) for n, v in values.items()}
 
-    def _send_act(self, a: Action) -> Iterator[str]:
+    def _messages(self, a: Action) -> Iterator[Message]:
+        """The messages a SEND or RECV action moves: one per link of its stage in that direction."""
         stage = self._stage(a)
-        values = self.outputs.pop((stage.index, a.micro_batch))
-        for link in self.topology.out_of[stage.index]:
-            self.transport.send(link, ACT, a.micro_batch, self._cast([values[n] for n in link.names]),
-                                shape_key=self.feed.size(a.micro_batch))
-        return iter(())
-
-    def _recv_act(self, a: Action) -> Iterator[str]:
-        stage = self._stage(a)
-        for link in self.topology.into[stage.index]:
-            self.transport.post(link, ACT, a.micro_batch, shape_key=self.feed.size(a.micro_batch))
-        return iter(())
+        g, kind = a.micro_batch, a.kind
+        size = self.feed.size(g)
+        if kind == ActionKind.SEND_ACT:
+            values = self.outputs.pop((stage.index, g))
+            for link in self.topology.out_of[stage.index]:
+                yield Message(link, ACT, g, self._cast([values[n] for n in link.names]), size)
+        elif kind == ActionKind.RECV_ACT:
+            for link in self.topology.into[stage.index]:
+                yield Message(link, ACT, g, None, size)
+        elif kind == ActionKind.SEND_GRAD:
+            grads = self.input_grads.pop((stage.index, g))
+            position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
+            for link in self.topology.into[stage.index]:
+                yield Message(link, GRAD, g, self._cast([t for n in link.names for t in grads[position[n]]]), size)
+        else:
+            for link in self.topology.out_of[stage.index]:
+                yield Message(link, GRAD, g, None, size)
 
     def _backward(self, a: Action) -> Iterator[str]:
         stage = self._stage(a)
@@ -161,21 +171,6 @@ class DeviceExecutor:
         self.busy_seconds[stage.index] += time.perf_counter() - start
         return iter(())
 
-    def _send_grad(self, a: Action) -> Iterator[str]:
-        stage = self._stage(a)
-        grads = self.input_grads.pop((stage.index, a.micro_batch))
-        position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
-        for link in self.topology.into[stage.index]:
-            message = [t for n in link.names for t in grads[position[n]]]
-            self.transport.send(link, GRAD, a.micro_batch, self._cast(message), shape_key=self.feed.size(a.micro_batch))
-        return iter(())
-
-    def _recv_grad(self, a: Action) -> Iterator[str]:
-        stage = self._stage(a)
-        for link in self.topology.out_of[stage.index]:
-            self.transport.post(link, GRAD, a.micro_batch, shape_key=self.feed.size(a.micro_batch))
-        return iter(())
-
     def _step(self, a: Action) -> Iterator[str]:
         yield from self.step(a.micro_batch)
         self.steps_done.append(a.micro_batch)
@@ -184,32 +179,6 @@ class DeviceExecutor:
         if self.reduce is not None:
             self.reduce(a.micro_batch)
         return iter(())
-
-
-RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
-COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
-
-
-def hoist_receives(actions: Iterable[Action]) -> Iterator[Action]:
-    """Post each receive before the compute action that precedes it (unless that one computes the
-    same micro-batch), so the transfer runs during that compute instead of after it.
-
-    gloo moves a message only once its receive is posted; schedules post a receive right
-    before the action that needs it, which leaves every transfer on the critical path.
-    Lazy, reading at most one compute action ahead, so streamed async-1f1b keeps its pace.
-    """
-    held: list[Action] = []  # the last compute action and the non-receive actions after it
-    for a in actions:
-        if a.kind in RECEIVES and held and (held[0].micro_batch, held[0].chunk) != (a.micro_batch, a.chunk):
-            yield a
-        elif a.kind in COMPUTE:
-            yield from held
-            held = [a]
-        elif held:
-            held.append(a)
-        else:
-            yield a
-    yield from held
 
 
 def _count_float(value: Any) -> int:

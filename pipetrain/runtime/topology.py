@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 # The two directions of a link: activations src -> dst, their gradients dst -> src.
 ACT, GRAD = "act", "grad"
@@ -17,6 +17,17 @@ class Link:
     src: int
     dst: int
     names: tuple[str, ...]
+
+
+class Message(NamedTuple):
+    """One message of a comm batch: the values to send on ``link``, or None to receive them.
+    ``shape_key`` (the micro-batch size) tells the transport when boundary shapes may change."""
+
+    link: Link
+    kind: str
+    micro_batch: int
+    values: list | None
+    shape_key: Any = None
 
 
 class Topology:

@@ -1,0 +1,310 @@
+"""Replaying posted point-to-point traffic under NCCL's model, to find the first stall.
+
+gloo buffers and forgives; NCCL does not. The model replayed here is NCCL's worst case:
+
+* A rank's program is a list of ``Group`` and ``Wait`` items, in the order its host issues them.
+  The host posts a ``Group`` without blocking and blocks at a ``Wait`` until every group of that
+  rank holding one of the named messages has completed: NCCL returns one work for a whole group.
+  (On NCCL, ``work.wait()`` does not block the host but makes later kernels wait for the work,
+  which orders later groups the same way.)
+* A ``Group`` is one ``batch_isend_irecv`` call: one kernel on one communicator (``comm``: a
+  process group). Per rank and communicator, groups run strictly in posting order: a group
+  starts running once every earlier group of that rank on that communicator has completed.
+  Groups on different communicators run independently.
+* Matching: per communicator and ordered pair (src, dst), the k-th send src posts to dst matches
+  the k-th receive dst posts from src, whatever their tags (NCCL has none). A matched pair whose
+  message ids differ is reported as a mismatch: the receiver would get another message's bytes.
+* Unbuffered: a send and its receive complete together, and only at a moment when the groups
+  holding both are running. Ops of one running group progress independently, so a group may
+  complete against several successive groups of its peer; a group completes when all its ops have.
+
+The replay advances every rank as far as the model allows (the outcome does not depend on the
+order: completing an op never prevents another from completing). It succeeds when every rank
+has run its whole program and every group has completed; otherwise it reports the first stall.
+
+``posted_groups`` derives the programs the runtime posts for a schedule's action lists: the comm
+actions between two computations (``comm_batches``) become one group per link, and each F or B
+waits for the messages it consumes (``link_comm`` says which communicator each message uses).
+The runtime posts with the same ``comm_batches`` and ``link_comm``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Iterator, Sequence
+
+from schedules.actions import Action, ActionKind
+from schedules.schedule import Schedule
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
+SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
+BOUNDARY = frozenset({F, B})  # computations that consume or produce messages
+COMMS = frozenset({SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD})
+
+
+@dataclass(frozen=True)
+class Op:
+    """One point-to-point operation: send ``message`` to ``peer`` or receive it from ``peer``."""
+
+    send: bool
+    peer: int
+    message: Hashable
+
+    def __str__(self) -> str:
+        return f"{'send' if self.send else 'recv'} {self.message} {'to' if self.send else 'from'} rank {self.peer}"
+
+
+@dataclass(frozen=True)
+class Group:
+    """One ``batch_isend_irecv`` on communicator ``comm``: its ops run as one kernel."""
+
+    comm: Hashable
+    ops: tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The host blocks until this rank's ops carrying these messages have completed."""
+
+    messages: tuple[Hashable, ...]
+
+
+Program = Sequence["Group | Wait"]
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Where a replay got stuck: ``rank`` cannot go on past item ``item`` of its program."""
+
+    rank: int
+    item: int
+    message: Hashable
+    reason: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}, item {self.item} of its program, message {self.message}: {self.reason}"
+
+
+class NcclOrderError(RuntimeError):
+    """Posted point-to-point traffic that would deadlock (or mismatch) under NCCL."""
+
+
+def replay(programs: dict[int, Program]) -> Stall | None:
+    """Replay every rank's program under the model above; the first stall, or None if all complete."""
+    # Each op gets its matching key: (comm, src, dst, k) for the k-th message src -> dst on comm.
+    keys: dict[tuple[int, int, int], tuple] = {}  # (rank, item, op index) -> key
+    counters: dict[tuple, int] = defaultdict(int)
+    for rank, program in programs.items():
+        for i, item in enumerate(program):
+            if isinstance(item, Group):
+                for j, op in enumerate(item.ops):
+                    pair = (item.comm, rank, op.peer) if op.send else (item.comm, op.peer, rank)
+                    side = (pair, op.send)
+                    keys[(rank, i, j)] = pair + (counters[side],)
+                    counters[side] += 1
+    pc = dict.fromkeys(programs, 0)
+    queues: dict[tuple[int, Hashable], deque[int]] = defaultdict(deque)  # (rank, comm) -> posted item indices
+    pending: dict[tuple[int, int], set[int]] = {}  # (rank, item) -> op indices not yet completed
+    running: dict[tuple, tuple[int, int, int]] = {}  # (key, is send) -> (rank, item, op) of a running op
+    group_of: dict[tuple[int, Hashable], int] = {}  # (rank, message) -> item of the group that posted it
+    ready: deque[int] = deque(programs)  # ranks whose host may advance
+
+    def start(rank: int, i: int) -> None:
+        """Group i of ``rank`` reached the head of its queue: its ops run, and match where they can."""
+        group = programs[rank][i]
+        pending[(rank, i)] = set(range(len(group.ops)))
+        for j, op in enumerate(group.ops):
+            key = keys[(rank, i, j)]
+            other = running.pop((key, not op.send), None)
+            if other is None:
+                running[(key, op.send)] = (rank, i, j)
+                continue
+            peer_op = programs[other[0]][other[1]].ops[other[2]]
+            if peer_op.message != op.message:
+                raise _Mismatch(Stall(rank, i, op.message, f"{op} is matched by rank {other[0]}'s "
+                                      f"{peer_op} (item {other[1]}): the two ends post messages in another order"))
+            complete(rank, i, j)
+            complete(*other)
+
+    def complete(rank: int, i: int, j: int) -> None:
+        left = pending[(rank, i)]
+        left.discard(j)
+        ready.append(rank)
+        if not left:
+            del pending[(rank, i)]
+            queue = queues[(rank, programs[rank][i].comm)]
+            queue.popleft()
+            if queue:
+                start(rank, queue[0])
+
+    def _group_done(rank: int, i: int | None) -> bool:
+        return i is not None and (rank, i) not in pending and i not in queues[(rank, programs[rank][i].comm)]
+
+    try:
+        while ready:
+            rank = ready.popleft()
+            program = programs[rank]
+            while pc[rank] < len(program):
+                item = program[pc[rank]]
+                if isinstance(item, Wait):
+                    if not all(_group_done(rank, group_of.get((rank, m))) for m in item.messages):
+                        break
+                else:
+                    group_of.update(((rank, op.message), pc[rank]) for op in item.ops)
+                    queue = queues[(rank, item.comm)]
+                    queue.append(pc[rank])
+                    if len(queue) == 1:
+                        start(rank, pc[rank])
+                pc[rank] += 1
+    except _Mismatch as mismatch:
+        return mismatch.stall
+    return _first_stall(programs, pc, queues, pending, keys)
+
+
+class _Mismatch(Exception):
+    def __init__(self, stall: Stall):
+        self.stall = stall
+
+
+def _first_stall(programs, pc, queues, pending, keys) -> Stall | None:
+    """The lowest rank that cannot go on: the op it waits for and why that op cannot complete."""
+    at = {(key, programs[r][i].ops[j].send): (r, i) for (r, i, j), key in keys.items()}
+
+    def head(rank: int, i: int) -> int:
+        return queues[(rank, programs[rank][i].comm)][0]
+
+    for rank in sorted(programs):
+        program = programs[rank]
+        if pc[rank] < len(program):  # the host waits for messages
+            wanted = program[pc[rank]].messages
+            ops = [(i, j) for i in range(pc[rank]) if isinstance(program[i], Group)
+                   for j, op in enumerate(program[i].ops) if op.message in wanted]
+            if len(ops) < len(wanted):
+                return Stall(rank, pc[rank], wanted[0], "the host waits for a message it never posted")
+            items = sorted({i for i, _ in ops})  # the whole group of a waited message must complete
+            unfinished = [(i, j) for i in items for j in range(len(program[i].ops)) if j in pending.get((rank, i), ())
+                          or (i in queues[(rank, program[i].comm)] and (rank, i) not in pending)]
+        else:
+            unfinished = sorted((i, j) for (r, i), left in pending.items() if r == rank for j in left)
+        if not unfinished:
+            continue
+        i, j = unfinished[0]
+        op = program[i].ops[j]
+        item = pc[rank] if pc[rank] < len(program) else i
+        if head(rank, i) != i:
+            blocking = program[head(rank, i)]
+            return Stall(rank, item, op.message, f"{op} (group at item {i}) is queued behind this rank's group at "
+                         f"item {head(rank, i)} ({', '.join(map(str, blocking.ops))}) on the same communicator")
+        peer = at.get((keys[(rank, i, j)], not op.send))
+        if peer is None:
+            reason = f"rank {op.peer} never posts the matching op"
+        elif peer[1] >= pc[peer[0]]:
+            reason = f"rank {peer[0]} posts the matching op at item {peer[1]}, but its host is stuck at item {pc[peer[0]]}"
+        else:
+            blocking = programs[peer[0]][head(*peer)]
+            reason = (f"rank {peer[0]}'s matching op (item {peer[1]}) is queued behind its group at item "
+                      f"{head(*peer)} ({', '.join(map(str, blocking.ops))}) on the same communicator")
+        return Stall(rank, item, op.message, f"{op} (group at item {i}) cannot complete: {reason}")
+    return None
+
+
+def check(programs: dict[int, Program]) -> None:
+    """Raise NcclOrderError naming the first stall of ``replay(programs)``."""
+    stall = replay(programs)
+    if stall is not None:
+        raise NcclOrderError(f"point-to-point order would stall under NCCL: {stall}")
+
+
+# ----- what the runtime posts for a schedule ------------------------------------------------------
+
+def comm_batches(actions: Iterable[Action]) -> Iterator[Action | tuple[Action, ...]]:
+    """The actions with the comm actions between two computations (F or B) gathered into one batch,
+    yielded right after the computation before them (ahead of any W, STEP or REDUCE in between).
+
+    The runtime posts each batch as one group per link, so a send and the receive its peer posts
+    at the same point go in one kernel (torch.distributed.pipelining and Megatron-LM batch the same
+    way). Sends in a batch only carry what the computation before it produced, and the receives
+    are consumed only by the computation after it, so moving them together changes nothing else.
+    Lazy: it reads one computation ahead, so a streamed async-1f1b keeps its pace.
+    """
+    batch: list[Action] = []
+    others: list[Action] = []
+    for a in actions:
+        if a.kind in COMMS:
+            batch.append(a)
+        elif a.kind in BOUNDARY:
+            if batch:
+                yield tuple(batch)
+            yield from others
+            batch, others = [], []
+            yield a
+        else:
+            others.append(a)
+    if batch:
+        yield tuple(batch)
+    yield from others
+
+
+Links = Sequence[tuple[int, int]]  # (src, dst) virtual stages of each link
+
+
+def link_comm(index: int, src: int, dst: int, kind: str, chunks: int = 1) -> Hashable:
+    """The communicator a message of ``kind`` ("act" or "grad") on link ``index`` (virtual stages
+    src -> dst, ``chunks`` per device) uses.
+
+    A link between adjacent stages of a one-chunk pipeline carries both directions on one
+    communicator: the comm batches of its two ends pair up (checked for every schedule). Elsewhere
+    (a skip connection, an interleaved pipeline) the two ends compute in other rhythms, and a group
+    mixing directions could hold a send whose receive the peer posts only after it waited for this
+    rank's next result (NCCL completes, and waits for, a group as a whole). There each direction gets
+    a communicator of its own: one-way traffic in FIFO order never waits behind the other direction.
+    """
+    return index if dst == src + 1 and chunks == 1 else (index, kind)
+
+
+def link_ops(a: Action, stages: int, links: Links, chunks: int = 1) -> Iterator[tuple[Hashable, Op]]:
+    """(communicator, op) of each message a comm action of device ``a.stage`` posts."""
+    v = a.chunk * stages + a.stage
+    for index, (src, dst) in enumerate(links):
+        if src % stages == dst % stages:
+            continue  # both ends on one device: handed over in memory
+        if a.kind is SEND_ACT and src == v:
+            yield link_comm(index, src, dst, "act", chunks), Op(True, dst % stages, ("act", index, a.micro_batch))
+        elif a.kind is RECV_ACT and dst == v:
+            yield link_comm(index, src, dst, "act", chunks), Op(False, src % stages, ("act", index, a.micro_batch))
+        elif a.kind is SEND_GRAD and dst == v:
+            yield link_comm(index, src, dst, "grad", chunks), Op(True, src % stages, ("grad", index, a.micro_batch))
+        elif a.kind is RECV_GRAD and src == v:
+            yield link_comm(index, src, dst, "grad", chunks), Op(False, dst % stages, ("grad", index, a.micro_batch))
+
+
+def batch_groups(batch: Sequence[Action], stages: int, links: Links, chunks: int = 1) -> list[Group]:
+    """One group per communicator holding every op of ``batch`` on it (in the order first used)."""
+    by_comm: dict[Hashable, list[Op]] = {}
+    for a in batch:
+        for comm, op in link_ops(a, stages, links, chunks):
+            by_comm.setdefault(comm, []).append(op)
+    return [Group(comm, tuple(ops)) for comm, ops in by_comm.items()]
+
+
+def posted_groups(schedule: Schedule, links: Links | None = None) -> dict[int, list[Group | Wait]]:
+    """Per device, the groups and waits the runtime posts for ``schedule`` (adjacent virtual stages
+    linked unless ``links`` lists (src, dst) pairs, e.g. with skip connections)."""
+    p = schedule.stages
+    if links is None:
+        links = [(v, v + 1) for v in range(schedule.virtual_stages - 1)]
+    programs: dict[int, list[Group | Wait]] = {}
+    for d, actions in enumerate(schedule.actions):
+        program: list[Group | Wait] = []
+        for item in comm_batches(actions):
+            if isinstance(item, tuple):
+                program += batch_groups(item, p, links, schedule.chunks)
+            elif item.kind in BOUNDARY:
+                receive = RECV_ACT if item.kind is F else RECV_GRAD
+                needed = [op.message for _, op in link_ops(Action(d, receive, item.micro_batch, item.chunk), p, links,
+                                                       schedule.chunks)]
+                if needed:
+                    program.append(Wait(tuple(needed)))
+        programs[d] = program
+    return programs
