@@ -95,6 +95,7 @@ class Reporter:
             weight_bytes[v] = rt.policy.extra_weight_bytes()
             act_bytes[v] = rt.peak_activation_bytes
             rt.peak_activation_bytes = rt.activation_bytes()
+        error = _read_on_host(error)
         comm = self.counter.since(self._comm)
         self._comm = self.counter.snapshot()
         peak = None
@@ -143,3 +144,17 @@ def _mean_popped(values: dict[int, float], micro_batches: range, empty: float) -
     """Mean of the entries of ``micro_batches`` (removed from ``values``); ``empty`` when there are none."""
     found = [values.pop(g) for g in micro_batches if g in values]
     return sum(found) / len(found) if found else empty
+
+
+def _read_on_host(values: list) -> list:
+    """The staleness diagnostics stay on the device until the report: one read per device for all stages."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(values):
+        if isinstance(x, torch.Tensor):
+            by_device.setdefault(x.device, []).append(i)
+    out = list(values)
+    for indices in by_device.values():
+        host_sync.note("staleness diagnostics")
+        for i, x in zip(indices, torch.stack([values[i].double() for i in indices]).tolist()):
+            out[i] = x
+    return out

@@ -58,7 +58,7 @@ class StalenessPolicy:
         self.params = _named_params(module)
         self.updates = 0  # optimizer steps taken by this stage
         self.distances: dict[int, float] = {}  # micro-batch -> prediction distance (updates) of its forward
-        self.errors: dict[int, float] = {}     # sampled micro-batch -> prediction error (updates)
+        self.errors: dict[int, torch.Tensor | float] = {}  # sampled micro-batch -> prediction error (updates)
         self._probe: tuple[int, list[torch.Tensor]] | None = None  # the sampled micro-batch's forward weights
         self._update_size: Extrapolation | None = None
         if optimizer is not None and self.name != "none":
@@ -134,15 +134,16 @@ class StalenessPolicy:
         m = self.micro_batches
         return micro_batch % m == (micro_batch // m) % m
 
-    def _error(self, forward: list[torch.Tensor]) -> float:
-        if self._update_size is None:
+    def _error(self, forward: list[torch.Tensor]) -> torch.Tensor | float:
+        """A device scalar (read once per step by the reporter, not here: a read would stall a GPU)."""
+        if self._update_size is None or not self.params:
             return math.nan
         unit = self._update_size.update_norm()
-        if unit == 0.0:  # before the first step: nothing has moved, nothing was predicted
-            return 0.0
         live = [p.detach() for _, p in self.params]
         diff = torch._foreach_sub([w.detach() for w in forward], live)
-        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diff)))) / unit
+        distance = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diff)))
+        # Before the first step nothing has moved (unit 0) and nothing was predicted: no error.
+        return torch.where(unit > 0, distance / unit.clamp_min(torch.finfo(unit.dtype).tiny), 0.0)
 
 
 class VanillaPolicy(StalenessPolicy):

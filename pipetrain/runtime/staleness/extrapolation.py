@@ -8,7 +8,6 @@ the writes are a few ``torch._foreach_*`` calls per parameter group.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -72,13 +71,13 @@ class Extrapolation:
                 if alpha != 0.0 and moving:
                     torch._foreach_add_([outs[i].data for i in moving], [directions[i] for i in moving], alpha=alpha)
 
-    def update_norm(self) -> float:
-        """|lr * v| over all the parameters: the size of the next update, the unit of the diagnostics."""
+    def update_norm(self) -> torch.Tensor:
+        """|lr * v| over all the parameters (a device scalar): the size of the next update, the unit of
+        the diagnostics; 0 before the first step."""
         directions = self.directions()
-        total = 0.0
+        squares = [torch.zeros((), device=self.params[0].device)]
         for group, members in self.groups:
             moving = [directions[i] for i in members if directions[i] is not None]
             if moving:
-                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(moving)))
-                total += float(group["lr"] * norm) ** 2
-        return math.sqrt(total)
+                squares.append((group["lr"] * torch.linalg.vector_norm(torch.stack(torch._foreach_norm(moving)))) ** 2)
+        return torch.stack(squares).sum().sqrt()
