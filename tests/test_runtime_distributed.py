@@ -36,7 +36,9 @@ def train(engine, stages, name, schedule, staleness, micro_batches):
     pipe = pipetrain.wrap(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches, schedule=schedule,
                           staleness=staleness, loss_fn=loss_fn(name), optimizer=sgd, partitioner="uniform",
                           profile=False, engine=engine)
-    losses = [r.loss for r in pipe.train(bs)]
+    # The losses and the staleness diagnostics (NaN where no micro-batch was sampled, named so it compares equal).
+    losses = [(r.loss, r.prediction_distance, [e if e == e else "nan" for e in r.prediction_error])
+              for r in pipe.train(bs)]
     prediction = pipe.predict(data(name, 6, seed=9)[0])
     return losses, pipe.state_dict(), prediction
 

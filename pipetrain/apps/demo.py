@@ -2,9 +2,9 @@
 
 VGG-11 and ResNet-20 (width 8) on digits and a residual LSTM on MNIST-1D, each split into 4
 stages, are trained by data parallelism (the sync baseline), sync 1F1B and async 1F1B with vanilla, stash
-(PipeDream) and spectrain weights, with the same data, seed and micro-batches (8 per mini-batch;
-4 for ResNet, whose BatchNorm needs a few samples per micro-batch): about 2-3 minutes on 2 CPU
-cores. It prints the paper-style tables, the PNGs and the TensorBoard command.
+(PipeDream), 2bw (PipeDream-2BW), spectrain and nesterov weights, with the same data, seed and
+micro-batches (8 per mini-batch; 4 for ResNet, whose BatchNorm needs a few samples per micro-batch):
+a few minutes on 2 CPU cores. It prints the paper-style tables, the PNGs and the TensorBoard command.
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from pipetrain.options import PARTITIONERS, PRECISIONS, SCHEDULES, STALENESS
 
 # Settings for models without their own DEFAULT_HPARAMS entry (torchvision ResNets use the ResNet ones).
 _HPARAMS_FALLBACK = {"resnet18": "resnet", "resnet50": "resnet"}
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "nag", "adam")  # nag: SGD with Nesterov momentum
 ADAM_LR = 1e-3  # torch.optim.Adam's default
 
 
@@ -92,7 +92,7 @@ class RunConfig:
         out.epochs = hp["epochs"] if self.epochs is None else self.epochs
         out.batch_size = hp["batch_size"] if self.batch_size is None else self.batch_size
         if self.lr is None:  # the families' tuned rates are SGD's; Adam gets torch's default
-            out.lr = hp["lr"] if self.optimizer == "sgd" else ADAM_LR
+            out.lr = ADAM_LR if self.optimizer == "adam" else hp["lr"]
         return out
 
     def wrap_options(self) -> dict[str, Any]:
@@ -433,7 +433,7 @@ def optimizer_factory(name: str, lr: float, momentum: float) -> Callable[[Any], 
     """The ``optimizer=`` factory of wrap() for RunConfig.optimizer."""
     if name == "adam":
         return lambda params: torch.optim.Adam(params, lr=lr)
-    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nag")
 
 
 def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pipeline: bool = True) -> None:
@@ -462,7 +462,7 @@ def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pip
     parser.add_argument("--partitioner", default="graph", choices=PARTITIONERS)
     parser.add_argument("--epochs", type=int, help="default: the model family's DEFAULT_HPARAMS")
     parser.add_argument("--batch-size", type=int, help="global mini-batch size")
-    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="sgd (momentum 0.9) or adam")
+    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="sgd (momentum 0.9), nag (the same with Nesterov momentum) or adam")
     parser.add_argument("--lr", type=float, help="learning rate (default: the family's SGD rate; 1e-3 with adam)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-samples", type=int, help="use only the first N training samples")

@@ -95,7 +95,8 @@ class Reporter:
             weight_bytes[v] = rt.policy.extra_weight_bytes()
             act_bytes[v] = rt.peak_activation_bytes
             rt.peak_activation_bytes = rt.activation_bytes()
-        error = _read_on_host(error)
+        if self.groups is None:  # under torchrun the errors travel to the step report on the device
+            error = _read_on_host(error)
         comm = self.counter.since(self._comm)
         self._comm = self.counter.snapshot()
         peak = None
@@ -117,10 +118,17 @@ class Reporter:
         mine = torch.zeros(2 + len(per_stage) * V, dtype=torch.float64)
         if is_last:
             mine[0], mine[1] = loss_sum, result.samples
+        on_device = []
         for i, values in enumerate(per_stage):
             for v in self.runtimes:
-                mine[2 + i * V + v] = values[v]
-        return result, SumExchange(mine.to(self.device), *self.groups)
+                if isinstance(values[v], torch.Tensor):  # staleness diagnostics, still on the stage's device
+                    on_device.append((2 + i * V + v, values[v]))
+                else:
+                    mine[2 + i * V + v] = values[v]
+        mine = mine.to(self.device)
+        for index, value in on_device:
+            mine[index] = value.to(mine.device, mine.dtype)  # a device-side copy, not a host read
+        return result, SumExchange(mine, *self.groups)
 
     def collect(self, result: StepResult, exchange: SumExchange) -> StepResult:
         """Finish ``post``: the global mean loss; per-stage numbers averaged over replicas (bytes summed)."""
