@@ -230,3 +230,41 @@ def test_diagnostics_report_distance_and_error_per_stage():
     # Vanilla's first stage computes on weights lagging by whole updates: its error is of the order of
     # the updates it missed (one update has size lr*|v|, the unit).
     assert 0.0 < max(measured[0]) < 3 * max(lag(u, 0, stages, m) for u in range(20))
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "lars"])
+def test_nesterov_and_spectrain_predict_from_adam_and_lars_state(optimizer):
+    # W - s * lr * v with v computed here from the optimizer's state: Adam's bias-corrected
+    # m_hat / (sqrt(v_hat) + eps) with beta1 as the momentum, LARS's scaled momentum buffer.
+    from pipetrain.optim import LARS
+
+    make_opt = ((lambda p: torch.optim.Adam(p, lr=0.01)) if optimizer == "adam"
+                else (lambda p: LARS(p, lr=0.1, momentum=0.8)))
+    for policy in ("nesterov", "spectrain"):
+        pipe = pipetrain.wrap(chain(3), stream(1, 2)[0][0][:SIZE], stages=3, micro_batches=2, schedule="async-1f1b",
+                              staleness=policy, partitioner=["1", "2"], optimizer=make_opt, profile=False,
+                              engine="local")
+        results = list(pipe.train(stream(4, 2)))
+        assert all(r.loss == r.loss for r in results)
+        rt = pipe._runtimes[0]
+        opt = rt.optimizer
+        group = opt.param_groups[0]
+        u = 9  # lag 1 at stage 0 of 3 with 2 micro-batches (u // 2 - (u - 2) // 2)
+        assert lag(u, 0, 3, 2) == 1
+        if policy == "nesterov":
+            gamma = group["betas"][0] if optimizer == "adam" else group["momentum"]
+            steps = gamma + gamma ** 2
+            weights = rt.policy._make_version(u)
+        else:
+            steps = 1  # lag(u) + floor(0 / 2) / m
+            weights = rt.policy.forward_weights(u)
+        for name, p in rt.module.named_parameters():
+            state = opt.state[p]
+            if optimizer == "adam":
+                beta1, beta2 = group["betas"]
+                t = float(state["step"])
+                v = (state["exp_avg"] / (1 - beta1 ** t)) / ((state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt() + group["eps"])
+            else:
+                v = state["momentum_buffer"]
+            torch.testing.assert_close(weights[name].detach(), p.detach() - steps * group["lr"] * v,
+                                       atol=1e-7, rtol=1e-6, msg=f"{policy} {optimizer} {name}")

@@ -7,6 +7,7 @@ version counter, because the point is that the backward reads new values.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -207,6 +208,14 @@ class StashPolicy(StalenessPolicy):
 
     def _release_when_unused(self, key: object) -> bool:
         return True
+
+    def _predicted_version(self, steps: Callable[[dict], float]) -> WeightSet:
+        """A new version holding W - steps(group) * lr * v (the stage's own weights before any step)."""
+        if self._update_size is None:  # a stage without parameters
+            return {}
+        weights = {n: torch.empty_like(p).requires_grad_() for n, p in self.params}
+        self._update_size.write(list(weights.values()), steps)
+        return weights
 
     def extra_weight_bytes(self) -> int:
         per_version = sum(p.numel() * p.element_size() for _, p in self.params)

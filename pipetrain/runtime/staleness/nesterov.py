@@ -17,8 +17,6 @@ extrapolates further than 1/(1 - gamma) updates. ``lookahead`` scales D.
 """
 from __future__ import annotations
 
-import torch
-
 from pipetrain.runtime.staleness.base import StashPolicy, WeightSet
 from pipetrain.runtime.staleness.extrapolation import momentum_of, require_smoothed_update
 from schedules import StreamLags
@@ -53,9 +51,5 @@ class NesterovPolicy(StashPolicy):
         return self.updates, self.delay(micro_batch)
 
     def _make_version(self, micro_batch: int) -> WeightSet:
-        if self._update_size is None:  # a stage without parameters
-            return {}
-        weights = {n: torch.empty_like(p).requires_grad_() for n, p in self.params}
         delay = self.delay(micro_batch)
-        self._update_size.write(list(weights.values()), lambda group: look_ahead_steps(momentum_of(group), delay))
-        return weights
+        return self._predicted_version(lambda group: look_ahead_steps(momentum_of(group), delay))
