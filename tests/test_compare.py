@@ -96,6 +96,16 @@ def test_a_grid_reports_each_method_at_its_best_rate_over_seeds(tmp_path, capsys
     assert "±" in out and "mean ± sample standard deviation over 2 seeds" in out
 
 
+def test_a_diverging_rate_is_recorded_and_the_grid_goes_on(tmp_path, capsys):
+    assert main(["compare", *TINY, "--epochs", "1", "--logdir", str(tmp_path), "--methods", "stash",
+                 "--lr-grid", "1e12,0.05"]) == 0
+    out = capsys.readouterr().out
+    runs = {r["lr"]: r for r in json.loads((tmp_path / "results.json").read_text())["stash"]["runs"]}
+    assert "NaN or infinite" in runs[1e12]["diverged"] and not runs[0.05]["diverged"]
+    assert json.loads((tmp_path / "results.json").read_text())["stash"]["best_lr"] == 0.05
+    assert "diverged (the loss is NaN or infinite" in out
+
+
 def test_unknown_method_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="unknown method"):
         main(["compare", *TINY, "--logdir", str(tmp_path), "--methods", "1f1b,pipedream"])

@@ -26,6 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
+from pipetrain import NonFiniteError
 from pipetrain.apps.models import MODELS
 from pipetrain.apps.training import RunConfig, RunSummary, human_bytes, is_rank_zero, add_arguments, run
 
@@ -133,7 +134,11 @@ def compare(base: RunConfig, methods: Sequence[str], logdir: str | os.PathLike,
             for seed in seed_list:
                 label = f"{m} lr={lr:g} seed={seed}" if grid else m
                 where = run_directory(root, m, lr, seed, grid)
-                runs[(lr, seed)] = run(dataclasses.replace(c, lr=lr, seed=seed, label=label, logdir=str(where)))
+                config = dataclasses.replace(c, lr=lr, seed=seed, label=label, logdir=str(where))
+                try:
+                    runs[(lr, seed)] = run(config)
+                except NonFiniteError as error:  # a rate too high for a method is a result, not the end of the grid
+                    runs[(lr, seed)] = RunSummary(config.resolved(), diverged=str(error))
         results[m] = MethodResult(runs)
     return results
 
@@ -152,6 +157,10 @@ def format_table(results: dict[str, MethodResult]) -> str:
     rows = []
     for m, r in results.items():
         best = r.best
+        if all(s.diverged for s in best):
+            rows.append([m, best[0].config.describe()] + (["-"] if grid else []) + ["diverged"] * 3 + ["-", "-"]
+                        + (["every rate diverged"] if grid else []))
+            continue
         acc = spread([100 * _finite(s.max_val_accuracy) for s in best])
         row = [m, best[0].config.describe(),
                pm(*spread([s.min_train_loss for s in best]), lambda v: f"{v:.4f}"),
@@ -286,7 +295,8 @@ def run_compare(args: argparse.Namespace) -> tuple[dict[str, MethodResult], Path
         return results, None
     png = plot({m: r.best[0] for m, r in results.items()}, args.png or Path(args.logdir) / "compare.png")
     record = {m: {"best_lr": r.best_lr,
-                  "runs": [{"lr": lr, "seed": seed, "summary": s.line(), "min_train_loss": s.min_train_loss,
+                  "runs": [{"lr": lr, "seed": seed, "summary": s.line(), "diverged": s.diverged,
+                            "min_train_loss": s.min_train_loss,
                             "min_val_loss": s.min_val_loss, "max_val_accuracy": s.max_val_accuracy,
                             "samples_per_second": s.samples_per_second, "bytes_per_step": s.bytes_per_step,
                             "version_lag": s.version_lag, "weight_version_bytes": s.weight_version_bytes,

@@ -170,6 +170,7 @@ class RunSummary:
     steps: int = 0
     wall_seconds: float = 0.0
     preempted: bool = False  # stopped early by SIGTERM after saving a checkpoint; resume="auto" continues
+    diverged: str = ""  # the NonFiniteError that ended the run (compare records it instead of stopping)
 
     @property
     def min_train_loss(self) -> float:
@@ -195,6 +196,8 @@ class RunSummary:
         """The one-line summary the scripts end with."""
         c = self.config
         name = f"{c.label}: " if c.label else ""
+        if self.diverged:
+            return f"{name}{c.model} on {c.dataset}, {c.describe()}: diverged ({self.diverged.split(';')[0]})"
         return (f"{name}{c.model} on {c.dataset}, {c.describe()}, {len(self.epochs)} epochs ({self.steps} steps): "
                 f"min train loss {self.min_train_loss:.4f}, min val loss {self.min_val_loss:.4f}, "
                 f"max val accuracy {100 * self.max_val_accuracy:.2f}%, {self.samples_per_second:.0f} samples/s, "
