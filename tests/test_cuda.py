@@ -37,11 +37,13 @@ def run(devices, schedule, staleness, precision):
     return [r.loss for r in results], state, results, pipe.predict(data("mlp", 6, seed=9)[0])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("schedule,staleness", SCHEDULES)
+# fp16 loss scaling needs a synchronous schedule: async-1f1b with fp16 is refused by wrap (test_precision).
+CASES = [(schedule, staleness, precision) for schedule, staleness in SCHEDULES for precision in TOLERANCE
+         if not (precision == "fp16" and schedule == "async-1f1b")]
+
+
+@pytest.mark.parametrize("schedule,staleness,precision", CASES)
 def test_one_gpu_equals_the_cpu(schedule, staleness, precision):
-    if precision == "fp16" and schedule == "async-1f1b":
-        pytest.skip("fp16 loss scaling needs a synchronous schedule (refused with an error)")
     cpu_losses, cpu_state, _, _ = run(None, schedule, staleness, precision)
     losses, state, results, prediction = run(["cuda:0", "cuda:0"], schedule, staleness, precision)
     tol = TOLERANCE[precision]
