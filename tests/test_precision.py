@@ -115,3 +115,12 @@ def test_precision_policies():
         assert layer(torch.ones(1, 3)).dtype == torch.float32
     with pytest.raises(ValueError, match="fp16"):
         precision_policy("fp8")
+
+
+def test_fp16_with_async_is_refused_with_the_reason():
+    import pipetrain
+    from runtime_models import data, make
+
+    with pytest.raises(ValueError, match="fp16 loss scaling needs every stage to agree on skipped steps"):
+        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, schedule="async-1f1b",
+                       staleness="stash", precision="fp16", partitioner="uniform", profile=False, engine="local")
