@@ -118,12 +118,15 @@ def test_adam_option_trains_with_adam_and_its_default_rate():
     assert RunConfig(optimizer="adam", lr=0.01).resolved().lr == 0.01
     assert RunConfig().resolved().lr == 0.05  # vgg's SGD rate
     assert RunConfig(optimizer="nag").resolved().lr == 0.05  # Nesterov momentum takes the SGD rate
-    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'; choose one of sgd, nag, adam"):
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'; choose one of sgd, nag, adam, nadam"):
         RunConfig(optimizer="rmsprop").resolved()
     opt = optimizer_factory("adam", 0.002, 0.9)([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(opt, torch.optim.Adam) and opt.param_groups[0]["lr"] == 0.002
     nag = optimizer_factory("nag", 0.1, 0.9)([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(nag, torch.optim.SGD) and nag.param_groups[0]["nesterov"]
+    assert RunConfig(optimizer="nadam").resolved().lr == 1e-3  # NAdam is adaptive: Adam's rate
+    nadam = optimizer_factory("nadam", 0.002, 0.9)([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(nadam, torch.optim.NAdam) and nadam.param_groups[0]["lr"] == 0.002
     # SpecTrain predicts with Adam's smoothed update: an async run trains end to end
     summary = run(tiny(optimizer="adam", lr=None, staleness="spectrain", epochs=1))
     assert summary.steps == 6 and all(torch.isfinite(torch.tensor(summary.step_losses)))

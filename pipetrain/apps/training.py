@@ -38,7 +38,8 @@ from pipetrain.options import PARTITIONERS, PRECISIONS, SCHEDULES, STALENESS
 
 # Settings for models without their own DEFAULT_HPARAMS entry (torchvision ResNets use the ResNet ones).
 _HPARAMS_FALLBACK = {"resnet18": "resnet", "resnet50": "resnet"}
-OPTIMIZERS = ("sgd", "nag", "adam")  # nag: SGD with Nesterov momentum
+OPTIMIZERS = ("sgd", "nag", "adam", "nadam")  # nag: SGD with Nesterov momentum; nadam: Adam with it
+ADAPTIVE = ("adam", "nadam")
 ADAM_LR = 1e-3  # torch.optim.Adam's default
 
 
@@ -65,7 +66,7 @@ class RunConfig:
     batch_size: int | None = None
     lr: float | None = None
     momentum: float = 0.9
-    optimizer: str = "sgd"  # "sgd" (with momentum) or "adam"
+    optimizer: str = "sgd"  # one of OPTIMIZERS
     seed: int = 0
     train_samples: int | None = None  # train on the first N samples of the train split (quick runs)
     val_samples: int | None = None
@@ -92,7 +93,7 @@ class RunConfig:
         out.epochs = hp["epochs"] if self.epochs is None else self.epochs
         out.batch_size = hp["batch_size"] if self.batch_size is None else self.batch_size
         if self.lr is None:  # the families' tuned rates are SGD's; Adam gets torch's default
-            out.lr = ADAM_LR if self.optimizer == "adam" else hp["lr"]
+            out.lr = ADAM_LR if self.optimizer in ADAPTIVE else hp["lr"]
         return out
 
     def wrap_options(self) -> dict[str, Any]:
@@ -436,6 +437,8 @@ def optimizer_factory(name: str, lr: float, momentum: float) -> Callable[[Any], 
     """The ``optimizer=`` factory of wrap() for RunConfig.optimizer."""
     if name == "adam":
         return lambda params: torch.optim.Adam(params, lr=lr)
+    if name == "nadam":  # the synchronous control for the nesterov staleness policy under Adam
+        return lambda params: torch.optim.NAdam(params, lr=lr)
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nag")
 
 
@@ -465,7 +468,7 @@ def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pip
     parser.add_argument("--partitioner", default="graph", choices=PARTITIONERS)
     parser.add_argument("--epochs", type=int, help="default: the model family's DEFAULT_HPARAMS")
     parser.add_argument("--batch-size", type=int, help="global mini-batch size")
-    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="sgd (momentum 0.9), nag (the same with Nesterov momentum) or adam")
+    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="sgd (momentum 0.9), nag (the same with Nesterov momentum), adam or nadam")
     parser.add_argument("--lr", type=float, help="learning rate (default: the family's SGD rate; 1e-3 with adam)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-samples", type=int, help="use only the first N training samples")
