@@ -87,6 +87,7 @@ class Pipeline:
         self._log = TensorBoardLog(o.logdir) if o.logdir and engine.is_rank_zero else None
         self.last_result: StepResult | None = None
         self._in_stream = False
+        self._stop_requested = False
 
     # ----- construction -------------------------------------------------------------------
     def _make_plan(self, model: nn.Module, example_inputs: Any) -> partitioners.Plan:
@@ -165,6 +166,7 @@ class Pipeline:
         result = self._reporter.local(loss_sum, range(m), feed.mini_batch_size(0), time.perf_counter() - start,
                                      _busy(executors))
         result.skipped = self._skipped(0)
+        result.stop_requested = self._stop_requested
         if self._engine.distributed:
             result = self._reporter.collect(*self._reporter.post(result, loss_sum))
         return self._finish(result)
@@ -234,6 +236,7 @@ class Pipeline:
                 result = self._reporter.local(loss_sum, own, feed.mini_batch_size(reported), now - start,
                                              _busy(executors))
                 result.skipped = self._skipped(reported)
+                result.stop_requested = self._stop_requested
                 start = now
                 feed.release(reported)
                 reported += 1
@@ -248,6 +251,13 @@ class Pipeline:
         self._transport.flush()
         for item in pending:
             yield self._finish(self._reporter.collect(*item))
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop at the same step: from the next step report on, each rank's
+        StepResult has ``stop_requested`` set (under torchrun it rides in the report the ranks already
+        exchange, so it costs no collective of its own). Only sets a flag, so a signal handler may call
+        it; stopping is the caller's (pipetrain's training loop saves and returns on SIGTERM)."""
+        self._stop_requested = True
 
     @torch.no_grad()
     def predict(self, x: Any) -> Any:

@@ -207,10 +207,32 @@ def test_sigterm_handler_only_with_a_checkpoint_dir_and_restored_after(tmp_path,
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+COLLECTIVES = ("all_reduce", "gather", "broadcast", "all_gather", "reduce_scatter", "reduce", "scatter")
+
+
+def count_collectives(call) -> int:
+    """How many collectives of torch.distributed ``call()`` starts (each still runs for real)."""
+    import torch.distributed as dist
+
+    started = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    for name, original in originals.items():
+        setattr(dist, name, lambda *a, _original=original, **k: started.append(1) or _original(*a, **k))
+    try:
+        call()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return len(started)
+
+
 def sigterm_on_rank0_only(rank, world, root):
-    """Both schedules on the distributed engine; only rank 0 gets SIGTERM (after step 8)."""
+    """Both schedules on the distributed engine; only rank 0 gets SIGTERM (after step 8). First, the
+    collectives of a 2-epoch run with and without a checkpoint directory (no signal)."""
     from preempt_worker import PAUSE_AT, config
 
+    collectives = [count_collectives(lambda: run(config("1f1b", "distributed", epochs=2, **kw)))
+                   for kw in ({}, {"checkpoint_dir": f"{root}/counted"})]
     real_finish = pipetrain.Pipeline._finish
 
     def finish(self, result):
@@ -224,6 +246,7 @@ def sigterm_on_rank0_only(rank, world, root):
     for schedule in ("1f1b", "async-1f1b"):
         summary = run(config(schedule, "distributed", checkpoint_dir=f"{root}/{schedule}"))
         out[schedule] = (summary.preempted, summary.step_losses)
+    out["collectives"] = collectives
     return out
 
 
@@ -232,8 +255,15 @@ def test_ranks_agree_on_where_to_stop_when_only_one_got_sigterm(tmp_path):
     from preempt_worker import PAUSE_AT
 
     per_rank = run_world(2, "test_training", "sigterm_on_rank0_only", tmp_path / "ranks", str(tmp_path))
+    # The stop request rides in the step report every rank already exchanges: watching for SIGTERM adds
+    # no collective per mini-batch, only one vote at the epoch boundary (a signal during validation or the save).
+    for rank in range(2):
+        without, watching = per_rank[rank]["collectives"]
+        assert watching == without + 1, (rank, without, watching)
     for schedule in ("1f1b", "async-1f1b"):
         step = saved_step(tmp_path / schedule)
         assert per_rank[0][schedule] == per_rank[1][schedule]  # same stop, same reported losses
         assert per_rank[0][schedule][0] and len(per_rank[0][schedule][1]) == step
-        assert step == (PAUSE_AT if schedule == "1f1b" else 12)  # distributed async stops at the epoch's end
+        # Rank 0 signalled itself after step 8's report: the request rides in step 9's, and both stop there.
+        # Distributed async-1f1b stops at the epoch's end.
+        assert step == (PAUSE_AT + 1 if schedule == "1f1b" else 12)

@@ -220,13 +220,23 @@ def _subset(dataset: Dataset, n: int | None) -> Dataset:
 
 
 class _StopRequest:
-    """SIGTERM's handler during run(): it only takes note; the loop acts at the next safe point."""
+    """SIGTERM's handler during run(): it only takes note, and passes the request to the pipeline,
+    whose next step report carries it to every rank; the loop acts at the next safe point."""
 
     def __init__(self) -> None:
         self.signalled = False
+        self._pipe: pipetrain.Pipeline | None = None
+
+    def attach(self, pipe: pipetrain.Pipeline) -> None:
+        """Forward requests to ``pipe`` from now on (and one that came while it was being built)."""
+        self._pipe = pipe
+        if self.signalled:
+            pipe.request_stop()
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.signalled = True
+        if self._pipe is not None:
+            self._pipe.request_stop()
 
 
 @contextlib.contextmanager
@@ -263,30 +273,35 @@ class _Feed:
 
 
 class _StopAgreement:
-    """Whether any rank was asked to stop, and after how many mini-batches of the epoch every rank can.
+    """Where the ranks stop: all at the same mini-batch, since each save has barriers.
 
-    Ranks get SIGTERM at slightly different times, and each save has barriers, so all must stop at
-    the same mini-batch: one all_reduce (MAX) of [flag, mini-batches pulled] per mini-batch, on a
-    gloo group of its own (CPU tensors whatever the backend; no interleaving with the pipeline's
-    collectives). Every rank yields each mini-batch's result in the same order, so the calls pair up;
-    the pulled count is at least what every rank has taken, so each can continue to it and drain."""
+    Ranks get SIGTERM at slightly different times. Within an epoch they learn of any rank's request
+    from the step report they exchange anyway (StepResult.stop_requested), which every rank reads at
+    the same step: a request that comes after a rank sent step t's report stops the run after step
+    t + 1. Between epochs (a signal during validation or the save) they vote once, on a gloo group of
+    its own (CPU tensors whatever the backend; no interleaving with the pipeline's collectives)."""
 
     def __init__(self, schedule: str, timeout: float) -> None:
         # Bounded like every collective of the pipeline (wrap's timeout), not torch's 30-minute default.
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
                        if dist.is_initialized() else None)
-        # A blocking vote inside a distributed async-1f1b stream can deadlock: a rank waiting in the
-        # vote holds back activations another rank needs before it reaches the same vote (seen in
-        # tests). There the vote waits for the epoch's end, when the stream has drained.
-        self.mid_stream = self._group is None or schedule != "async-1f1b"
+        # A distributed async-1f1b stream reads step t's report while ranks have taken different numbers
+        # of later mini-batches, so no count to stop after follows from it; it stops at the epoch's end.
+        self._mid_stream = self._group is None or schedule != "async-1f1b"
 
-    def stop_at(self, request: _StopRequest, pulled: int) -> int | None:
-        """The mini-batch count to stop after, or None to go on."""
+    def stop_after(self, result: pipetrain.StepResult, request: _StopRequest) -> bool:
+        """Whether to stop after the mini-batch of ``result``, in the middle of an epoch."""
+        if not self._mid_stream:
+            return False
+        return request.signalled if self._group is None else result.stop_requested
+
+    def any_rank_asked(self, request: _StopRequest) -> bool:
+        """Whether any rank got SIGTERM (every rank calls this at the same point)."""
         if self._group is None:
-            return pulled if request.signalled else None
-        votes = torch.tensor([int(request.signalled), pulled], dtype=torch.int64)
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._group)
-        return int(votes[1]) if votes[0] else None
+            return request.signalled
+        vote = torch.tensor([int(request.signalled)], dtype=torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(vote[0])
 
 
 def _batches(dataset: Dataset, order: list[int], batch_size: int, skip: int) -> Iterator[tuple[Any, Any]]:
@@ -354,7 +369,10 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
     example = x0[:max(1, c.batch_size // (c.micro_batches * c.data_parallel))]
     pipe = pipetrain.wrap(model, example, **c.wrap_options())
     rank0 = is_rank_zero()
-    agreement = _StopAgreement(c.schedule, pipe.options.timeout) if request is not None else None
+    agreement = None
+    if request is not None:
+        agreement = _StopAgreement(c.schedule, pipe.options.timeout)
+        request.attach(pipe)
     val_log = None
     if c.logdir and rank0:
         from torch.utils.tensorboard import SummaryWriter
@@ -384,9 +402,11 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
                 per_stage.add(result)
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{result.samples_per_second:.0f}")
-                if agreement is not None and agreement.mid_stream and feed.limit is None:
+                if agreement is not None and feed.limit is None and agreement.stop_after(result, request):
                     # Not a break: the stream ends by itself after ``limit`` (async drains its in-flight ones).
-                    feed.limit = agreement.stop_at(request, feed.pulled)
+                    # Ranks stop at the same step, having taken the same mini-batches (a sync schedule
+                    # takes one per step; async-1f1b stops mid-stream only in one process).
+                    feed.limit = feed.pulled
             bar.close()
             summary.step_losses += losses
             summary.samples += samples
@@ -417,7 +437,7 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
             if c.checkpoint_dir:
                 pipe.save(c.checkpoint_dir)
             if agreement is not None and epoch + 1 < c.epochs and (
-                    feed.limit is not None or agreement.stop_at(request, 0) is not None):
+                    feed.limit is not None or agreement.any_rank_asked(request)):
                 summary.preempted = True  # asked during validation or the save: the epoch's checkpoint is it
                 if rank0:
                     print(f"stopped by SIGTERM after epoch {epoch + 1} (step {pipe.updates}); saved "

@@ -115,9 +115,12 @@ class Reporter:
         per_stage = [result.busy_fraction, result.version_lag, result.weight_version_bytes,
                      result.activation_bytes, result.prediction_distance,
                      result.prediction_error] + [result.comm_bytes[k] for k in COMM_KINDS]
-        mine = torch.zeros(2 + len(per_stage) * V, dtype=torch.float64)
+        # The last entry: this rank was asked to stop (summed: any rank was), so every rank learns it
+        # from the report it already exchanges instead of from a collective of its own.
+        mine = torch.zeros(2 + len(per_stage) * V + 1, dtype=torch.float64)
         if is_last:
             mine[0], mine[1] = loss_sum, result.samples
+        mine[-1] = float(result.stop_requested)
         on_device = []
         for i, values in enumerate(per_stage):
             for v in self.runtimes:
@@ -145,6 +148,7 @@ class Reporter:
         result.prediction_distance = [x / D for x in part(4)]
         result.prediction_error = [x / D for x in part(5)]
         result.comm_bytes = {k: [int(x) for x in part(6 + i)] for i, k in enumerate(COMM_KINDS)}
+        result.stop_requested = float(total[-1]) > 0
         return result
 
 

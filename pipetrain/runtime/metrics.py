@@ -40,6 +40,7 @@ class StepResult:
     peak_allocated: list[int] | None = None                        # device allocator peak, where the device reports it
     skipped: bool = False  # no update was applied for this mini-batch (non-finite values or fp16 overflow), on any stage
     skipped_total: int = 0  # mini-batches skipped so far by this pipeline, this one included
+    stop_requested: bool = False  # some rank called Pipeline.request_stop() before this step's report (agreed)
     # async-1f1b, per stage: mean updates ahead the forwards predicted the weights (spectrain, nesterov; 0 otherwise) and
     # the distance, in updates (lr * |v|), between a sampled forward's weights and those its gradient is applied to.
     prediction_distance: list[float] = field(default_factory=list)
