@@ -7,10 +7,11 @@ mini-batches (the runtime shards them for data parallelism); only rank 0 shows p
 writes TensorBoard scalars. Checkpoints are saved after every epoch; ``resume="auto"`` loads the
 newest one and skips the mini-batches it already trained, so a resumed run sees the same data
 order as an uninterrupted one. With a checkpoint directory, SIGTERM (what schedulers and torchrun
-send before killing a job) is a request to stop: the run finishes the mini-batch in flight (an
-async-1f1b stream takes no new mini-batches and drains; under torchrun async-1f1b stops at the end
-of the epoch), saves a checkpoint and returns with ``summary.preempted`` set, so the process exits
-with status 0 and ``resume="auto"`` continues it.
+send before killing a job) is a request to stop: the run finishes the mini-batch in flight (under
+torchrun, the next one when the signal came after that one's step report; an async-1f1b stream
+takes no new mini-batches and drains; under torchrun async-1f1b stops at the end of the epoch),
+saves a checkpoint and returns with ``summary.preempted`` set, so the process exits with status 0
+and ``resume="auto"`` continues it.
 """
 from __future__ import annotations
 
@@ -481,7 +482,7 @@ def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pip
         parser.add_argument("--lookahead", type=float, default=1.0,
                             help="spectrain/nesterov: scale the prediction distance (1: the schedule's real lag)")
         parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the whole pipeline")
-        parser.add_argument("--checkpoint-dir", help="save a checkpoint here after every epoch")
+        parser.add_argument("--checkpoint-dir", help="save a checkpoint here after every epoch, and on SIGTERM (then exit 0)")
         parser.add_argument("--resume", default="never", choices=["never", "auto"],
                             help="auto: continue from the newest checkpoint in --checkpoint-dir")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
