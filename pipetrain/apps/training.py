@@ -482,7 +482,8 @@ def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pip
         parser.add_argument("--lookahead", type=float, default=1.0,
                             help="spectrain/nesterov: scale the prediction distance (1: the schedule's real lag)")
         parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the whole pipeline")
-        parser.add_argument("--checkpoint-dir", help="save a checkpoint here after every epoch, and on SIGTERM (then exit 0)")
+        parser.add_argument("--checkpoint-dir",
+                            help="save a checkpoint here after every epoch, and on SIGTERM (then exit 0)")
         parser.add_argument("--resume", default="never", choices=["never", "auto"],
                             help="auto: continue from the newest checkpoint in --checkpoint-dir")
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
