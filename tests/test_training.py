@@ -189,6 +189,17 @@ def test_sigterm_saves_mid_epoch_and_the_resume_is_exact(tmp_path, schedule):
         assert len(resumed.step_losses) == 18 - step
 
 
+def test_request_stop_is_reported_from_the_next_step_on():
+    from runtime_models import data, make, sgd
+
+    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, optimizer=sgd,
+                          partitioner="uniform", profile=False, engine="local")
+    x, y = data("mlp", 8)
+    assert [r.stop_requested for r in pipe.train([(x, y)])] == [False]
+    pipe.request_stop()
+    assert [r.stop_requested for r in pipe.train([(x, y), (x, y)])] == [True, True]
+
+
 def test_sigterm_handler_only_with_a_checkpoint_dir_and_restored_after(tmp_path, monkeypatch):
     seen = []
     real_finish = pipetrain.Pipeline._finish
