@@ -81,6 +81,18 @@ def test_interleaved_predict_takes_a_batch_whose_micro_batches_do_not_divide_ove
     torch.testing.assert_close(pipe.predict(x), ref(x), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b"])
+def test_predict_takes_any_batch_size_with_every_schedule(schedule):
+    # 4 stages x 8 micro-batches (interleaved: x 2 chunks); batches below, between and above m.
+    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=4, micro_batches=8, schedule=schedule,
+                          staleness="stash" if schedule == "async-1f1b" else "none", optimizer=sgd,
+                          partitioner="uniform", profile=False, engine="local")
+    model = make("mlp").eval()
+    for batch in (1, 3, 7, 9, 13):
+        x = data("mlp", batch, seed=7)[0]
+        torch.testing.assert_close(pipe.predict(x), model(x), atol=1e-6, rtol=0, msg=f"batch {batch}")
+
+
 def test_state_dict_keys_and_load_round_trip():
     pipe, _, _ = train_pipeline("tied", 3, "gpipe", 3, partitioner="uniform")
     original = make("tied").state_dict()
