@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.comm import recording
-from pipetrain.comm.transport import PeerFailure
+from pipetrain.comm.peers import peers_answer
 from pipetrain.runtime import host_sync
 from pipetrain.runtime.executor import BLOCKED
 
@@ -99,16 +99,10 @@ class DistributedOverflowAgreement:
     def where(self, index: int) -> str:
         return self.describe(index)
 
-    @contextlib.contextmanager
-    def _peers_answer(self, t: int) -> Iterator[None]:
+    def _peers_answer(self, t: int) -> contextlib.AbstractContextManager:
         """A rank that died or hangs before its step: an error that says so, not gloo's bare time-out."""
-        try:
-            yield
-        except RuntimeError as error:
-            raise PeerFailure(
-                f"rank {self.rank}: the skip-or-step agreement of mini-batch {t} (every rank, each optimizer "
-                f"step) did not complete: another rank died or hangs before its step; see the other ranks' logs "
-                f"(raise wrap(..., timeout=...) for very slow steps). {error}") from error
+        return peers_answer(f"the skip-or-step agreement of mini-batch {t} (every rank, each optimizer step)",
+                            "raise wrap(..., timeout=...) for very slow steps")
 
     def forget(self, t: int) -> None:
         """Nothing is kept between steps."""
