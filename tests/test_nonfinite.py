@@ -87,6 +87,33 @@ def test_skip_leaves_every_stage_alone_and_equals_never_seeing_the_update(precis
     assert [results[i].loss for i in (0, 2, 3)] == losses
 
 
+def poison_parameter(pipe, stage, update):
+    """Make the gradient of the stage's second parameter NaN whenever autograd computes it during the
+    step that makes update ``update + 1`` (a tensor hook: it also runs in zero-bubble W passes)."""
+    name, param = list(pipe._runtimes[stage].module.named_parameters())[1]
+    param.register_hook(lambda g: g * NAN if pipe.updates == update else g)
+    return name
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "interleaved-1f1b"])
+def test_every_sync_schedule_raises_or_skips(schedule):
+    bs = batches(size=12)
+    pipe = wrap(stages=3, schedule=schedule, micro_batches=3)
+    name = poison_parameter(pipe, 1, 1)
+    pipe.step(*bs[0])
+    before = snapshot(pipe)
+    with pytest.raises(pipetrain.NonFiniteError, match=rf"optimizer step 2: stage 1, parameter '{name}'"):
+        pipe.step(*bs[1])
+    after = snapshot(pipe)
+    assert same(before[0], after[0]) and all(same(a, b) for a, b in zip(before[1], after[1]))
+    pipe = wrap(stages=3, schedule=schedule, micro_batches=3, nonfinite="skip")
+    poison_parameter(pipe, 1, 1)
+    assert [r.skipped for r in pipe.train(bs)] == [False, True, False, False]
+    reference = wrap(stages=3, schedule=schedule, micro_batches=3)
+    list(reference.train([bs[0], bs[2], bs[3]]))
+    assert same(pipe.state_dict(), reference.state_dict())
+
+
 def test_fp16_nonfinite_loss_raises_but_overflow_only_skips():
     bs = batches()
     pipe = wrap(precision="fp16")
@@ -101,10 +128,11 @@ def test_fp16_nonfinite_loss_raises_but_overflow_only_skips():
         pipe.step(x, y)
 
 
-def async_stash(engine, stages, nonfinite="skip"):
-    """A stash stream of 6 mini-batches with stage 1's gradient poisoned in mini-batch 2."""
+def async_stash(engine, stages, nonfinite="skip", staleness="stash", precision="fp32"):
+    """An async stream of 6 mini-batches with stage 1's gradient poisoned in mini-batch 2."""
     bs = batches(steps=6)
-    pipe = wrap(engine, stages=stages, schedule="async-1f1b", staleness="stash", nonfinite=nonfinite)
+    pipe = wrap(engine, stages=stages, schedule="async-1f1b", staleness=staleness, nonfinite=nonfinite,
+                precision=precision)
     m = pipe.options.micro_batches
     stage = 1 if engine == "local" else next(iter(pipe._runtimes))
     steps = []
@@ -114,14 +142,17 @@ def async_stash(engine, stages, nonfinite="skip"):
     if engine == "local" or stage == 1:
         poison(pipe, 1, lambda g: g // m == 2)
     results = list(pipe.train(bs))
-    policies = {v: (rt.policy.updates, dict(rt.policy.versions), dict(rt.policy.of_micro_batch))
-                for v, rt in pipe._runtimes.items()}
+    policies = {v: (rt.policy.updates, dict(getattr(rt.policy, "versions", {})),
+                    dict(getattr(rt.policy, "of_micro_batch", {}))) for v, rt in pipe._runtimes.items()}
     return ([r.skipped for r in results], [r.loss for r in results], pipe.state_dict(), steps, policies,
             [r.version_lag for r in results])
 
 
-def test_async_stash_skip_keeps_the_version_bookkeeping():
-    skipped, losses, state, steps, policies, lags = async_stash("local", 3)
+@pytest.mark.parametrize("staleness", ["stash", "vanilla", "spectrain", "2bw", "nesterov"])
+def test_async_skip_keeps_every_policy_s_bookkeeping(staleness):
+    # Each policy keys its weight versions by the updates it has seen: a skipped update must not
+    # leave a later micro-batch asking for a version that never came (2bw did).
+    skipped, losses, state, steps, policies, lags = async_stash("local", 3, staleness=staleness)
     assert skipped == [False, False, True, False, False, False]
     assert sorted(steps) == sorted(list(range(3)) * 5)  # every stage stepped 5 times, none at mini-batch 2
     for v, (updates, versions, of_micro_batch) in policies.items():
