@@ -55,12 +55,21 @@ def hybrid_scenarios(rank, world):
                               nonfinite=mode)
         if rank == 3:
             poison(pipe, 1, lambda g, pipe=pipe: pipe.updates == 1)
-        results, error = [], None
+        results, error, last = [], None, None
         try:
-            results = [r.skipped for r in pipe.train(batches("mlp", steps=3))]
+            for r in pipe.train(batches("mlp", steps=3)):
+                results.append(r.skipped)
+                last = {k: v.clone() for k, v in pipe.state_dict().items()}
         except pipetrain.NonFiniteError as e:
             error = str(e)
-        out[f"nonfinite-{mode}"] = (results, error, pipe.state_dict())
+        out[f"nonfinite-{mode}"] = (results, error, pipe.state_dict(), last)
+    # async-1f1b (stash) replicated, NaN on rank 3 in mini-batch 2: every rank skips that update.
+    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                          schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
+                          profile=False, engine="distributed", nonfinite="skip")
+    if rank == 3:
+        poison(pipe, 1, lambda g: g // 2 == 2)
+    out["nonfinite-async-skip"] = ([r.skipped for r in pipe.train(batches("mlp", steps=5))], None, pipe.state_dict())
     # What "skip" must equal: the same ranks never seeing step 2's update.
     pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                           optimizer=sgd, partitioner="uniform", profile=False, engine="distributed")
@@ -129,16 +138,27 @@ def test_fp16_overflow_on_one_rank_skips_the_same_step_everywhere(hybrid):
 
 def test_nan_on_one_replica_skips_the_same_step_on_every_rank(hybrid):
     for rank in range(4):
-        skipped, error, state = hybrid[rank]["nonfinite-skip"]
+        skipped, error, state, _ = hybrid[rank]["nonfinite-skip"]
         reference = hybrid[rank]["nonfinite-reference"][2]
         assert error is None and skipped == [False, True, False], rank
         assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state), rank
 
 
+def test_nan_on_one_replica_skips_the_same_async_update_on_every_rank(hybrid):
+    for rank in range(4):
+        skipped, _, state = hybrid[rank]["nonfinite-async-skip"]
+        assert skipped == [False, False, True, False, False], rank
+        assert all(torch.isfinite(v).all() for v in state.values()), rank
+    for stage_rank in (0, 1):  # the replicas of each stage stay equal
+        a, b = hybrid[stage_rank]["nonfinite-async-skip"][2], hybrid[stage_rank + 2]["nonfinite-async-skip"][2]
+        assert all(torch.equal(a[k], b[k]) for k in a), stage_rank
+
+
 def test_nan_on_one_replica_raises_on_every_rank(hybrid):
     for rank in range(4):
-        results, error, _ = hybrid[rank]["nonfinite-raise"]
-        assert results == [] and error is not None and "optimizer step 2" in error, (rank, error)
+        results, error, state, before = hybrid[rank]["nonfinite-raise"]
+        assert results == [False] and error is not None and "optimizer step 2" in error, (rank, error)
+        assert all(torch.equal(state[k], before[k]) for k in state), rank  # nothing applied on any rank
         # The data-parallel reduction averages rank 3's NaN into rank 1's copy of stage 1 before the
         # check, so both stage-1 ranks name the parameter and the stage-0 ranks name the first of them.
         if rank in (1, 3):

@@ -199,9 +199,27 @@ def async_raise(engine, stages):
     return results, error, name, finite, {v: rt.policy.updates for v, rt in pipe._runtimes.items()}
 
 
+def loss_raise(engine, stages):
+    """A NaN in one sample of mini-batch 1 (bad data): the loss itself is NaN at step 2."""
+    pipe = wrap(engine, stages=stages)
+    bs = batches()
+    pipe.step(*bs[0])
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    x = bs[1][0].clone()
+    x[5, 1] = NAN
+    try:
+        pipe.step(x, bs[1][1])
+        error = None
+    except pipetrain.NonFiniteError as e:
+        error = str(e)
+    return error, pipe.state_dict(), same(before, pipe.state_dict())
+
+
 def world2(rank, world):
     return {"skip": sync_run("distributed", world, "skip"), "raise": sync_run("distributed", world, "raise"),
-            "async": async_stash("distributed", world), "async-raise": async_raise("distributed", world)}
+            "async": async_stash("distributed", world), "async-raise": async_raise("distributed", world),
+            "async-bf16": async_stash("distributed", world, precision="bf16"),
+            "loss-raise": loss_raise("distributed", world)}
 
 
 @pytest.fixture(scope="module")
@@ -223,10 +241,14 @@ def test_two_ranks_skip_the_same_step_as_the_local_engine(two_ranks):
 
 def test_two_ranks_raise_together_and_name_the_parameter(two_ranks):
     _, _, name, _ = two_ranks[1]["raise"]
+    _, _, _, local_state = sync_run("local", 2, "raise")  # after step 1: the local test shows nothing moved
+    merged = {}
     for rank in range(2):
-        results, error, _, _ = two_ranks[rank]["raise"]
+        results, error, _, state = two_ranks[rank]["raise"]
         assert len(results) == 1 and error is not None, rank
         assert "optimizer step 2" in error, error
+        merged.update(state)
+    assert same(merged, local_state)  # no rank applied the bad step
     assert f"stage 1, parameter {name!r}" in two_ranks[1]["raise"][1]
     assert "found by rank 1 (stage 1, replica 0), whose error names the parameter" in two_ranks[0]["raise"][1]
 
@@ -241,6 +263,32 @@ def test_two_ranks_async_stash_skip_equals_the_local_engine(two_ranks):
         assert r_steps == [rank] * 5 and r_policies == {rank: policies[rank]}, rank
         merged.update(r_state)
     assert same(merged, state)
+
+
+def test_two_ranks_async_bf16_skip_equals_the_local_engine(two_ranks):
+    skipped, losses, state, _, policies, _ = async_stash("local", 2, precision="bf16")
+    assert skipped == [False, False, True, False, False, False]
+    merged = {}
+    for rank in range(2):
+        r_skipped, r_losses, r_state, r_steps, r_policies, _ = two_ranks[rank]["async-bf16"]
+        assert (r_skipped, r_losses, r_steps) == (skipped, losses, [rank] * 5), rank
+        assert r_policies == {rank: policies[rank]}, rank
+        merged.update(r_state)
+    assert same(merged, state)
+
+
+def test_two_ranks_nan_loss_raises_on_both_naming_the_last_stage(two_ranks):
+    local_error, local_state, untouched = loss_raise("local", 2)
+    assert "the loss is NaN or infinite at optimizer step 2, computed by pipeline device 1" in local_error
+    assert untouched
+    merged = {}
+    for rank in range(2):
+        error, state, untouched = two_ranks[rank]["loss-raise"]
+        assert error is not None and "the loss is NaN or infinite at optimizer step 2, computed by rank 1 " \
+            "(stage 1, replica 0)" in error, (rank, error)
+        assert untouched, rank
+        merged.update(state)
+    assert same(merged, local_state)  # after step 1 on every rank: the bad step was applied nowhere
 
 
 def test_async_stream_raises_on_every_rank_without_waiting_at_each_step(two_ranks):
