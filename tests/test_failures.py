@@ -103,6 +103,7 @@ def test_other_ranks_stop_within_the_timeout_naming_the_rank(tmp_path, mode):
     for r in survivors:
         assert codes[r] == 1, f"rank {r} exit code {codes[r]}"
         stamp, message = (tmp_path / f"rank{r}").read_text().split("\n", 1)
+        print(f"{mode}: rank {r} stopped {float(stamp) - t0:.1f} s after rank {VICTIM} failed (timeout {TIMEOUT:g} s)")
         # Each survivor stops within the timeout (plus a chain of neighbours failing in turn and slack).
         assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s"
         assert "PeerFailure" in message and "rank" in message
@@ -119,6 +120,7 @@ def test_a_rank_hung_before_a_collective_stops_the_others_within_the_timeout(tmp
     for r in (r for r in range(WORLD) if r != VICTIM):
         assert codes[r] == 1, f"rank {r} exit code {codes[r]}"
         stamp, message = (tmp_path / f"rank{r}").read_text().split("\n", 1)
+        print(f"hang-at-step: rank {r} stopped {float(stamp) - t0:.1f} s after rank {VICTIM} hung (timeout {TIMEOUT:g} s)")
         assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s: {message}"
         assert "PeerFailure" in message and "skip-or-step agreement" in message, message
 
@@ -135,5 +137,6 @@ def test_a_rank_hung_while_the_others_set_up_stops_them_within_the_timeout(tmp_p
     for r in (r for r in range(WORLD) if r != victim):
         assert codes[r] == 1, f"rank {r} exit code {codes[r]}"
         stamp, message = (tmp_path / f"rank{r}").read_text().split("\n", 1)
+        print(f"{mode}: rank {r} stopped {float(stamp) - t0:.1f} s after rank {victim} hung (timeout {TIMEOUT:g} s)")
         assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s: {message}"
         assert "PeerFailure" in message and waits_in in message and "timeout=" in message, message

@@ -102,13 +102,13 @@ def test_pipeline_x_data_parallel_equals_one_process_on_the_global_batch(hybrid,
         assert losses == hybrid[0][key][0]  # every rank reports the same global loss
 
 
-def reference_global(bs):
+def reference_global(bs, replicas=2):
     """One process, whole global batch, gradient accumulation over the replicas' micro-batches."""
     model = make("convbn")
     opt = sgd(model.parameters())
     for x, y in bs:
         opt.zero_grad()
-        for xr, yr in zip(x.tensor_split(2), y.tensor_split(2)):
+        for xr, yr in zip(x.tensor_split(replicas), y.tensor_split(replicas)):
             for xb, yb in zip(xr.tensor_split(2), yr.tensor_split(2)):
                 (torch.nn.functional.cross_entropy(model(xb), yb) * len(xb) / len(x)).backward()
         opt.step()
