@@ -4,7 +4,11 @@ import torch
 
 import pipetrain
 from dist_harness import run_world
+from pipetrain.allreduce.hierarchy import Hierarchy
+from pipetrain.comm.replicas import bucket_choice
 from runtime_models import data, make, sgd
+from schedules.cluster import load_cluster
+from schedules.cluster.reductions import Group, prefers_hierarchical
 from test_nonfinite import poison
 
 
@@ -18,6 +22,8 @@ def hybrid_scenarios(rank, world):
     out = {}
     for key, kw in {
         "1f1b-hybrid": dict(schedule="1f1b", allreduce="hybrid", hierarchy=(2, 1)),
+        # A cluster model that prices every bucket flat (gloo-local4: one slow shared host).
+        "1f1b-hybrid-priced": dict(schedule="1f1b", allreduce="hybrid", hierarchy=(2, 1), cluster="gloo-local4"),
         "gpipe-flat-no-overlap": dict(schedule="gpipe", allreduce="flat", overlap=False),
         "interleaved-hierarchical": dict(schedule="interleaved-1f1b", allreduce="hierarchical", hierarchy=(1, 2)),
         "1f1b-per-tensor-bf16-compressed": dict(schedule="1f1b", allreduce="per-tensor", compress="bf16"),
@@ -26,7 +32,9 @@ def hybrid_scenarios(rank, world):
         pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                               optimizer=sgd, partitioner="uniform", profile=False, engine="distributed", **kw)
         losses = [r.loss for r in pipe.train(batches("convbn"))]
-        out[key] = (losses, pipe.state_dict(), pipe.last_result.comm_bytes, pipe.predict(data("convbn", 6, seed=5)[0]))
+        reducer = pipe._reducers[pipe._engine.world.position].reducer
+        out[key] = (losses, pipe.state_dict(), pipe.last_result.comm_bytes, pipe.predict(data("convbn", 6, seed=5)[0]),
+                    [(b.buffer.numel() * b.buffer.element_size(), b.hierarchical) for b in reducer.buckets])
     # async-1f1b with stash, replicated: each update averages the replicas' stashed gradients.
     pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=1, data_parallel=2,
                           schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
@@ -83,7 +91,7 @@ def hybrid(tmp_path_factory):
     return run_world(4, "test_hybrid", "hybrid_scenarios", tmp_path_factory.mktemp("hybrid"))
 
 
-@pytest.mark.parametrize("key", ["1f1b-hybrid", "gpipe-flat-no-overlap", "interleaved-hierarchical",
+@pytest.mark.parametrize("key", ["1f1b-hybrid", "1f1b-hybrid-priced", "gpipe-flat-no-overlap", "interleaved-hierarchical",
                                  "1f1b-per-tensor-bf16-compressed", "zb-h1-flat"])
 def test_pipeline_x_data_parallel_equals_one_process_on_the_global_batch(hybrid, key):
     bs = batches("convbn")
@@ -100,6 +108,20 @@ def test_pipeline_x_data_parallel_equals_one_process_on_the_global_batch(hybrid,
                 continue  # batch statistics are per replica, as in DDP
             torch.testing.assert_close(merged[name], value, atol=tolerance, rtol=0, msg=f"{key} {name}")
         assert losses == hybrid[0][key][0]  # every rank reports the same global loss
+
+
+def test_hybrid_takes_per_bucket_what_the_cluster_model_prices_cheaper(hybrid):
+    # Without a cluster every bucket crossing nodes goes hierarchically; with one, each bucket takes
+    # the algorithm schedules.cluster.reductions prices cheaper (the same call `pipetrain plan` makes).
+    cluster = load_cluster("gloo-local4")
+    for rank in range(4):
+        default, priced = hybrid[rank]["1f1b-hybrid"][4], hybrid[rank]["1f1b-hybrid-priced"][4]
+        assert default and all(hierarchical for _, hierarchical in default), rank
+        assert priced and [h for _, h in priced] == [prefers_hierarchical(n, Group(2, 1), cluster) for n, _ in priced]
+    # The decision itself, per bucket size: small buckets hierarchical, large ones flat on jia-p40.
+    choose = bucket_choice("jia-p40", Hierarchy(2, 2, 0, 0, None, None, None))
+    assert [choose(n) for n in (10 ** 3, 10 ** 5, 10 ** 7, 10 ** 9)] == [True, True, False, False]
+    assert bucket_choice(None, Hierarchy(2, 2, 0, 0, None, None, None)) is None
 
 
 def reference_global(bs, replicas=2):
