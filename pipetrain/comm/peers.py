@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 import torch.distributed as dist
@@ -19,7 +20,7 @@ def peers_answer(what: str, hint: str = "raise wrap(..., timeout=...) if that ra
     except PeerFailure:
         raise
     except RuntimeError as error:  # gloo/NCCL time-outs, DistStoreError, DistNetworkError
-        rank = dist.get_rank() if dist.is_initialized() else "?"
+        rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")  # torchrun sets RANK
         raise PeerFailure(
             f"rank {rank}: {what} did not complete: another rank died, hangs or never got there; see the other "
             f"ranks' logs ({hint}). {error}") from error
