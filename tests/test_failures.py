@@ -22,26 +22,32 @@ def _hang(out):
     time.sleep(120)
 
 
-def _set_up(rank, out, mode, world, victim):
+def _outside_the_step(rank, out, mode, world, victim):
     """wrap() with a victim that hangs before it reaches wrap ("hang-before-wrap") or, as rank 0, while it
-    partitions the model, so the others wait in the plan broadcast ("hang-in-plan")."""
+    partitions the model, so the others wait in the plan broadcast ("hang-in-plan"); or a step whose
+    victim hangs after its compute, before the end-of-step report ("hang-at-report")."""
     if mode == "hang-before-wrap" and rank == victim:
         _hang(out)
     if mode == "hang-in-plan" and rank == victim:
         partition = partitioners.partition
         partitioners.partition = lambda *args, **kw: (_hang(out), partition(*args, **kw))[1]
     x, y = data("mlp", 8)
-    return pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd, partitioner="uniform",
+    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd, partitioner="uniform",
                           profile=False, engine="distributed", timeout=TIMEOUT)
+    if mode == "hang-at-report":
+        if rank == victim:
+            post = pipe._reporter.post
+            pipe._reporter.post = lambda *args: (_hang(out), post(*args))[1]
+        pipe.step(x, y)
 
 
 def _rank(rank, port, out, mode, world, victim):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    if mode in ("hang-before-wrap", "hang-in-plan"):
+    if mode in ("hang-before-wrap", "hang-in-plan", "hang-at-report"):
         try:
-            _set_up(rank, out, mode, world, victim)
+            _outside_the_step(rank, out, mode, world, victim)
             Path(out, f"rank{rank}").write_text("finished")
         except Exception as error:  # noqa: BLE001  (the test reads what each rank reported)
             Path(out, f"rank{rank}").write_text(f"{time.time()}\n{type(error).__name__}: {error}")
@@ -130,10 +136,11 @@ def test_a_rank_hung_before_a_collective_stops_the_others_within_the_timeout(tmp
 @pytest.mark.parametrize("mode, victim, waits_in", [
     ("hang-in-plan", 0, "the plan broadcast from rank 0"),
     ("hang-before-wrap", 1, "setting up the pipeline's process groups"),
+    ("hang-at-report", 1, "the end-of-step report"),
 ])
-def test_a_rank_hung_while_the_others_set_up_stops_them_within_the_timeout(tmp_path, mode, victim, waits_in):
-    # The default group waits 60 s; the set-up's collectives (group creation, the plan broadcast)
-    # must give up after wrap(timeout=8) and say what they waited for. Two ranks suffice here.
+def test_a_rank_hung_outside_the_step_stops_the_others_within_the_timeout(tmp_path, mode, victim, waits_in):
+    # The default group waits 60 s; the set-up's collectives (group creation, the plan broadcast) and
+    # the step report must give up after wrap(timeout=8) and say what they waited for. Two ranks suffice.
     codes = _run(tmp_path, mode, victim, world=2)
     t0 = float((tmp_path / "t0").read_text())
     for r in (r for r in range(2) if r != victim):
