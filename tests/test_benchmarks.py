@@ -48,3 +48,15 @@ def test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster(tm
                            "--batch-size", "64", "--top", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert re.search(r"^\s+1\s+\d+\s+\d+\s+\d+\s+\d+\s+(1f1b|gpipe)", plan.stdout, re.M), plan.stdout
+
+
+def test_soak_counts_every_step_and_prints_rss_per_rank():
+    # The short mode of README's 20,000-step soak: every rank receives every result in order and the
+    # script prints an RSS sample per rank at each interval (growth is only meaningful in the full run).
+    out = run_script("soak.py", "--steps", "60", "--warmup", "20", "--every", "20")
+    samples = re.findall(r"^(\d+)((?:\s+[\d.]+){4})\s*$", out, re.M)
+    assert [int(step) for step, _ in samples] == [20, 40, 60], out
+    assert all(float(v) > 0 for _, row in samples for v in row.split()), out
+    assert len(re.findall(r"^rank \d: 60 of 60 results, in order and complete: True; parameters finite: True",
+                          out, re.M)) == 4, out
+    assert re.search(r"^worst RSS growth after warm-up: [+-]\d+\.\d\d%", out, re.M) and "steps: none lost" in out, out

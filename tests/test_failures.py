@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import partitioners
 import pipetrain
 from dist_harness import free_port
 from runtime_models import data, make, sgd
@@ -16,12 +17,44 @@ from runtime_models import data, make, sgd
 WORLD, VICTIM, TIMEOUT = 4, 2, 8.0
 
 
-def _rank(rank, port, out, mode):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+def _hang(out):
+    Path(out, "t0").write_text(str(time.time()))
+    time.sleep(120)
+
+
+def _outside_the_step(rank, out, mode, world, victim):
+    """wrap() with a victim that hangs before it reaches wrap ("hang-before-wrap") or, as rank 0, while it
+    partitions the model, so the others wait in the plan broadcast ("hang-in-plan"); or a step whose
+    victim hangs after its compute, before the end-of-step report ("hang-at-report")."""
+    if mode == "hang-before-wrap" and rank == victim:
+        _hang(out)
+    if mode == "hang-in-plan" and rank == victim:
+        partition = partitioners.partition
+        partitioners.partition = lambda *args, **kw: (_hang(out), partition(*args, **kw))[1]
     x, y = data("mlp", 8)
-    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=WORLD, micro_batches=4, optimizer=sgd, partitioner="uniform",
+    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd, partitioner="uniform",
+                          profile=False, engine="distributed", timeout=TIMEOUT)
+    if mode == "hang-at-report":
+        if rank == victim:
+            post = pipe._reporter.post
+            pipe._reporter.post = lambda *args: (_hang(out), post(*args))[1]
+        pipe.step(x, y)
+
+
+def _rank(rank, port, out, mode, world, victim):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    if mode in ("hang-before-wrap", "hang-in-plan", "hang-at-report"):
+        try:
+            _outside_the_step(rank, out, mode, world, victim)
+            Path(out, f"rank{rank}").write_text("finished")
+        except Exception as error:  # noqa: BLE001  (the test reads what each rank reported)
+            Path(out, f"rank{rank}").write_text(f"{time.time()}\n{type(error).__name__}: {error}")
+            os._exit(1)
+        os._exit(0)
+    x, y = data("mlp", 8)
+    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd, partitioner="uniform",
                           profile=False, engine="distributed", timeout=TIMEOUT,
                           precision="fp16" if mode == "hang-at-step" else "fp32")
     pipe.step(x, y)
@@ -53,12 +86,13 @@ def _rank(rank, port, out, mode):
     os._exit(0)
 
 
-def _run(tmp_path, mode):
+def _run(tmp_path, mode, victim=VICTIM, world=WORLD):
     port = free_port()
-    ctx = mp.start_processes(_rank, args=(port, str(tmp_path), mode), nprocs=WORLD, join=False, start_method="spawn")
+    ctx = mp.start_processes(_rank, args=(port, str(tmp_path), mode, world, victim), nprocs=world, join=False,
+                             start_method="spawn")
     deadline = time.time() + 120
     for r, p in enumerate(ctx.processes):
-        if r != VICTIM:  # a hanging victim never ends by itself
+        if r != victim:  # a hanging victim never ends by itself
             p.join(max(1, deadline - time.time()))
     codes = [p.exitcode for p in ctx.processes]
     for p in ctx.processes:
@@ -76,6 +110,8 @@ def test_other_ranks_stop_within_the_timeout_naming_the_rank(tmp_path, mode):
     for r in survivors:
         assert codes[r] == 1, f"rank {r} exit code {codes[r]}"
         stamp, message = (tmp_path / f"rank{r}").read_text().split("\n", 1)
+        print(f"{mode}: rank {r} stopped {float(stamp) - t0:.1f} s after rank {VICTIM} {'died' if mode == 'die' else 'hung'} "
+              f"(timeout {TIMEOUT:g} s)")
         # Each survivor stops within the timeout (plus a chain of neighbours failing in turn and slack).
         assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s"
         assert "PeerFailure" in message and "rank" in message
@@ -92,5 +128,24 @@ def test_a_rank_hung_before_a_collective_stops_the_others_within_the_timeout(tmp
     for r in (r for r in range(WORLD) if r != VICTIM):
         assert codes[r] == 1, f"rank {r} exit code {codes[r]}"
         stamp, message = (tmp_path / f"rank{r}").read_text().split("\n", 1)
+        print(f"hang-at-step: rank {r} stopped {float(stamp) - t0:.1f} s after rank {VICTIM} hung (timeout {TIMEOUT:g} s)")
         assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s: {message}"
         assert "PeerFailure" in message and "skip-or-step agreement" in message, message
+
+
+@pytest.mark.parametrize("mode, victim, waits_in", [
+    ("hang-in-plan", 0, "the plan broadcast from rank 0"),
+    ("hang-before-wrap", 1, "setting up the pipeline's process groups"),
+    ("hang-at-report", 1, "the end-of-step report"),
+])
+def test_a_rank_hung_outside_the_step_stops_the_others_within_the_timeout(tmp_path, mode, victim, waits_in):
+    # The default group waits 60 s; the set-up's collectives (group creation, the plan broadcast) and
+    # the step report must give up after wrap(timeout=8) and say what they waited for. Two ranks suffice.
+    codes = _run(tmp_path, mode, victim, world=2)
+    t0 = float((tmp_path / "t0").read_text())
+    for r in (r for r in range(2) if r != victim):
+        assert codes[r] == 1, f"rank {r} exit code {codes[r]}"
+        stamp, message = (tmp_path / f"rank{r}").read_text().split("\n", 1)
+        print(f"{mode}: rank {r} stopped {float(stamp) - t0:.1f} s after rank {victim} hung (timeout {TIMEOUT:g} s)")
+        assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s: {message}"
+        assert "PeerFailure" in message and waits_in in message and "timeout=" in message, message

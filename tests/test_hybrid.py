@@ -4,7 +4,11 @@ import torch
 
 import pipetrain
 from dist_harness import run_world
+from pipetrain.allreduce.hierarchy import Hierarchy
+from pipetrain.comm.replicas import bucket_choice
 from runtime_models import data, make, sgd
+from schedules.cluster import load_cluster
+from schedules.cluster.reductions import Group, prefers_hierarchical
 from test_nonfinite import poison
 
 
@@ -18,6 +22,8 @@ def hybrid_scenarios(rank, world):
     out = {}
     for key, kw in {
         "1f1b-hybrid": dict(schedule="1f1b", allreduce="hybrid", hierarchy=(2, 1)),
+        # A cluster model that prices every bucket flat (gloo-local4: one slow shared host).
+        "1f1b-hybrid-priced": dict(schedule="1f1b", allreduce="hybrid", hierarchy=(2, 1), cluster="gloo-local4"),
         "gpipe-flat-no-overlap": dict(schedule="gpipe", allreduce="flat", overlap=False),
         "interleaved-hierarchical": dict(schedule="interleaved-1f1b", allreduce="hierarchical", hierarchy=(1, 2)),
         "1f1b-per-tensor-bf16-compressed": dict(schedule="1f1b", allreduce="per-tensor", compress="bf16"),
@@ -26,7 +32,9 @@ def hybrid_scenarios(rank, world):
         pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                               optimizer=sgd, partitioner="uniform", profile=False, engine="distributed", **kw)
         losses = [r.loss for r in pipe.train(batches("convbn"))]
-        out[key] = (losses, pipe.state_dict(), pipe.last_result.comm_bytes, pipe.predict(data("convbn", 6, seed=5)[0]))
+        reducer = pipe._reducers[pipe._engine.world.position].reducer
+        out[key] = (losses, pipe.state_dict(), pipe.last_result.comm_bytes, pipe.predict(data("convbn", 6, seed=5)[0]),
+                    [(b.buffer.numel() * b.buffer.element_size(), b.hierarchical) for b in reducer.buckets])
     # async-1f1b with stash, replicated: each update averages the replicas' stashed gradients.
     pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=1, data_parallel=2,
                           schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
@@ -55,12 +63,21 @@ def hybrid_scenarios(rank, world):
                               nonfinite=mode)
         if rank == 3:
             poison(pipe, 1, lambda g, pipe=pipe: pipe.updates == 1)
-        results, error = [], None
+        results, error, last = [], None, None
         try:
-            results = [r.skipped for r in pipe.train(batches("mlp", steps=3))]
+            for r in pipe.train(batches("mlp", steps=3)):
+                results.append(r.skipped)
+                last = {k: v.clone() for k, v in pipe.state_dict().items()}
         except pipetrain.NonFiniteError as e:
             error = str(e)
-        out[f"nonfinite-{mode}"] = (results, error, pipe.state_dict())
+        out[f"nonfinite-{mode}"] = (results, error, pipe.state_dict(), last)
+    # async-1f1b (stash) replicated, NaN on rank 3 in mini-batch 2: every rank skips that update.
+    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                          schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
+                          profile=False, engine="distributed", nonfinite="skip")
+    if rank == 3:
+        poison(pipe, 1, lambda g: g // 2 == 2)
+    out["nonfinite-async-skip"] = ([r.skipped for r in pipe.train(batches("mlp", steps=5))], None, pipe.state_dict())
     # What "skip" must equal: the same ranks never seeing step 2's update.
     pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                           optimizer=sgd, partitioner="uniform", profile=False, engine="distributed")
@@ -74,7 +91,7 @@ def hybrid(tmp_path_factory):
     return run_world(4, "test_hybrid", "hybrid_scenarios", tmp_path_factory.mktemp("hybrid"))
 
 
-@pytest.mark.parametrize("key", ["1f1b-hybrid", "gpipe-flat-no-overlap", "interleaved-hierarchical",
+@pytest.mark.parametrize("key", ["1f1b-hybrid", "1f1b-hybrid-priced", "gpipe-flat-no-overlap", "interleaved-hierarchical",
                                  "1f1b-per-tensor-bf16-compressed", "zb-h1-flat"])
 def test_pipeline_x_data_parallel_equals_one_process_on_the_global_batch(hybrid, key):
     bs = batches("convbn")
@@ -93,13 +110,27 @@ def test_pipeline_x_data_parallel_equals_one_process_on_the_global_batch(hybrid,
         assert losses == hybrid[0][key][0]  # every rank reports the same global loss
 
 
-def reference_global(bs):
+def test_hybrid_takes_per_bucket_what_the_cluster_model_prices_cheaper(hybrid):
+    # Without a cluster every bucket crossing nodes goes hierarchically; with one, each bucket takes
+    # the algorithm schedules.cluster.reductions prices cheaper (the same call `pipetrain plan` makes).
+    cluster = load_cluster("gloo-local4")
+    for rank in range(4):
+        default, priced = hybrid[rank]["1f1b-hybrid"][4], hybrid[rank]["1f1b-hybrid-priced"][4]
+        assert default and all(hierarchical for _, hierarchical in default), rank
+        assert priced and [h for _, h in priced] == [prefers_hierarchical(n, Group(2, 1), cluster) for n, _ in priced]
+    # The decision itself, per bucket size: small buckets hierarchical, large ones flat on jia-p40.
+    choose = bucket_choice("jia-p40", Hierarchy(2, 2, 0, 0, None, None, None))
+    assert [choose(n) for n in (10 ** 3, 10 ** 5, 10 ** 7, 10 ** 9)] == [True, True, False, False]
+    assert bucket_choice(None, Hierarchy(2, 2, 0, 0, None, None, None)) is None
+
+
+def reference_global(bs, replicas=2):
     """One process, whole global batch, gradient accumulation over the replicas' micro-batches."""
     model = make("convbn")
     opt = sgd(model.parameters())
     for x, y in bs:
         opt.zero_grad()
-        for xr, yr in zip(x.tensor_split(2), y.tensor_split(2)):
+        for xr, yr in zip(x.tensor_split(replicas), y.tensor_split(replicas)):
             for xb, yb in zip(xr.tensor_split(2), yr.tensor_split(2)):
                 (torch.nn.functional.cross_entropy(model(xb), yb) * len(xb) / len(x)).backward()
         opt.step()
@@ -129,16 +160,27 @@ def test_fp16_overflow_on_one_rank_skips_the_same_step_everywhere(hybrid):
 
 def test_nan_on_one_replica_skips_the_same_step_on_every_rank(hybrid):
     for rank in range(4):
-        skipped, error, state = hybrid[rank]["nonfinite-skip"]
+        skipped, error, state, _ = hybrid[rank]["nonfinite-skip"]
         reference = hybrid[rank]["nonfinite-reference"][2]
         assert error is None and skipped == [False, True, False], rank
         assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state), rank
 
 
+def test_nan_on_one_replica_skips_the_same_async_update_on_every_rank(hybrid):
+    for rank in range(4):
+        skipped, _, state = hybrid[rank]["nonfinite-async-skip"]
+        assert skipped == [False, False, True, False, False], rank
+        assert all(torch.isfinite(v).all() for v in state.values()), rank
+    for stage_rank in (0, 1):  # the replicas of each stage stay equal
+        a, b = hybrid[stage_rank]["nonfinite-async-skip"][2], hybrid[stage_rank + 2]["nonfinite-async-skip"][2]
+        assert all(torch.equal(a[k], b[k]) for k in a), stage_rank
+
+
 def test_nan_on_one_replica_raises_on_every_rank(hybrid):
     for rank in range(4):
-        results, error, _ = hybrid[rank]["nonfinite-raise"]
-        assert results == [] and error is not None and "optimizer step 2" in error, (rank, error)
+        results, error, state, before = hybrid[rank]["nonfinite-raise"]
+        assert results == [False] and error is not None and "optimizer step 2" in error, (rank, error)
+        assert all(torch.equal(state[k], before[k]) for k in state), rank  # nothing applied on any rank
         # The data-parallel reduction averages rank 3's NaN into rank 1's copy of stage 1 before the
         # check, so both stage-1 ranks name the parameter and the stage-0 ranks name the first of them.
         if rank in (1, 3):

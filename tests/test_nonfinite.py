@@ -87,6 +87,33 @@ def test_skip_leaves_every_stage_alone_and_equals_never_seeing_the_update(precis
     assert [results[i].loss for i in (0, 2, 3)] == losses
 
 
+def poison_parameter(pipe, stage, update):
+    """Make the gradient of the stage's second parameter NaN whenever autograd computes it during the
+    step that makes update ``update + 1`` (a tensor hook: it also runs in zero-bubble W passes)."""
+    name, param = list(pipe._runtimes[stage].module.named_parameters())[1]
+    param.register_hook(lambda g: g * NAN if pipe.updates == update else g)
+    return name
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "interleaved-1f1b"])
+def test_every_sync_schedule_raises_or_skips(schedule):
+    bs = batches(size=12)
+    pipe = wrap(stages=3, schedule=schedule, micro_batches=3)
+    name = poison_parameter(pipe, 1, 1)
+    pipe.step(*bs[0])
+    before = snapshot(pipe)
+    with pytest.raises(pipetrain.NonFiniteError, match=rf"optimizer step 2: stage 1, parameter '{name}'"):
+        pipe.step(*bs[1])
+    after = snapshot(pipe)
+    assert same(before[0], after[0]) and all(same(a, b) for a, b in zip(before[1], after[1]))
+    pipe = wrap(stages=3, schedule=schedule, micro_batches=3, nonfinite="skip")
+    poison_parameter(pipe, 1, 1)
+    assert [r.skipped for r in pipe.train(bs)] == [False, True, False, False]
+    reference = wrap(stages=3, schedule=schedule, micro_batches=3)
+    list(reference.train([bs[0], bs[2], bs[3]]))
+    assert same(pipe.state_dict(), reference.state_dict())
+
+
 def test_fp16_nonfinite_loss_raises_but_overflow_only_skips():
     bs = batches()
     pipe = wrap(precision="fp16")
@@ -101,10 +128,11 @@ def test_fp16_nonfinite_loss_raises_but_overflow_only_skips():
         pipe.step(x, y)
 
 
-def async_stash(engine, stages, nonfinite="skip"):
-    """A stash stream of 6 mini-batches with stage 1's gradient poisoned in mini-batch 2."""
+def async_stash(engine, stages, nonfinite="skip", staleness="stash", precision="fp32"):
+    """An async stream of 6 mini-batches with stage 1's gradient poisoned in mini-batch 2."""
     bs = batches(steps=6)
-    pipe = wrap(engine, stages=stages, schedule="async-1f1b", staleness="stash", nonfinite=nonfinite)
+    pipe = wrap(engine, stages=stages, schedule="async-1f1b", staleness=staleness, nonfinite=nonfinite,
+                precision=precision)
     m = pipe.options.micro_batches
     stage = 1 if engine == "local" else next(iter(pipe._runtimes))
     steps = []
@@ -114,14 +142,17 @@ def async_stash(engine, stages, nonfinite="skip"):
     if engine == "local" or stage == 1:
         poison(pipe, 1, lambda g: g // m == 2)
     results = list(pipe.train(bs))
-    policies = {v: (rt.policy.updates, dict(rt.policy.versions), dict(rt.policy.of_micro_batch))
-                for v, rt in pipe._runtimes.items()}
+    policies = {v: (rt.policy.updates, dict(getattr(rt.policy, "versions", {})),
+                    dict(getattr(rt.policy, "of_micro_batch", {}))) for v, rt in pipe._runtimes.items()}
     return ([r.skipped for r in results], [r.loss for r in results], pipe.state_dict(), steps, policies,
             [r.version_lag for r in results])
 
 
-def test_async_stash_skip_keeps_the_version_bookkeeping():
-    skipped, losses, state, steps, policies, lags = async_stash("local", 3)
+@pytest.mark.parametrize("staleness", ["stash", "vanilla", "spectrain", "2bw", "nesterov"])
+def test_async_skip_keeps_every_policy_s_bookkeeping(staleness):
+    # Each policy keys its weight versions by the updates it has seen: a skipped update must not
+    # leave a later micro-batch asking for a version that never came (2bw did).
+    skipped, losses, state, steps, policies, lags = async_stash("local", 3, staleness=staleness)
     assert skipped == [False, False, True, False, False, False]
     assert sorted(steps) == sorted(list(range(3)) * 5)  # every stage stepped 5 times, none at mini-batch 2
     for v, (updates, versions, of_micro_batch) in policies.items():
@@ -168,9 +199,27 @@ def async_raise(engine, stages):
     return results, error, name, finite, {v: rt.policy.updates for v, rt in pipe._runtimes.items()}
 
 
+def loss_raise(engine, stages):
+    """A NaN in one sample of mini-batch 1 (bad data): the loss itself is NaN at step 2."""
+    pipe = wrap(engine, stages=stages)
+    bs = batches()
+    pipe.step(*bs[0])
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    x = bs[1][0].clone()
+    x[5, 1] = NAN
+    try:
+        pipe.step(x, bs[1][1])
+        error = None
+    except pipetrain.NonFiniteError as e:
+        error = str(e)
+    return error, pipe.state_dict(), same(before, pipe.state_dict())
+
+
 def world2(rank, world):
     return {"skip": sync_run("distributed", world, "skip"), "raise": sync_run("distributed", world, "raise"),
-            "async": async_stash("distributed", world), "async-raise": async_raise("distributed", world)}
+            "async": async_stash("distributed", world), "async-raise": async_raise("distributed", world),
+            "async-bf16": async_stash("distributed", world, precision="bf16"),
+            "loss-raise": loss_raise("distributed", world)}
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +241,14 @@ def test_two_ranks_skip_the_same_step_as_the_local_engine(two_ranks):
 
 def test_two_ranks_raise_together_and_name_the_parameter(two_ranks):
     _, _, name, _ = two_ranks[1]["raise"]
+    _, _, _, local_state = sync_run("local", 2, "raise")  # after step 1: the local test shows nothing moved
+    merged = {}
     for rank in range(2):
-        results, error, _, _ = two_ranks[rank]["raise"]
+        results, error, _, state = two_ranks[rank]["raise"]
         assert len(results) == 1 and error is not None, rank
         assert "optimizer step 2" in error, error
+        merged.update(state)
+    assert same(merged, local_state)  # no rank applied the bad step
     assert f"stage 1, parameter {name!r}" in two_ranks[1]["raise"][1]
     assert "found by rank 1 (stage 1, replica 0), whose error names the parameter" in two_ranks[0]["raise"][1]
 
@@ -210,6 +263,32 @@ def test_two_ranks_async_stash_skip_equals_the_local_engine(two_ranks):
         assert r_steps == [rank] * 5 and r_policies == {rank: policies[rank]}, rank
         merged.update(r_state)
     assert same(merged, state)
+
+
+def test_two_ranks_async_bf16_skip_equals_the_local_engine(two_ranks):
+    skipped, losses, state, _, policies, _ = async_stash("local", 2, precision="bf16")
+    assert skipped == [False, False, True, False, False, False]
+    merged = {}
+    for rank in range(2):
+        r_skipped, r_losses, r_state, r_steps, r_policies, _ = two_ranks[rank]["async-bf16"]
+        assert (r_skipped, r_losses, r_steps) == (skipped, losses, [rank] * 5), rank
+        assert r_policies == {rank: policies[rank]}, rank
+        merged.update(r_state)
+    assert same(merged, state)
+
+
+def test_two_ranks_nan_loss_raises_on_both_naming_the_last_stage(two_ranks):
+    local_error, local_state, untouched = loss_raise("local", 2)
+    assert "the loss is NaN or infinite at optimizer step 2, computed by pipeline device 1" in local_error
+    assert untouched
+    merged = {}
+    for rank in range(2):
+        error, state, untouched = two_ranks[rank]["loss-raise"]
+        assert error is not None and "the loss is NaN or infinite at optimizer step 2, computed by rank 1 " \
+            "(stage 1, replica 0)" in error, (rank, error)
+        assert untouched, rank
+        merged.update(state)
+    assert same(merged, local_state)  # after step 1 on every rank: the bad step was applied nowhere
 
 
 def test_async_stream_raises_on_every_rank_without_waiting_at_each_step(two_ranks):

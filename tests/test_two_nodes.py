@@ -1,5 +1,6 @@
 """A hierarchical reduction inside a pipeline across two "machines": two torchrun agents on
-127.0.0.1 (--nnodes 2, c10d rendezvous), 2 stages x 2 replicas, equal to one process."""
+127.0.0.1 (--nnodes 2, c10d rendezvous), 2 stages x 2 replicas (one per machine) and 2 stages x 4
+replicas (two per machine: both levels of the hierarchy), equal to one process."""
 from __future__ import annotations
 
 import os
@@ -16,12 +17,12 @@ from test_hybrid import batches, reference_global
 TESTS = Path(__file__).resolve().parent
 
 
-def _two_agents(out: Path, allreduce: str) -> None:
+def _two_agents(out: Path, allreduce: str, replicas: int) -> None:
     port = free_port()
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{allreduce}",
-               str(TESTS / "two_node_worker.py"), str(out), allreduce]
+    command = [str(torchrun), "--nnodes", "2", "--nproc-per-node", str(replicas), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{allreduce}-{replicas}",
+               str(TESTS / "two_node_worker.py"), str(out), allreduce, str(replicas)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
               for _ in range(2)]
@@ -29,18 +30,19 @@ def _two_agents(out: Path, allreduce: str) -> None:
     assert all(agent.returncode == 0 for agent in agents), "\n".join(log[-3000:] for log in logs)
 
 
-@pytest.mark.parametrize("allreduce", ["hierarchical", "hybrid"])
-def test_two_agents_two_stages_two_replicas_equal_one_process(tmp_path, allreduce):
-    _two_agents(tmp_path, allreduce)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    # torchrun's LOCAL_WORLD_SIZE puts each replica's pipeline on one agent, so every stage's
-    # data-parallel group spans the two nodes with one rank on each.
-    assert all(r["hierarchy"] == (2, 1) for r in ranks)
+@pytest.mark.parametrize("allreduce, replicas", [("hybrid", 2), ("hierarchical", 4)])
+def test_two_agents_two_stages_equal_one_process(tmp_path, allreduce, replicas):
+    _two_agents(tmp_path, allreduce, replicas)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2 * replicas)]
+    # torchrun's LOCAL_WORLD_SIZE puts replicas / 2 pipelines on each agent, so every stage's
+    # data-parallel group spans the two nodes with replicas / 2 ranks on each.
+    assert all(r["hierarchy"] == (2, replicas // 2) for r in ranks)
     # Every bucket goes hierarchically (hybrid without a cluster model: the cost model's verdict when
-    # links inside a node are at least as fast); with one rank per node that is the inter-node ring.
+    # links inside a node are at least as fast). With one rank per node that is the inter-node ring;
+    # with two, a reduce-scatter inside each node, an all-reduce of the shards across, an all-gather.
     assert all(r["hierarchical_buckets"] and all(r["hierarchical_buckets"]) for r in ranks)
-    ref = reference_global(batches("convbn")).state_dict()
-    for replica in (0, 1):
+    ref = reference_global(batches("convbn"), replicas).state_dict()
+    for replica in range(replicas):
         merged = {k: v for r in ranks if r["replica"] == replica for k, v in r["state"].items()}
         for name, value in ref.items():
             if "running" in name or "num_batches" in name:

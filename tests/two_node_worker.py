@@ -1,8 +1,9 @@
-"""One process of a 2 stages x 2 replicas pipeline on two torchrun agents ("machines", one replica each).
+"""One process of a 2-stage pipeline with REPLICAS replicas on two torchrun agents ("machines",
+REPLICAS / 2 replicas each).
 
 Run by tests/test_two_nodes.py on each of two agents:
-    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT \
-        tests/two_node_worker.py OUT_DIR ALLREDUCE
+    torchrun --nnodes 2 --nproc-per-node REPLICAS --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT \
+        tests/two_node_worker.py OUT_DIR ALLREDUCE REPLICAS
 """
 import sys
 from pathlib import Path
@@ -15,9 +16,9 @@ from test_hybrid import batches, data
 
 
 def main() -> None:
-    out, allreduce = Path(sys.argv[1]), sys.argv[2]
+    out, allreduce, replicas = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
-    pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+    pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=replicas,
                           allreduce=allreduce, optimizer=sgd, partitioner="uniform", profile=False,
                           engine="distributed", timeout=60)
     losses = [r.loss for r in pipe.train(batches("convbn"))]

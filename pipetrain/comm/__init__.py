@@ -4,5 +4,6 @@
 torchrun (`DistributedEngine`) and builds the pieces below for that layout: `world` (ranks and
 process groups), `transport` (activations and gradients between stages), `tied` (tied
 parameters kept equal), `overflow` (fp16 skip decisions), `reporting` (the per-step sum over
-ranks) and `replicas` (hybrid mode: batch shards and gradient averaging over replicas).
+ranks), `replicas` (hybrid mode: batch shards and gradient averaging over replicas) and `peers`
+(a wait on other ranks that ends, after `timeout`, in an error saying what it waited for).
 """

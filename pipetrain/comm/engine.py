@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 import partitioners
 from pipetrain.comm.overflow import DistributedOverflowAgreement, LocalOverflowAgreement
+from pipetrain.comm.peers import peers_answer
 from pipetrain.comm.replicas import StageReducer, replica_shard, shard_weight
 from pipetrain.comm.reporting import Reporter
 from pipetrain.comm.tied import DistributedTiedSync, LocalTiedSync
 from pipetrain.comm.transport import DistributedTransport, LocalTransport
-from pipetrain.comm.world import World, ensure_process_group, launched_by_torchrun
+from pipetrain.comm.world import SETTING_UP, World, ensure_process_group, launched_by_torchrun
 from pipetrain.runtime.batching import batch_size
 from pipetrain.runtime.devices import to_device
 from pipetrain.runtime.metrics import CommCounter
@@ -104,8 +105,9 @@ class DistributedEngine:
 
     def __init__(self, options: PipelineOptions):
         ensure_process_group(options.timeout)
-        self.world = World(options.stages, options.data_parallel, options.allreduce, options.hierarchy,
-                           options.timeout)
+        with peers_answer(SETTING_UP):
+            self.world = World(options.stages, options.data_parallel, options.allreduce, options.hierarchy,
+                               options.timeout)
         self.data_parallel = options.data_parallel
 
     @property
@@ -126,16 +128,19 @@ class DistributedEngine:
     def agree_on_plan(self, plan: partitioners.Plan | None, graph: partitioners.CostGraph) -> partitioners.Plan:
         """Every rank gets rank 0's plan, rebuilt over its own traced graph."""
         box = [plan.to_json() if self.decides_plan else None]
-        dist.broadcast_object_list(box, src=0, group=self.world.control)  # bounded by options.timeout
+        with peers_answer("the plan broadcast from rank 0 (which traces, profiles and partitions the model)",
+                          "raise wrap(..., timeout=...) if rank 0 needs longer to profile and partition"):
+            dist.broadcast_object_list(box, src=0, group=self.world.control)
         return partitioners.Plan.from_json(box[0], graph)
 
     def connect(self, topology: Topology, runtimes: dict[int, StageRuntime], tied: Tied,
                 counter: CommCounter, options: PipelineOptions) -> Connections:
         world = self.world
+        with peers_answer(SETTING_UP):
+            links, tied_groups = world.link_groups(topology), world.tied_groups(topology, tied)
         transport = DistributedTransport(topology, lambda v: world.rank_of(topology.position_of(v)),
-                                         world.link_groups(topology), world.device, counter,
-                                         options.dynamic_shapes, options.timeout)
-        tied_sync = DistributedTiedSync(tied, runtimes, world.tied_groups(topology, tied), counter)
+                                         links, world.device, counter, options.dynamic_shapes, options.timeout)
+        tied_sync = DistributedTiedSync(tied, runtimes, tied_groups, counter)
         reporter = Reporter(runtimes, topology.num_stages, counter, (world.control, world.report),
                             options.data_parallel, world.device)
         S = world.stages
@@ -176,7 +181,8 @@ class DistributedEngine:
         # Pickled on the CPU: a CUDA tensor would be unpickled onto the source rank's device index.
         box = [to_device(output, torch.device("cpu")) if output is not None else None]
         last = self.world.rank_of(topology.position_of(topology.num_stages - 1), replica=0)
-        dist.broadcast_object_list(box, src=last, group=self.world.control)
+        with peers_answer(f"predict()'s output broadcast from rank {last} (every rank calls predict())"):
+            dist.broadcast_object_list(box, src=last, group=self.world.control)
         return box[0]
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.comm import recording
-from pipetrain.comm.transport import PeerFailure
+from pipetrain.comm.peers import peers_answer
 from pipetrain.runtime import host_sync
 from pipetrain.runtime.executor import BLOCKED
 
@@ -28,24 +28,29 @@ def _first(code: list[float], participants: int) -> list[int | None]:
 
 
 class LocalOverflowAgreement:
-    """All devices in one process: the step of mini-batch t waits until every device reported."""
+    """All devices in one process: the step of mini-batch t waits until every device reported; the
+    first device to go on reads the agreed flags once for all of them."""
 
     def __init__(self, devices: int, describe: Callable[[int], str] = lambda d: f"pipeline device {d}"):
         self.devices = devices
         self.describe = describe
         self.flags: dict[int, list[torch.Tensor]] = {}
+        self.codes: dict[int, list[float]] = {}
         self.read: dict[int, int] = {}
 
     def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
         """This device's flags for mini-batch t; waits (BLOCKED) for every device, returns the first reporters."""
-        host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
-        self.flags.setdefault(t, []).append(flags.detach().cpu() * (self.devices - position))
+        self.flags.setdefault(t, []).append(flags.detach() * (self.devices - position))
         while len(self.flags[t]) < self.devices:
             yield BLOCKED
-        code = torch.stack(self.flags[t]).amax(0).tolist()
+        if t not in self.codes:
+            host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
+            here = self.flags[t][0].device
+            self.codes[t] = torch.stack([f.to(here) for f in self.flags[t]]).amax(0).tolist()
+        code = self.codes[t]
         self.read[t] = self.read.get(t, 0) + 1
         if self.read[t] == self.devices:
-            del self.flags[t], self.read[t]
+            self.forget(t)
         return _first(code, self.devices)
 
     def where(self, index: int) -> str:
@@ -56,8 +61,10 @@ class LocalOverflowAgreement:
         return None
 
     def forget(self, t: int) -> None:
-        """The step raised: the devices still waiting never read the decision, so drop it here."""
+        """Drop what is kept for mini-batch t (also when the step raised and the devices still waiting
+        never read the decision)."""
         self.flags.pop(t, None)
+        self.codes.pop(t, None)
         self.read.pop(t, None)
 
 
@@ -99,16 +106,10 @@ class DistributedOverflowAgreement:
     def where(self, index: int) -> str:
         return self.describe(index)
 
-    @contextlib.contextmanager
-    def _peers_answer(self, t: int) -> Iterator[None]:
+    def _peers_answer(self, t: int) -> contextlib.AbstractContextManager:
         """A rank that died or hangs before its step: an error that says so, not gloo's bare time-out."""
-        try:
-            yield
-        except RuntimeError as error:
-            raise PeerFailure(
-                f"rank {self.rank}: the skip-or-step agreement of mini-batch {t} (every rank, each optimizer "
-                f"step) did not complete: another rank died or hangs before its step; see the other ranks' logs "
-                f"(raise wrap(..., timeout=...) for very slow steps). {error}") from error
+        return peers_answer(f"the skip-or-step agreement of mini-batch {t} (every rank, each optimizer step)",
+                            "raise wrap(..., timeout=...) for very slow steps")
 
     def forget(self, t: int) -> None:
         """Nothing is kept between steps."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.comm.peers import peers_answer
 from pipetrain.runtime import host_sync
 from pipetrain.runtime.metrics import COMM_KINDS, CommCounter, StepResult
 from pipetrain.runtime.stage import StageRuntime
@@ -135,7 +136,8 @@ class Reporter:
 
     def collect(self, result: StepResult, exchange: SumExchange) -> StepResult:
         """Finish ``post``: the global mean loss; per-stage numbers averaged over replicas (bytes summed)."""
-        total = exchange.wait().cpu()
+        with peers_answer("the end-of-step report (loss and metrics summed over every rank)"):
+            total = exchange.wait().cpu()
         host_sync.note("step report")
         V, D = self.num_stages, self.replicas
         result.loss = float(total[0] / total[1])

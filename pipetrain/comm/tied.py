@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.comm import recording
+from pipetrain.comm.peers import peers_answer
 from pipetrain.runtime.executor import BLOCKED
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.stage import StageRuntime
@@ -81,7 +82,8 @@ class DistributedTiedSync:
             if i in self.groups:
                 if self.recorder is not None:
                     self.recorder.collective(("tied", i), dist.get_process_group_ranks(self.groups[i]), dist.get_rank())
-                dist.all_reduce(total, group=self.groups[i])
+                with peers_answer(f"the gradient sum of tied parameter {copies[0][1]!r} over the stages holding it"):
+                    dist.all_reduce(total, group=self.groups[i])
                 self.counter.add("tied_grads", local[0][0], total.numel() * total.element_size())
             for p in params:
                 p.grad = total.clone()

@@ -14,8 +14,11 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.allreduce.hierarchy import build_hierarchy_groups
+from pipetrain.comm.peers import peers_answer
 from pipetrain.runtime.topology import ACT, GRAD, Topology
 from schedules.nccl_order import link_comm
+
+SETTING_UP = "setting up the pipeline's process groups (every rank calls wrap())"
 
 
 def _replicas_per_node(ranks: list[int]) -> tuple[int, int]:
@@ -51,14 +54,16 @@ def ensure_process_group(timeout_seconds: float) -> None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's store outlives a restart (--max-restarts); without a per-attempt namespace the
         # restarted workers read the dead workers' addresses and fail to connect their groups.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"pipetrain/attempt-{attempt}", store),
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timeout, device_id=device)
+        with peers_answer(SETTING_UP):
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"pipetrain/attempt-{attempt}", store),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timeout, device_id=device)
         return
-    dist.init_process_group(backend, timeout=timeout, device_id=device)
+    with peers_answer(SETTING_UP):
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
 
 
 class World:

@@ -131,7 +131,9 @@ class OptimizerStep:
                 s.optimizer.zero_grad(set_to_none=True)
             elif skip:  # a stage without an optimizer still must not carry bad gradients into the next step
                 s.module.zero_grad(set_to_none=True)
-            if not skip:
+            if skip:
+                s.policy.on_skip()
+            else:
                 s.policy.on_step()
 
     def _step_then_agree(self, t: int, flags: torch.Tensor, result: Callable[[], list[int | None]]) -> None:

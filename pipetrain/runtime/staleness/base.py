@@ -98,6 +98,10 @@ class StalenessPolicy:
         if self._update_size is not None:
             self._update_size.invalidate()
 
+    def on_skip(self) -> None:
+        """Called instead of ``before_step`` and ``on_step`` when a step is skipped on every stage
+        (nonfinite="skip", fp16 overflow): the weights and the optimizer state did not move."""
+
     def start_stream(self) -> None:
         """A train() stream begins: micro-batch numbers start again at 0 and the optimizer state may
         have been loaded from a checkpoint since the last stream."""

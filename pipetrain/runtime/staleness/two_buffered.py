@@ -34,17 +34,19 @@ class TwoBufferedPolicy(StashPolicy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_two_buffered(self.stages, self.micro_batches)
-        self.stream_start = 0  # this stage's update count when the stream began
+        # Steps of this stream, taken or skipped: version t is the weights after mini-batch t - 1's step,
+        # whether that step moved them or not (counting only updates, a skip would shift every later key).
+        self.steps = 0
         self.newest: int | None = None  # the newest version a forward has used
 
     def _key(self, micro_batch: int) -> int:
-        return self.stream_start + max(micro_batch // self.micro_batches - 1, 0)
+        return max(micro_batch // self.micro_batches - 1, 0)
 
     def _make_version(self, micro_batch: int) -> WeightSet:
         key = self._key(micro_batch)
-        if key != self.updates:
+        if key != self.steps:
             raise RuntimeError(f"2bw at stage {self.stage}: micro-batch {micro_batch} needs weight version {key} "
-                               f"but the stage is at {self.updates} and did not keep it")
+                               f"but the stage is at {self.steps} and did not keep it")
         return super()._make_version(micro_batch)
 
     def _forward_weights(self, micro_batch: int) -> WeightSet:
@@ -61,15 +63,23 @@ class TwoBufferedPolicy(StashPolicy):
     def before_step(self) -> None:
         # The next mini-batch's micro-batches run on the version in force now; keep it before the
         # optimizer overwrites it (a no-op where a forward already stashed it).
-        if self.updates not in self.versions:
-            self.versions[self.updates] = (super()._make_version(-1), 0)
+        if self.steps not in self.versions:
+            self.versions[self.steps] = (super()._make_version(-1), 0)
             self.peak_versions = max(self.peak_versions, len(self.versions))
+
+    def on_step(self) -> None:
+        super().on_step()
+        self.steps += 1
+
+    def on_skip(self) -> None:
+        self.before_step()  # the next mini-batch still runs on the version in force now
+        self.steps += 1
 
     def start_stream(self) -> None:
         super().start_stream()
         self.versions.clear()
         self.of_micro_batch.clear()
-        self.stream_start = self.updates
+        self.steps = 0
         self.newest = None
 
     def end_stream(self) -> None:
