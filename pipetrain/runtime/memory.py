@@ -1,0 +1,60 @@
+"""Measured memory of one stage: the bytes of the tensors it keeps alive.
+
+On the CPU there is no allocator statistic, so a stage counts its tensors: parameters, optimizer
+state and extra weight versions (at the step report), and at every moment its held bytes can peak
+(after a forward, at the end of a backward) the gradients present plus the activations of its
+in-flight micro-batches. A micro-batch's activations are the storages autograd saves for its
+backward, each counted once (``torch.autograd.graph.saved_tensors_hooks``), weights excluded, plus
+the boundary inputs the stage keeps for it. On CUDA the device's allocator peak
+(``torch.cuda.max_memory_allocated``) is the measure.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """The bytes of the distinct storages autograd saves for a backward, weights excluded, together
+    with the ``held`` tensors (boundary inputs) the stage keeps for the same micro-batch."""
+
+    def __init__(self, weights: set[int], held: list[torch.Tensor]):
+        self.storages = {storage_key(t): t.untyped_storage().nbytes() for t in held}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = storage_key(t)
+            if key not in weights:
+                self.storages[key] = t.untyped_storage().nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def grad_bytes(module: nn.Module) -> int:
+    return sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+
+
+def resident_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None, weight_versions: int) -> int:
+    """Parameters, optimizer state and extra weight versions: what a stage holds between steps."""
+    params = storage_bytes(module.parameters())
+    state = 0
+    if optimizer is not None:
+        state = storage_bytes(t for s in optimizer.state.values() for t in s.values())
+    return params + state + weight_versions
