@@ -113,7 +113,7 @@ def saved_activations(fn: Callable[..., Any], args: tuple, kwargs: dict, keep: s
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[_storage(t)] = t.untyped_storage().nbytes()
+        saved[_storage(t)] = max(saved.get(_storage(t), 0), t.numel() * t.element_size())
         return t
 
     a, k = tree_unflatten(copies, spec)

@@ -18,12 +18,19 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _count(seen: dict[int, int], t: torch.Tensor) -> None:
+    # A micro-batch is a view of its mini-batch's storage, which the caller holds anyway: count the
+    # bytes the tensor spans, once per storage (the largest of the tensors seen on it).
+    key = storage_key(t)
+    seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            seen[storage_key(t)] = t.untyped_storage().nbytes()
+            _count(seen, t)
     return sum(seen.values())
 
 
@@ -32,12 +39,13 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     with the ``held`` tensors (boundary inputs) the stage keeps for the same micro-batch."""
 
     def __init__(self, weights: set[int], held: list[torch.Tensor]):
-        self.storages = {storage_key(t): t.untyped_storage().nbytes() for t in held}
+        self.storages: dict[int, int] = {}
+        for t in held:
+            _count(self.storages, t)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            key = storage_key(t)
-            if key not in weights:
-                self.storages[key] = t.untyped_storage().nbytes()
+            if storage_key(t) not in weights:
+                _count(self.storages, t)
             return t
 
         super().__init__(pack, lambda t: t)
