@@ -91,6 +91,12 @@ class Chain:
         cuttable = np.cumsum(blocked)[: n + 1] == 0
         # Which node saves which value comes from tracing; a plain graph has no such record, so each
         # value counts as saved by its producer (the output-activation model).
+        saved = np.array([a.get("saved_bytes", 0) for a in attr], float)
+        # The loss is outside the graph; it keeps about the model's output for its backward (cross
+        # entropy: the log-probabilities), so the output node counts that much.
+        for i, name in enumerate(names):
+            if ops[i] == "output":
+                saved[i] = sum(g.nodes[p].get("act_bytes", 0) for p in g.predecessors(name))
         first_saver = np.full(n, n) if any("saves" in a for a in attr) else np.arange(n)
         for q, a in enumerate(attr):
             for name in a.get("saves", ()):
@@ -102,7 +108,7 @@ class Chain:
             params=np.array([a.get("param_bytes", 0) for a in attr], float),
             acts=np.array([a.get("act_bytes", 0) for a in attr], float),
             out_bytes=out_bytes, consumers=consumers, last=last, cuttable=cuttable,
-            saved=np.array([a.get("saved_bytes", 0) for a in attr], float), first_saver=first_saver,
+            saved=saved, first_saver=first_saver,
             inputs=np.array([a.get("act_bytes", 0) if o == "placeholder" else 0 for a, o in zip(attr, ops)], float))
 
     def segment(self, i: int, j: int) -> dict[str, float]:
