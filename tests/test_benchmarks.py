@@ -48,3 +48,11 @@ def test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster(tm
                            "--batch-size", "64", "--top", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert re.search(r"^\s+1\s+\d+\s+\d+\s+\d+\s+\d+\s+(1f1b|gpipe)", plan.stdout, re.M), plan.stdout
+
+
+def test_memory_benchmark_predicts_every_stage_within_ten_percent():
+    # --fast: tiny models, one round, no torch comparison. The prediction is deterministic; timing is not checked.
+    out = run_script("bench_memory.py", "--fast")
+    worst = [float(w) for w in re.findall(r"largest prediction error \(none, always\): ([\d.]+)%", out)]
+    assert len(worst) == 2 and max(worst) <= 10.0, out
+    assert len(re.findall(r"^\s+(1f1b|gpipe)\s+(none|except-last|always)\s", out, re.M)) == 12, out

@@ -1,6 +1,6 @@
 """Memory per stage: predicted vs measured peak, what recomputation costs, and torch's Schedule1F1B.
 
-    .venv/bin/python examples/benchmarks/bench_memory.py [--rounds 5] [--fast]
+    .venv/bin/python examples/benchmarks/bench_memory.py [--rounds 7] [--fast]
 
 For a Transformer (pipetrain.apps.models "transformer", width 64, 4 layers, sequences of 64 steps)
 and a CNN (VGG-11 at width 16, 32x32 RGB), both split into 4 stages by the graph partitioner, batch
@@ -123,8 +123,8 @@ class LiveActivations(torch.autograd.graph.saved_tensors_hooks):
             del self.count[key]
 
 
-def _weights(module: torch.nn.Module) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in module.parameters()}
+def _weights(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -138,7 +138,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     for name, factory, x, y in models(fast=False):
         pipe = wrap(factory, x, "1f1b", "none", engine="distributed")
         list(pipe.train([(x, y)]))  # warm-up: the stage counts its saved bytes once per shape, by a hook of its own
-        with LiveActivations(_weights(pipe._runtimes[rank].module)) as ours:
+        ours = LiveActivations(_weights(pipe.state_dict().values()))  # this rank's parameters and buffers
+        with ours:
             list(pipe.train([(x, y)]))
         stage = PipelineStage(pipe.plan.build_stage(rank), rank, STAGES, torch.device("cpu"))
         optimizer = sgd(stage.submod.parameters())
@@ -151,7 +152,8 @@ def _rank(rank: int, port: int, out: str) -> None:
             optimizer.zero_grad()
 
         torch_step()
-        with LiveActivations(_weights(stage.submod)) as theirs:
+        theirs = LiveActivations(_weights(stage.submod.state_dict().values()))
+        with theirs:
             torch_step()
         peaks[name] = (ours.peak, theirs.peak)
     torch.save(peaks, os.path.join(out, f"rank{rank}.pt"))
@@ -188,7 +190,7 @@ def report(name: str, rows: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--fast", action="store_true", help="tiny models, one round, no torch comparison")
     args = parser.parse_args()
     torch.set_num_threads(1)
