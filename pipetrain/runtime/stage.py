@@ -142,6 +142,9 @@ class StageRuntime:
             else:
                 leaves.append([])
             args.append(value)
+        if not torch.is_grad_enabled():  # prediction: nothing is saved, nothing to count
+            out, loss = self._run(tuple(args), weights, target, seed, with_loss=False)
+            return out, loss, [], leaves, 0
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(args))
         counted = self.saved_bytes.get(shapes)
         counter: Any = contextlib.nullcontext()
@@ -151,11 +154,9 @@ class StageRuntime:
                 param_ptrs |= {w.untyped_storage().data_ptr() for w in weights.values()}
             counter = SavedBytes(param_ptrs, [leaf for ls in leaves for leaf in ls])
         with counter:
-            out, loss = self._run(tuple(args), weights, target, seed, with_loss=torch.is_grad_enabled())
+            out, loss = self._run(tuple(args), weights, target, seed, with_loss=True)
         if counted is None:
             counted = self.saved_bytes[shapes] = counter.total
-        if not torch.is_grad_enabled():
-            return out, loss, [], leaves, counted
         to_differentiate = [loss * weight] if self.is_last else [t for t in tensor_leaves(out) if takes_grad(t)]
         return out, loss, to_differentiate, leaves, counted
 
