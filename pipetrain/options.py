@@ -54,7 +54,8 @@ class PipelineOptions:
     profile: bool = True
     bandwidth: float | None = None     # bytes/s between stages, for the graph partitioner
     memory_limit: float | None = None  # bytes per stage: the partitioner's split must fit (predicted peak)
-    # Activation recomputation: "none" | "except-last" | "always" | "auto" (per stage, the cheapest that fits memory_limit).
+    # Activation recomputation: "none" | "except-last" | "always" | "auto" (per stage, the cheapest
+    # setting that fits memory_limit).
     recompute: str = "none"
     dynamic_shapes: bool = False
     timeout: float = 30.0              # seconds a rank waits for another before it stops with an error
@@ -86,8 +87,8 @@ class PipelineOptions:
         choose("nonfinite", self.nonfinite, NONFINITE)
         choose("recompute", self.recompute, RECOMPUTE)
         if self.recompute == "auto" and self.memory_limit is None:
-            raise ValueError("recompute='auto' picks per stage the cheapest setting that fits memory_limit: "
-                             "give memory_limit (bytes per stage) or choose recompute='none', 'except-last' or 'always'")
+            raise ValueError("recompute='auto' picks per stage the cheapest setting that fits memory_limit: give "
+                             "memory_limit (bytes per stage) or choose recompute='none', 'except-last' or 'always'")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         choose("compress", self.compress, (None, "bf16", "fp16"))

@@ -110,7 +110,8 @@ class Pipeline:
         if kind != "async-1f1b":
             return self._schedule(kind, micro_batches).actions
         o = self.options
-        return [list(schedules.async_1f1b_actions(d, o.stages, micro_batches, lambda t: t < 4)) for d in range(o.stages)]
+        return [list(schedules.async_1f1b_actions(d, o.stages, micro_batches, lambda t: t < 4))
+                for d in range(o.stages)]
 
     def _recompute_rule(self, kind: str, micro_batches: int) -> Callable[[schedules.Action], bool]:
         """Whether an action's forward keeps only its inputs (plan.recompute: each virtual stage's setting)."""

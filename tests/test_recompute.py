@@ -23,9 +23,10 @@ CASES = [
 
 
 def wrap(name, schedule, staleness, precision, stages, micro_batches, recompute="none", example=2, **kw):
-    return pipetrain.wrap(make(name), data(name, example)[0], stages=stages, micro_batches=micro_batches, schedule=schedule,
-                          staleness=staleness, precision=precision, loss_fn=loss_fn(name), optimizer=sgd,
-                          partitioner="uniform", profile=False, engine="local", recompute=recompute, **kw)
+    return pipetrain.wrap(make(name), data(name, example)[0], stages=stages, micro_batches=micro_batches,
+                          schedule=schedule, staleness=staleness, precision=precision, loss_fn=loss_fn(name),
+                          optimizer=sgd, partitioner="uniform", profile=False, engine="local", recompute=recompute,
+                          **kw)
 
 
 def train(case, recompute, steps=3):

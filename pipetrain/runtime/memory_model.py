@@ -9,12 +9,13 @@ import torch
 import partitioners
 import schedules
 from pipetrain.runtime.memory import storage_bytes
+from partitioners.memory import Moments
 from schedules.memory import held_activations
 
 STASHING = ("stash", "nesterov", "spectrain-forward")  # a weight version per update in flight
 
 
-def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict[str, list[partitioners.memory.Moments]]:
+def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict[str, list[Moments]]:
     """Per recomputation setting and virtual stage (chunk * stages + device), the moments its held bytes may peak."""
     chunks = 1 + max((a.chunk for device in actions for a in device), default=0)
     out: dict[str, list] = {}
