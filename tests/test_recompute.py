@@ -19,6 +19,7 @@ CASES = [
     ("dropout", "async-1f1b", "spectrain", "fp32", 3, 2), ("dropout", "async-1f1b", "nesterov", "fp32", 3, 2),
     ("convbn", "1f1b", "none", "fp32", 2, 4), ("tied", "gpipe", "none", "fp32", 2, 2),
     ("dropout", "1f1b", "none", "bf16", 2, 4), ("dropout", "zb-h1", "none", "fp16", 2, 4),
+    ("dropout", "async-1f1b", "spectrain", "fp32", 3, 2, {"spectrain_variant": "forward-only"}),
 ]
 
 
@@ -31,12 +32,13 @@ def wrap(name, schedule, staleness, precision, stages, micro_batches, recompute=
 
 def train(case, recompute, steps=3):
     x, y = data(case[0], 8 * steps)
-    pipe = wrap(*case, recompute=recompute)
+    pipe = wrap(*case[:6], recompute=recompute, **(case[6] if len(case) > 6 else {}))
     losses = [r.loss for r in pipe.train(zip(x.split(8), y.split(8)))]
     return losses, pipe.state_dict(), pipe
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c[:6])) + ("-forward-only" if len(c) > 6 else "")
+                                              for c in CASES])
 def test_recomputation_trains_exactly_as_without_it(case):
     losses, state, _ = train(case, "none")
     for recompute in ("except-last", "always"):
@@ -124,9 +126,13 @@ def test_memory_limit_picks_recomputation_per_stage_or_names_the_stage_that_cann
     always = pipetrain.wrap(model, x[:8], recompute="always", **options).plan.stage_memory
     assert always[0] < none[0] and always[-1] == none[-1]  # the last stage of 1F1B holds one micro-batch
     limit = (none[0] + always[0]) / 2  # stage 0 fits only when recomputing
-    auto = pipetrain.wrap(model, x[:8], recompute="auto", memory_limit=limit, **options).plan
-    assert auto.recompute[0] != "none" and auto.stage_memory[0] <= limit
-    assert all(s == "none" for s, peak in zip(auto.recompute, none) if peak <= limit)
+    auto = pipetrain.wrap(model, x[:8], recompute="auto", memory_limit=limit, **options)
+    assert auto.plan.recompute[0] != "none" and auto.plan.stage_memory[0] <= limit
+    assert all(s == "none" for s, peak in zip(auto.plan.recompute, none) if peak <= limit)
+    plain = pipetrain.wrap(model, x[:8], **options)
+    y = data("mlp", 64)[1]
+    assert auto.step(x, y) == plain.step(x, y)  # the mixed settings train exactly as without recomputation
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in auto.state_dict().items())
     with pytest.raises(partitioners.PartitionError, match=r"stage 0 needs .* MiB at its predicted peak"):
         pipetrain.wrap(model, x[:8], memory_limit=limit, **options)
     with pytest.raises(ValueError, match="recompute='auto' .* memory_limit"):
