@@ -30,6 +30,11 @@ def wrap(name, schedule, staleness, precision, stages, micro_batches, recompute=
                           **kw)
 
 
+def one_step(pipe, x, y):
+    """The StepResult of one mini-batch."""
+    return next(iter(pipe.train([(x, y)])))
+
+
 def train(case, recompute, steps=3):
     x, y = data(case[0], 8 * steps)
     pipe = wrap(*case[:6], recompute=recompute, **(case[6] if len(case) > 6 else {}))
@@ -93,8 +98,8 @@ def test_activations_when_always_recomputing_are_the_inputs_in_flight_plus_one_m
     x, y = data("mlp", 8)
     whole = wrap("mlp", "1f1b", "none", "fp32", stages, m)
     replayed = wrap("mlp", "1f1b", "none", "fp32", stages, m, recompute="always")
-    full = whole._sync_step(x, y).activation_bytes
-    kept = replayed._sync_step(x, y).activation_bytes
+    full = one_step(whole, x, y).activation_bytes
+    kept = one_step(replayed, x, y).activation_bytes
     for k in range(stages):
         rt = whole._runtimes[k]
         one = next(iter(rt.saved_bytes.values()))  # one micro-batch's activations, inputs included
@@ -113,7 +118,7 @@ def test_predicted_peak_per_stage_matches_the_measured_one():
     for schedule in ("gpipe", "1f1b"):
         for recompute in ("none", "always"):
             pipe = wrap("dropout", schedule, "none", "fp32", 3, 4, recompute=recompute, example=4)
-            results = [pipe._sync_step(x, y) for _ in range(2)]
+            results = [one_step(pipe, x, y) for _ in range(2)]
             for predicted, measured in zip(pipe.plan.stage_memory, results[-1].peak_memory):
                 assert measured > 0 and abs(predicted - measured) <= 0.02 * measured, (schedule, recompute)
             assert "peak MB" in str(pipe.plan)
@@ -165,3 +170,16 @@ def test_distributed_recomputation_and_peak_memory_equal_the_local_engine(tmp_pa
         merged.update(state)
     for key, value in pipe.state_dict().items():
         assert torch.equal(merged[key], value), key
+
+
+def test_tensorboard_gets_each_stage_peak(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y = data("mlp", 8)
+    pipe = wrap("mlp", "1f1b", "none", "fp32", 2, 4, logdir=str(tmp_path))
+    result = one_step(pipe, x, y)
+    pipe.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    logged = [acc.Scalars(f"stage{k}/peak_memory_bytes")[0].value for k in range(2)]
+    assert logged == [float(b) for b in result.peak_memory] and min(logged) > 0
