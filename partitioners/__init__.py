@@ -2,12 +2,13 @@
 from .chain import DEFAULT_BANDWIDTH
 from .errors import PartitionError, TraceError
 from .graph import CostGraph
+from .memory import MemoryModel
 from .planners.replicas import plan_replicas
 from .planners.layout import Layout, evaluate_layout, format_ranking, plan_layout, search_layouts
 from .partition import partition
 from .plan import Plan
 from .trace import trace
 
-__all__ = ["CostGraph", "DEFAULT_BANDWIDTH", "Layout", "PartitionError", "Plan", "TraceError",
+__all__ = ["CostGraph", "DEFAULT_BANDWIDTH", "Layout", "MemoryModel", "PartitionError", "Plan", "TraceError",
            "evaluate_layout", "format_ranking", "partition", "plan_replicas", "plan_layout", "search_layouts",
            "trace"]

@@ -15,6 +15,7 @@ import numpy as np
 
 from .chain import Chain, allreduce_time
 from .errors import PartitionError
+from .memory import MemoryModel
 
 
 def balanced_cuts(weights: np.ndarray, stages: int, cuttable: np.ndarray) -> list[int]:
@@ -44,6 +45,10 @@ class SegmentCosts:
         self.born = np.concatenate([[0.0], np.cumsum(chain.out_bytes)])
         self.out_bytes = chain.out_bytes
         self.last = chain.last
+        self.saved = np.concatenate([[0.0], np.cumsum(chain.saved)])
+        self.inputs = np.concatenate([[0.0], np.cumsum(chain.inputs)])
+        self.first_saver = chain.first_saver
+        self.value_bytes = chain.acts
         # For every start i: (next consumer at or after i, bytes) of each value produced
         # before i and still needed at i.
         rows, nxts, sizes = [], [], []
@@ -62,14 +67,17 @@ class SegmentCosts:
         self.size = np.concatenate(sizes)[order] if rows else np.zeros(0)
         self.ptr = np.searchsorted(row[order], np.arange(n + 2))
 
+    def _received(self, i: int, w: int) -> np.ndarray:
+        a, b = self.ptr[i], self.ptr[i + 1]
+        idx = self.nxt[a:b] - i
+        keep = idx < w
+        return np.cumsum(np.bincount(idx[keep], weights=self.size[a:b][keep], minlength=w)[:w])
+
     def costs(self, i: int, jmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """compute, communicated bytes, parameter bytes, memory of [i, j), j = i+1..jmax."""
         w = jmax - i
         ends = np.arange(i + 1, jmax + 1)
-        a, b = self.ptr[i], self.ptr[i + 1]
-        idx = self.nxt[a:b] - i
-        keep = idx < w
-        recv = np.cumsum(np.bincount(idx[keep], weights=self.size[a:b][keep], minlength=w)[:w])
+        recv = self._received(i, w)
         dead_at = self.last[i:jmax] - i
         keep = dead_at < w
         dead = np.cumsum(np.bincount(dead_at[keep], weights=self.out_bytes[i:jmax][keep],
@@ -79,26 +87,38 @@ class SegmentCosts:
         memory = params + self.acts[ends] - self.acts[i] + recv
         return self.compute[ends] - self.compute[i], recv + sent, params, memory
 
+    def activations(self, i: int, jmax: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per end j = i+1..jmax: one micro-batch's activation bytes and boundary bytes of [i, j) (chain.py)."""
+        w = jmax - i
+        ends = np.arange(i + 1, jmax + 1)
+        recv = self._received(i, w)
+        saved_at = self.first_saver[i:jmax] - i
+        keep = saved_at < w
+        kept = np.cumsum(np.bincount(saved_at[keep], weights=self.value_bytes[i:jmax][keep], minlength=w)[:w])
+        return recv + self.saved[ends] - self.saved[i] + kept, recv + self.inputs[ends] - self.inputs[i]
+
 
 def optimal_cuts(chain: Chain, stages: int, *, bandwidth: float, replicas: list[int],
                  allreduce_bandwidth: float | None = None,
-                 memory_limit: float | None = None) -> list[int]:
+                 memory_limit: float | None = None, memory: MemoryModel | None = None) -> list[int]:
     """Cuts minimising the slowest stage's time (chain.py's cost model), exactly.
 
+    With ``memory``, a stage fits memory_limit when its predicted peak (memory.py) does; without,
+    when its parameters, output activations and received bytes do.
     Raises PartitionError when no split satisfies memory_limit."""
     rows = SegmentCosts(chain)
     total = rows.compute[-1]
     lower = max(total / stages, float(chain.time.max(initial=0.0))) / max(replicas)
     # A known split's bottleneck bounds every stage of the optimum: start the window there.
     guess = balanced_cuts(chain.time, stages, chain.cuttable)
-    bound = max(_evaluate(rows, guess, bandwidth, replicas, allreduce_bandwidth, memory_limit),
+    bound = max(_evaluate(rows, guess, bandwidth, replicas, allreduce_bandwidth, memory_limit, memory),
                 lower)
     if not np.isfinite(bound):
         bound = 1.25 * lower
     bound = bound if bound > 0 else 1.0
     while True:
         cuts, best = _dp(chain, rows, stages, bandwidth, replicas, allreduce_bandwidth,
-                         memory_limit, bound)
+                         memory_limit, bound, memory)
         if best <= bound:
             return cuts
         if bound * max(replicas) >= total:  # the window already held every segment
@@ -107,22 +127,39 @@ def optimal_cuts(chain: Chain, stages: int, *, bandwidth: float, replicas: list[
             if memory_limit is None:
                 raise PartitionError(f"no split into {stages} stages exists at the allowed cut "
                                      "positions; fix: use fewer stages")
+            what = ("its predicted peak (weights, optimizer state, gradients and the activations the "
+                    "schedule keeps in flight)" if memory is not None else
+                    "(parameters + activations + received tensors)")
+            fix = ("recompute='always' or 'auto', " if memory is not None and memory.recompute != "auto" else "")
             raise PartitionError(
                 f"memory_limit={memory_limit:.4g} bytes: no split into {stages} stages keeps "
-                "every stage (parameters + activations + received tensors) under it; fix: raise "
-                "memory_limit, use more stages, or use a smaller micro-batch")
+                f"every stage {what} under it; fix: raise memory_limit, use {fix}more stages, "
+                "or use a smaller micro-batch")
         bound *= 2.0
 
 
+def _over_limit(rows: SegmentCosts, i: int, jmax: int, stages: range, params: np.ndarray,
+                memory: np.ndarray, memory_limit: float | None, model: MemoryModel | None) -> np.ndarray:
+    """Per stage index in ``stages`` and end j = i+1..jmax: whether [i, j) breaks memory_limit."""
+    if memory_limit is None:
+        return np.zeros((len(stages), len(params)), bool)
+    if model is None:
+        return np.broadcast_to(memory > memory_limit, (len(stages), len(params)))
+    activations, boundary = rows.activations(i, jmax)
+    return np.stack([model.least_bytes(k, params, activations, boundary) > memory_limit for k in stages])
+
+
 def _evaluate(rows: SegmentCosts, cuts: list[int], bandwidth: float, replicas: list[int],
-              allreduce_bandwidth: float | None, memory_limit: float | None) -> float:
+              allreduce_bandwidth: float | None, memory_limit: float | None,
+              model: MemoryModel | None = None) -> float:
     """Bottleneck of one split under the DP's cost model (inf if it breaks memory_limit)."""
     worst = 0.0
     for k in range(len(cuts) - 1):
         i, j = cuts[k], cuts[k + 1]
-        compute, moved, params, memory = (a[-1] for a in rows.costs(i, j))
-        if memory_limit is not None and memory > memory_limit:
+        compute, moved, params, memory = rows.costs(i, j)
+        if _over_limit(rows, i, j, range(k, k + 1), params, memory, memory_limit, model)[0, -1]:
             return np.inf
+        compute, moved, params = compute[-1], moved[-1], params[-1]
         r = replicas[k]
         ring = allreduce_time(params, r, allreduce_bandwidth)
         worst = max(worst, max(compute + moved / bandwidth, ring) / r)
@@ -131,7 +168,7 @@ def _evaluate(rows: SegmentCosts, cuts: list[int], bandwidth: float, replicas: l
 
 def _dp(chain: Chain, rows: SegmentCosts, p: int, bandwidth: float, replicas: list[int],
         allreduce_bandwidth: float | None, memory_limit: float | None,
-        bound: float) -> tuple[list[int], float]:
+        bound: float, model: MemoryModel | None = None) -> tuple[list[int], float]:
     """Min-max DP over segments whose compute fits the window; f[s, j] = best bottleneck
     of the first s stages covering positions [0, j)."""
     n = chain.n
@@ -154,10 +191,8 @@ def _dp(chain: Chain, rows: SegmentCosts, p: int, bandwidth: float, replicas: li
         compute, moved, params, memory = rows.costs(i, jmax)
         busy = compute + moved / bandwidth
         cost = np.maximum(busy[None, :], ring[lo:hi] * params[None, :]) / r[lo:hi]
-        bad = ~chain.cuttable[i + 1:jmax + 1]
-        if memory_limit is not None:
-            bad |= memory > memory_limit
-        cost[:, bad] = np.inf
+        cost[:, ~chain.cuttable[i + 1:jmax + 1]] = np.inf
+        cost[_over_limit(rows, i, jmax, range(lo, hi), params, memory, memory_limit, model)] = np.inf
         cand = np.maximum(done[:, None], cost)
         cur = f[lo + 1:hi + 1, i + 1:jmax + 1]
         better = cand < cur

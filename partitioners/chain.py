@@ -5,6 +5,9 @@ A stage is a contiguous segment [i, j) of the order. Its cost model:
   received = bytes of every value produced before i and consumed in [i, j)
   sent     = bytes of every value produced in [i, j) and consumed at or after j
   memory   = parameter bytes + output-activation bytes of its nodes + received bytes
+             (without a MemoryModel; with one, see memory.py)
+  activations = received bytes + what autograd saves for one micro-batch's backward
+  boundary = received bytes + the model inputs it takes (what a recomputing stage keeps)
   time     = max(compute + (received + sent) / bandwidth, allreduce) / replicas
 where allreduce = 2 (r - 1) / r * parameter bytes / allreduce_bandwidth for a stage
 with r > 1 replicas (a ring all-reduce: schedules.cluster.reductions.ring_allreduce_time). get_attr values
@@ -39,6 +42,9 @@ class Chain:
     consumers: list[np.ndarray]  # sorted positions of each node's users
     last: np.ndarray        # position of the last user (own position when unused)
     cuttable: np.ndarray    # cuttable[c]: a stage may start at position c (len n + 1)
+    saved: np.ndarray       # bytes autograd saves inside the node (neither an input nor its output)
+    first_saver: np.ndarray  # position of the first node saving the node's value for backward (n: none)
+    inputs: np.ndarray      # bytes of the model's inputs (placeholders), 0 elsewhere
 
     @property
     def n(self) -> int:
@@ -83,13 +89,27 @@ class Chain:
                 blocked[i + 1] += 1
                 blocked[last[i] + 1] -= 1
         cuttable = np.cumsum(blocked)[: n + 1] == 0
+        # Which node saves which value comes from tracing; a plain graph has no such record, so each
+        # value counts as saved by its producer (the output-activation model).
+        saved = np.array([a.get("saved_bytes", 0) for a in attr], float)
+        # The loss is outside the graph; it keeps about the model's output for its backward (cross
+        # entropy: the log-probabilities), so the output node counts that much.
+        for i, name in enumerate(names):
+            if ops[i] == "output":
+                saved[i] = sum(g.nodes[p].get("act_bytes", 0) for p in g.predecessors(name))
+        first_saver = np.full(n, n) if any("saves" in a for a in attr) else np.arange(n)
+        for q, a in enumerate(attr):
+            for name in a.get("saves", ()):
+                first_saver[pos[name]] = min(first_saver[pos[name]], q)
         cuttable[0] = cuttable[n] = True
         return cls(
             names=names, ops=ops,
             time=np.array([a.get("fwd_time", 0.0) + a.get("bwd_time", 0.0) for a in attr], float),
             params=np.array([a.get("param_bytes", 0) for a in attr], float),
             acts=np.array([a.get("act_bytes", 0) for a in attr], float),
-            out_bytes=out_bytes, consumers=consumers, last=last, cuttable=cuttable)
+            out_bytes=out_bytes, consumers=consumers, last=last, cuttable=cuttable,
+            saved=saved, first_saver=first_saver,
+            inputs=np.array([a.get("act_bytes", 0) if o == "placeholder" else 0 for a, o in zip(attr, ops)], float))
 
     def segment(self, i: int, j: int) -> dict[str, float]:
         """compute, received, sent, params, memory of the stage [i, j) (direct definition)."""
@@ -97,9 +117,12 @@ class Chain:
                    if any(i <= q < j for q in self.consumers[v]))
         sent = sum(self.out_bytes[v] for v in range(i, j) if self.last[v] >= j)
         params = float(self.params[i:j].sum())
+        kept = float(self.acts[i:j][self.first_saver[i:j] < j].sum())
         return {"compute": float(self.time[i:j].sum()), "received": float(recv),
                 "sent": float(sent), "params": params,
-                "memory": params + float(self.acts[i:j].sum()) + float(recv)}
+                "memory": params + float(self.acts[i:j].sum()) + float(recv),
+                "activations": float(recv) + float(self.saved[i:j].sum()) + kept,
+                "boundary": float(recv) + float(self.inputs[i:j].sum())}
 
 
 def stage_time(seg: dict[str, float], bandwidth: float, replicas: int = 1,

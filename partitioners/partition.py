@@ -11,6 +11,7 @@ from .algorithms import balanced_cuts, optimal_cuts
 from .chain import COMPUTE_OPS, DEFAULT_BANDWIDTH, Chain
 from .errors import PartitionError
 from .graph import CostGraph
+from .memory import MemoryModel
 from .plan import Plan
 
 METHODS = ("graph", "time", "params", "uniform")
@@ -19,7 +20,7 @@ METHODS = ("graph", "time", "params", "uniform")
 def partition(graph: CostGraph | nx.DiGraph, stages: int, *, method: str | Sequence[str] = "graph",
               replicas: Sequence[int] | None = None, bandwidth: float | None = None,
               memory_limit: float | None = None,
-              allreduce_bandwidth: float | None = None) -> Plan:
+              allreduce_bandwidth: float | None = None, memory: MemoryModel | None = None) -> Plan:
     """Split `graph` into `stages` contiguous stages of its topological order.
 
     method: "uniform" (equal counts of compute nodes), "params" (equal parameter bytes),
@@ -29,6 +30,10 @@ def partition(graph: CostGraph | nx.DiGraph, stages: int, *, method: str | Seque
     replicas[k] copies of stage k share its work (data parallel within the stage);
     memory_limit (bytes per stage) is honoured by "time" and "graph" and checked for the
     others. Stage times always include communication at `bandwidth`.
+    memory (a MemoryModel: the schedule's in-flight micro-batches, optimizer state, weight
+    versions, recomputation) makes the plan predict each stage's peak (Plan.stage_memory) and
+    is what memory_limit is checked against; without it a stage's memory is its parameters,
+    output activations and received bytes.
     """
     chain = Chain.from_graph(graph)
     starts = int(chain.cuttable[:chain.n].sum())
@@ -56,14 +61,16 @@ def partition(graph: CostGraph | nx.DiGraph, stages: int, *, method: str | Seque
     elif method in ("time", "graph"):
         cuts = optimal_cuts(chain, stages, bandwidth=math.inf if method == "time" else bw,
                             replicas=reps, allreduce_bandwidth=allreduce_bandwidth,
-                            memory_limit=memory_limit)
+                            memory_limit=memory_limit, memory=memory)
         label = method
     else:
         raise PartitionError(f"unknown method {method!r}; fix: use one of {METHODS} or a list "
                              "of module names to split before")
     plan = Plan.from_cuts(graph, chain, cuts, method=label, bandwidth=bw, replicas=reps,
                           allreduce_bandwidth=allreduce_bandwidth)
-    if memory_limit is not None and method not in ("time", "graph"):
+    if memory is not None:
+        _predict_memory(plan, chain, memory, memory_limit)
+    elif memory_limit is not None and method not in ("time", "graph"):
         for k in range(stages):
             need = chain.segment(cuts[k], cuts[k + 1])["memory"]
             if need > memory_limit:
@@ -71,6 +78,22 @@ def partition(graph: CostGraph | nx.DiGraph, stages: int, *, method: str | Seque
                     f"method {label!r} puts {need:.4g} bytes on stage {k}, over memory_limit="
                     f"{memory_limit:.4g}; fix: use method='graph' or 'time', which honour the limit")
     return plan
+
+
+def _predict_memory(plan: Plan, chain: Chain, memory: MemoryModel, memory_limit: float | None) -> None:
+    """Set each stage's recomputation setting and predicted peak; a stage over the limit is an error."""
+    plan.recompute, plan.stage_memory = [], []
+    for k in range(plan.num_stages):
+        seg = chain.segment(plan.cuts[k], plan.cuts[k + 1])
+        setting, peak = memory.choose(k, plan.param_bytes[k], seg["activations"], seg["boundary"], memory_limit)
+        plan.recompute.append(setting)
+        plan.stage_memory.append(peak)
+        if memory_limit is not None and peak > memory_limit:
+            fix = "" if memory.recompute in ("auto", "always") else "recompute='always' or 'auto', "
+            raise PartitionError(
+                f"stage {k} needs {peak / 2**20:.1f} MiB at its predicted peak (recompute={setting!r}), over "
+                f"memory_limit={memory_limit / 2**20:.1f} MiB; fix: use {fix}method='graph' (which splits to "
+                "fit), more stages, fewer micro-batches in flight or a smaller micro-batch")
 
 
 def _replicas(replicas: Sequence[int] | None, stages: int) -> list[int]:

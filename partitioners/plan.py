@@ -38,6 +38,10 @@ class Plan:
         self.param_bytes, self.act_bytes = param_bytes, act_bytes
         self.graph = graph
         self._tied = tied
+        # Set by partition() when given a MemoryModel: per stage, the predicted peak bytes and the
+        # recomputation setting they assume.
+        self.stage_memory: list[float] | None = None
+        self.recompute: list[str] | None = None
         self._stage_of = {name: int(np.searchsorted(cuts, i, side="right")) - 1
                           for i, name in enumerate(order)}
 
@@ -150,6 +154,8 @@ class Plan:
     def __str__(self) -> str:
         head = (f"{'stage':>5} {'nodes':>6} {'reps':>4} {'compute ms':>11} {'comm MB':>8} "
                 f"{'time ms':>9} {'params MB':>9} {'acts MB':>8} {'in':>4} {'out':>4}")
+        if self.stage_memory is not None:
+            head += f" {'peak MB':>8} {'recompute':>11}"
         lines = [f"Plan: {self.num_stages} stages, method={self.method!r}, "
                  f"bandwidth={self.bandwidth:.3g} B/s", head]
         for k in range(self.num_stages):
@@ -158,7 +164,9 @@ class Plan:
                 f"{self.compute_times[k] * 1e3:>11.3f} {self.comm_bytes[k] / 1e6:>8.3f} "
                 f"{self.stage_times[k] * 1e3:>9.3f} {self.param_bytes[k] / 1e6:>9.3f} "
                 f"{self.act_bytes[k] / 1e6:>8.3f} {len(self._inputs[k]):>4} "
-                f"{len(self._outputs[k]):>4}")
+                f"{len(self._outputs[k]):>4}"
+                + (f" {self.stage_memory[k] / 1e6:>8.3f} {self.recompute[k]:>11}"
+                   if self.stage_memory is not None else ""))
         k = int(np.argmax(self.stage_times))
         lines.append(f"bottleneck: stage {k}, {self.bottleneck * 1e3:.3f} ms per micro-batch")
         return "\n".join(lines)
@@ -175,7 +183,8 @@ class Plan:
             "inputs": self._inputs, "outputs": self._outputs, "stage_times": self.stage_times,
             "compute_times": self.compute_times, "comm_bytes": self.comm_bytes,
             "param_bytes": self.param_bytes, "act_bytes": self.act_bytes,
-            "tied": None if tied is None else [[list(c) for c in g] for g in tied]})
+            "tied": None if tied is None else [[list(c) for c in g] for g in tied],
+            "stage_memory": self.stage_memory, "recompute": self.recompute})
 
     @classmethod
     def from_json(cls, text: str, graph: CostGraph | None = None) -> "Plan":
@@ -187,11 +196,13 @@ class Plan:
             raise PartitionError("the graph's nodes differ from the plan's: the plan was made for "
                                  "another model or trace; fix: trace the same model and inputs")
         tied = d["tied"]
-        return cls(order=d["order"], cuts=d["cuts"], method=d["method"],
+        plan = cls(order=d["order"], cuts=d["cuts"], method=d["method"],
                    bandwidth=d["bandwidth"], replicas=d["replicas"], ops=d["ops"],
                    inputs=d["inputs"], outputs=d["outputs"], stage_times=d["stage_times"],
                    compute_times=d["compute_times"], comm_bytes=d["comm_bytes"],
                    param_bytes=d["param_bytes"], act_bytes=d["act_bytes"],
                    tied=None if tied is None else [[(int(k), n) for k, n in g] for g in tied],
                    graph=graph)
+        plan.stage_memory, plan.recompute = d.get("stage_memory"), d.get("recompute")
+        return plan
 

@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 # Nominal device speeds for the estimate (profile=False). Only ratios between
@@ -93,6 +93,35 @@ def measure(fn: Callable[..., Any], args: tuple, kwargs: dict, params: list[torc
         if rep:
             bwd.append(time.perf_counter() - start)
     return statistics.median(fwd), statistics.median(bwd)
+
+
+def saved_activations(fn: Callable[..., Any], args: tuple, kwargs: dict, keep: set[int] = frozenset(),
+                      weights: set[int] = frozenset()) -> tuple[int, list[int], bool]:
+    """What autograd keeps of one call for its backward, by distinct storage: the bytes of tensors the
+    call creates and saves (neither an argument nor its output), the positions (``tree_flatten``
+    order of ``(args, kwargs)``) of the tensor arguments it saves, and whether it saves its output.
+    The model's own tensors (ids in ``keep``, storages in ``weights``: parameters, buffers) are not counted."""
+    flat, spec = tree_flatten((args, kwargs))
+    copies: list[Any] = []
+    position: dict[int, int] = {}
+    for i, v in enumerate(flat):
+        if isinstance(v, torch.Tensor) and id(v) not in keep:
+            v = v.detach().requires_grad_(True).clone() if v.is_floating_point() else v.detach().clone()
+            position[_storage(v)] = i
+        copies.append(v)
+    own = set(weights)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[_storage(t)] = max(saved.get(_storage(t), 0), t.numel() * t.element_size())
+        return t
+
+    a, k = tree_unflatten(copies, spec)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*a, **k)
+    outs = {_storage(t) for t in _tensors(out)}
+    internal = sum(b for key, b in saved.items() if key not in position and key not in outs and key not in own)
+    return internal, sorted(position[key] for key in saved if key in position), bool(outs & set(saved) - set(position))
 
 
 def _rnn_flops(module: torch.nn.Module, args: tuple) -> int:

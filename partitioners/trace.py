@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .capture import bind_inputs, export_capture, training_call
-from .profiling import estimate, measure, value_bytes
+from .profiling import estimate, measure, saved_activations, value_bytes
 from .errors import TraceError
 from .graph import CostGraph
 from .modes import follow_training_flag
@@ -347,6 +347,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
     # Parameters and buffers are passed to the profiler as they are: only activations become grad
     # leaves (a buffer made to require grad breaks F.batch_norm(x, self.running_mean, ...)).
     state = {id(t) for t in run_gm.parameters()} | {id(t) for t in run_gm.buffers()}
+    weights = {t.untyped_storage().data_ptr() for t in (*run_gm.parameters(), *run_gm.buffers())}
     seen: dict[int, str] = {}  # id(parameter) -> first name
     users_of: dict[str, list[str]] = {}  # first param name -> nodes using it
     run_nodes = dict(zip((n.name for n in gm.graph.nodes), run_gm.graph.nodes))
@@ -362,6 +363,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
             if node.name not in users:
                 users.append(node.name)
         fwd = bwd = 0.0
+        saved, saves = 0, []
         if node.op in ("call_module", "call_function", "call_method"):
             rnode = run_nodes[node.name]
             args, kwargs = interp.fetch_args_kwargs_from_env(rnode)
@@ -374,11 +376,12 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
             else:
                 pbytes = sum(p.numel() * p.element_size() for p in params)
                 fwd, bwd = estimate(fn, args, kwargs, module, value, pbytes, dev, keep=state)
+            saved, saves = _saved_values(interp, rnode, fn, args, kwargs, state, weights)
         g.add_node(node.name, op=node.op, target=_target_name(node), order=idx,
                    fwd_time=fwd, bwd_time=bwd, param_bytes=new_bytes,
                    act_bytes=0 if node.op in ("get_attr", "output") else value_bytes(value),
                    params=[n for n, _ in named], tied=False, kind=_kind(value),
-                   scope=_scope(node))
+                   scope=_scope(node), saved_bytes=saved, saves=saves)
     for node in gm.graph.nodes:
         nbytes = 0 if node.op == "get_attr" else g.nodes[node.name]["act_bytes"]
         for user in node.users:
@@ -388,6 +391,18 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
         for u in users:
             g.nodes[u]["tied"] = True
     return CostGraph(graph=g, module=gm, model=model, auto_leaves=auto, tied_params=tied)
+
+
+def _saved_values(interp: fx.Interpreter, node: fx.Node, fn: Any, args: tuple, kwargs: dict,
+                  keep: set[int], weights: set[int]) -> tuple[int, list[str]]:
+    """What autograd saves of ``node`` for its backward: bytes it creates and saves, and the names of
+    the values (its inputs', its own) it saves."""
+    owner = {t.untyped_storage().data_ptr(): n.name for n in node.all_input_nodes
+             for t in tree_flatten(interp.env.get(n))[0] if isinstance(t, torch.Tensor)}
+    internal, positions, saves_output = saved_activations(fn, args, kwargs, keep, weights)
+    flat = tree_flatten((args, kwargs))[0]
+    names = {owner[key] for key in (flat[i].untyped_storage().data_ptr() for i in positions) if key in owner}
+    return internal, sorted(names) + ([node.name] if saves_output else [])
 
 
 def _callable(interp: fx.Interpreter, node: fx.Node) -> Any:

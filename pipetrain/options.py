@@ -19,6 +19,7 @@ ALLREDUCE = ("hybrid", "flat", "hierarchical", "per-tensor")
 ENGINES = ("auto", "local", "distributed")
 SPECTRAIN_VARIANTS = ("paper", "forward-only")
 NONFINITE = ("raise", "skip")
+RECOMPUTE = ("none", "except-last", "always", "auto")
 
 
 def _default_optimizer(params):
@@ -52,7 +53,10 @@ class PipelineOptions:
     seed: int = 0
     profile: bool = True
     bandwidth: float | None = None     # bytes/s between stages, for the graph partitioner
-    memory_limit: float | None = None  # bytes per stage, for the graph partitioner
+    memory_limit: float | None = None  # bytes per stage: the partitioner's split must fit (predicted peak)
+    # Activation recomputation: "none" | "except-last" | "always" | "auto" (per stage, the cheapest
+    # setting that fits memory_limit).
+    recompute: str = "none"
     dynamic_shapes: bool = False
     timeout: float = 30.0              # seconds a rank waits for another before it stops with an error
     # Hybrid mode: how each stage's gradients are averaged over its data-parallel replicas.
@@ -81,6 +85,10 @@ class PipelineOptions:
         choose("spectrain_variant", self.spectrain_variant, SPECTRAIN_VARIANTS)
         choose("allreduce", self.allreduce, ALLREDUCE)
         choose("nonfinite", self.nonfinite, NONFINITE)
+        choose("recompute", self.recompute, RECOMPUTE)
+        if self.recompute == "auto" and self.memory_limit is None:
+            raise ValueError("recompute='auto' picks per stage the cheapest setting that fits memory_limit: give "
+                             "memory_limit (bytes per stage) or choose recompute='none', 'except-last' or 'always'")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         choose("compress", self.compress, (None, "bf16", "fp16"))

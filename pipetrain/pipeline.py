@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from pipetrain.runtime.batching import batch_size, merge_micro_batches
 from pipetrain.runtime.devices import caller_device, to_device
 from pipetrain.runtime.executor import DeviceExecutor, drive
 from pipetrain.runtime.feed import Feed, StreamFeed
+from pipetrain.runtime.memory_model import memory_model
 from pipetrain.runtime.metrics import CommCounter, StepResult, TensorBoardLog
 from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import precision_policy
@@ -27,6 +28,7 @@ from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.staleness import POLICIES
 from pipetrain.runtime.topology import Topology
 from schedules import ActionKind
+from schedules.memory import recomputed
 
 FORWARD_ONLY = {ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT}
 
@@ -63,6 +65,8 @@ class Pipeline:
         options.validate()
         self.options = o = options
         self._engine = engine = select_engine(o)
+        self._schedules: dict[tuple[str, int], schedules.Schedule] = {}
+        self._recompute_rules: dict[tuple[str, int], Callable[[schedules.Action], bool]] = {}
         self.plan = self._make_plan(model, example_inputs)
         self._topology = Topology(self.plan, o.stages)
         self._input_names = list(self.plan.stage_inputs(0))
@@ -81,7 +85,6 @@ class Pipeline:
         self.skipped_steps = 0  # mini-batches whose update was skipped on every stage (reported in StepResult)
         self._reducers = engine.make_reducers(self._stages_on, o, self._counter)
         self.updates = 0
-        self._schedules: dict[tuple[str, int], schedules.Schedule] = {}
         if o.schedule != "async-1f1b":  # bad combinations (e.g. interleaved with m % stages) fail here
             self._schedule(o.schedule, o.micro_batches)
         self._log = TensorBoardLog(o.logdir) if o.logdir and engine.is_rank_zero else None
@@ -95,9 +98,37 @@ class Pipeline:
         o, decides = self.options, self._engine.decides_plan
         method = list(o.partitioner) if isinstance(o.partitioner, (list, tuple)) else o.partitioner
         graph = trace_model(model, example_inputs, profile=o.profile and decides)
-        plan = partitioners.partition(graph, o.virtual_stages, method=method, bandwidth=o.bandwidth,
-                                      memory_limit=o.memory_limit) if decides else None
+        plan = None
+        if decides:
+            memory = memory_model(self._actions(o.schedule, o.micro_batches), o.stages, o.policy_name, o.recompute,
+                                  o.optimizer)
+            plan = partitioners.partition(graph, o.virtual_stages, method=method, bandwidth=o.bandwidth,
+                                          memory_limit=o.memory_limit, memory=memory)
         return self._engine.agree_on_plan(plan, graph)
+
+    def _actions(self, kind: str, micro_batches: int) -> list[list[schedules.Action]]:
+        """Every device's action list for one mini-batch (async-1f1b: a few mini-batches of the stream)."""
+        if kind != "async-1f1b":
+            return self._schedule(kind, micro_batches).actions
+        o = self.options
+        return [list(schedules.async_1f1b_actions(d, o.stages, micro_batches, lambda t: t < 4))
+                for d in range(o.stages)]
+
+    def _recompute_rule(self, kind: str, micro_batches: int) -> Callable[[schedules.Action], bool]:
+        """Whether an action's forward keeps only its inputs (plan.recompute: each virtual stage's setting)."""
+        key = (kind, micro_batches)
+        if key not in self._recompute_rules:
+            settings, S = self.plan.recompute or ["none"] * self._topology.num_stages, self.options.stages
+            if kind == "async-1f1b":  # the stream never ends: every stage but the last runs other forwards in between
+                rule = lambda a: settings[a.stage] == "always" or (  # noqa: E731
+                    settings[a.stage] == "except-last" and a.stage != S - 1)
+            else:
+                actions = self._actions(kind, micro_batches)
+                chosen = {(d, s): recomputed(actions[d], s) for d in range(S) for s in set(settings) if s != "none"}
+                rule = lambda a: (settings[a.chunk * S + a.stage] != "none"  # noqa: E731
+                                  and (a.chunk, a.micro_batch) in chosen[(a.stage, settings[a.chunk * S + a.stage])])
+            self._recompute_rules[key] = rule
+        return self._recompute_rules[key]
 
     def _make_runtime(self, v: int) -> StageRuntime:
         o = self.options
@@ -127,7 +158,8 @@ class Pipeline:
             self._schedules[key] = sched
         return self._schedules[key]
 
-    def _executors(self, feed: Feed, train: bool) -> dict[int, DeviceExecutor]:
+    def _executors(self, feed: Feed, train: bool, kind: str | None = None) -> dict[int, DeviceExecutor]:
+        recompute = self._recompute_rule(kind, feed.micro_batches) if train else (lambda a: False)
         executors = {}
         for d, stepper in self._steppers.items():
             scaler, reducer = stepper.scaler, self._reducers.get(d)
@@ -139,7 +171,7 @@ class Pipeline:
                 send_dtype=self._precision.activation_dtype if self._precision.autocast_dtype is not None else None,
                 train=train,
                 loss_scale=(lambda s=scaler: s.scale_value) if scaler is not None else (lambda: 1.0),
-                split_backward=self.options.schedule == "zb-h1")
+                split_backward=self.options.schedule == "zb-h1", recompute=recompute)
         return executors
 
     # ----- user calls -----------------------------------------------------------------------
@@ -156,7 +188,7 @@ class Pipeline:
         feed.add(0, *self._engine.shard(x, y))
         sched = self._schedule(self.options.schedule, m)
         start = time.perf_counter()
-        executors = self._executors(feed, train=True)
+        executors = self._executors(feed, train=True, kind=self.options.schedule)
         for stepper in self._steppers.values():
             stepper.start(self.updates + 1, stream=False)
         for _ in drive({d: ex.run(sched.actions[d]) for d, ex in executors.items()}):
@@ -219,7 +251,7 @@ class Pipeline:
         o = self.options
         m = o.micro_batches
         feed = StreamFeed(batches, m, self._input_names, prepare=self._engine.shard)
-        executors = self._executors(feed, train=True)
+        executors = self._executors(feed, train=True, kind="async-1f1b")
         runs = {d: ex.run(schedules.async_1f1b_actions(d, o.stages, m, feed.has, data_parallel=o.data_parallel > 1))
                 for d, ex in executors.items()}
         for stepper in self._steppers.values():

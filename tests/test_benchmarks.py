@@ -60,3 +60,11 @@ def test_soak_counts_every_step_and_prints_rss_per_rank():
     assert len(re.findall(r"^rank \d: 60 of 60 results, in order and complete: True; parameters finite: True",
                           out, re.M)) == 4, out
     assert re.search(r"^worst RSS growth after warm-up: [+-]\d+\.\d\d%", out, re.M) and "steps: none lost" in out, out
+
+
+def test_memory_benchmark_predicts_every_stage_within_ten_percent():
+    # --fast: tiny models, one round, no torch comparison. The prediction is deterministic; timing is not checked.
+    out = run_script("bench_memory.py", "--fast")
+    worst = [float(w) for w in re.findall(r"largest prediction error \(none, always\): ([\d.]+)%", out)]
+    assert len(worst) == 2 and max(worst) <= 10.0, out
+    assert len(re.findall(r"^\s+(1f1b|gpipe)\s+(none|except-last|always)\s", out, re.M)) == 12, out

@@ -88,7 +88,8 @@ class _Model:
         return StageWork(forward=sum(self.fwd[i:j]) * scale, backward=total_bwd * scale,
                          grad_bytes=tuple(grads), ready_fraction=tuple(ready),
                          send_bytes=seg["sent"] * scale, memory=seg["params"] * param_memory_factor,
-                         activation_memory=(seg["memory"] - seg["params"]) * scale,
+                         # what autograd keeps of one micro-batch (memory.py's model), held per micro-batch in flight
+                         activation_memory=seg["activations"] * scale,
                          # the runtime's first stage has no input gradient to split off (zb-h1)
                          weight_fraction=0.0 if i == 0 else 0.5)
 
@@ -175,10 +176,16 @@ def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_siz
 
 def plan_layout(graph: CostGraph | nx.DiGraph, cluster: Cluster, **options: object) -> Layout:
     """The fastest layout that fits memory (options as search_layouts)."""
-    best = search_layouts(graph, cluster, **options)[0]
+    layouts = search_layouts(graph, cluster, **options)
+    best = layouts[0]
     if not best.fits:
-        raise PartitionError(f"no layout fits {cluster.memory:.3g} bytes per device on cluster "
-                             f"{cluster.name!r}; fix: more devices, a smaller batch or more micro-batches")
+        # The layout that comes closest, and its stage over the limit with its predicted peak.
+        closest = min(layouts, key=lambda lay: max(lay.result.memory))
+        k = max(range(len(closest.result.memory)), key=closest.result.memory.__getitem__)
+        raise PartitionError(f"no layout fits {cluster.memory:.3g} bytes per device on cluster {cluster.name!r}: "
+                             f"the closest ({closest.stages} stages, {closest.schedule}) puts a predicted peak of "
+                             f"{closest.result.memory[k]:.3g} bytes on stage {k}; fix: more devices, a smaller batch "
+                             "or more micro-batches")
     return best
 
 

@@ -106,8 +106,12 @@ class Reporter:
             for v, rt in self.runtimes.items():
                 if rt.device.type == "cuda":
                     peak[v] = torch.cuda.max_memory_allocated(rt.device)
+        peak_memory = [0] * V
+        for v, rt in self.runtimes.items():
+            counted = rt.take_peak_memory()
+            peak_memory[v] = peak[v] if rt.device.type == "cuda" else counted
         return StepResult(0, loss_sum / samples, samples, seconds, busy, lag, weight_bytes, act_bytes, comm, peak,
-                          prediction_distance=distance, prediction_error=error)
+                          prediction_distance=distance, prediction_error=error, peak_memory=peak_memory)
 
     def post(self, result: StepResult, loss_sum: float) -> tuple[StepResult, SumExchange]:
         """Start summing over ranks: the loss sums and sample counts of last stages, per-stage numbers."""
@@ -115,7 +119,7 @@ class Reporter:
         is_last = any(rt.is_last for rt in self.runtimes.values())
         per_stage = [result.busy_fraction, result.version_lag, result.weight_version_bytes,
                      result.activation_bytes, result.prediction_distance,
-                     result.prediction_error] + [result.comm_bytes[k] for k in COMM_KINDS]
+                     result.prediction_error, result.peak_memory] + [result.comm_bytes[k] for k in COMM_KINDS]
         # The last entry: this rank was asked to stop (summed: any rank was), so every rank learns it
         # from the report it already exchanges instead of from a collective of its own.
         mine = torch.zeros(2 + len(per_stage) * V + 1, dtype=torch.float64)
@@ -149,7 +153,8 @@ class Reporter:
         result.activation_bytes = [int(x / D) for x in part(3)]
         result.prediction_distance = [x / D for x in part(4)]
         result.prediction_error = [x / D for x in part(5)]
-        result.comm_bytes = {k: [int(x) for x in part(6 + i)] for i, k in enumerate(COMM_KINDS)}
+        result.peak_memory = [int(x / D) for x in part(6)]  # the mean over replicas
+        result.comm_bytes = {k: [int(x) for x in part(7 + i)] for i, k in enumerate(COMM_KINDS)}
         result.stop_requested = float(total[-1]) > 0
         return result
 

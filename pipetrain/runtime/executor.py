@@ -31,7 +31,8 @@ class DeviceExecutor:
     def __init__(self, device: int, stages: dict[int, StageRuntime], topology: Topology, transport: Any,
                  feed: Feed, step: Callable[[int], Iterator[str]], reduce: Callable[[int], None] | None = None,
                  before_backward: Callable[[bool], None] | None = None, send_dtype: torch.dtype | None = None,
-                 train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0, split_backward: bool = False):
+                 train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0, split_backward: bool = False,
+                 recompute: Callable[[Action], bool] = lambda a: False):
         self.device = device
         self.stages = stages  # chunk -> runtime
         self.topology = topology
@@ -42,6 +43,7 @@ class DeviceExecutor:
         self.before_backward = before_backward
         self.send_dtype = send_dtype
         self.split_backward = split_backward  # zero-bubble: B computes input gradients, W weight gradients
+        self.recompute = recompute  # whether a forward keeps only its inputs and runs again before its backward
         self.train = train
         self.loss_scale = loss_scale
         self.outputs: dict[tuple[int, int], Any] = {}       # (stage, micro-batch) -> forward outputs to send
@@ -99,7 +101,7 @@ class DeviceExecutor:
         if stage.is_last and self.train:
             target = to_device(self.feed.target(g), stage.device)  # the loss is computed where the output is
         start = time.perf_counter()
-        out = stage.forward(g, inputs, target, self.feed.grad_weight(g), grad=self.train)
+        out = stage.forward(g, inputs, target, self.feed.grad_weight(g), grad=self.train, recompute=self.recompute(a))
         self.busy_seconds[stage.index] += time.perf_counter() - start
         if stage.is_last:
             if not self.train:

@@ -45,6 +45,10 @@ class StepResult:
     # the distance, in updates (lr * |v|), between a sampled forward's weights and those its gradient is applied to.
     prediction_distance: list[float] = field(default_factory=list)
     prediction_error: list[float] = field(default_factory=list)
+    # Measured peak bytes per stage: on CUDA the device allocator's peak (torch.cuda.max_memory_allocated, since
+    # the process started or torch.cuda.reset_peak_memory_stats); elsewhere the peak over this step of the stage's
+    # tensors (weights, gradients, optimizer state, weight versions, held activations: pipetrain.runtime.memory).
+    peak_memory: list[int] = field(default_factory=list)
 
     @property
     def bytes_sent(self) -> list[int]:
@@ -77,6 +81,8 @@ class TensorBoardLog:
                 w.add_scalar(f"stage{k}/prediction_error", result.prediction_error[k], s)
             w.add_scalar(f"stage{k}/weight_version_bytes", result.weight_version_bytes[k], s)
             w.add_scalar(f"stage{k}/activation_bytes", result.activation_bytes[k], s)
+            if result.peak_memory:
+                w.add_scalar(f"stage{k}/peak_memory_bytes", result.peak_memory[k], s)
             for kind, per_stage in result.comm_bytes.items():
                 w.add_scalar(f"stage{k}/bytes_{kind}", per_stage[k], s)
 

@@ -11,7 +11,18 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
+from pipetrain.runtime.memory import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.staleness import StalenessPolicy
+
+
+@dataclass
+class Replay:
+    """What re-running a forward needs: its inputs, target and loss weight, and its RNG seed."""
+
+    inputs: tuple
+    target: Any
+    weight: float
+    seed: int
 
 
 @dataclass
@@ -21,7 +32,8 @@ class InFlight:
     outputs: list[torch.Tensor]          # floating outputs, in send order (the scaled loss on the last stage)
     input_leaves: list[list[torch.Tensor]]  # per input: leaves for its floating tensors (they take gradients)
     update: int                          # optimizer updates the stage had taken at forward time
-    activation_bytes: int
+    activation_bytes: int                # bytes held for it until its backward (boundary inputs when replayed)
+    replay: Replay | None = None         # set when the backward recomputes the forward first
 
 
 def tensor_leaves(values: Any) -> list[torch.Tensor]:
@@ -42,20 +54,6 @@ def _seed(device: torch.device, seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
-
-
-class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes autograd keeps for a backward (activations, not weights)."""
-
-    def __init__(self, weights: set[int]):
-        self.total = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in weights:
-                self.total += t.numel() * t.element_size()
-            return t
-
-        super().__init__(pack, lambda t: t)
 
 
 @dataclass
@@ -80,6 +78,7 @@ class StageRuntime:
         self.saved_bytes: dict[tuple, int] = {}
         self.peak_in_flight = 0
         self.peak_activation_bytes = 0
+        self.peak_working_bytes = 0  # activations held plus gradients present, at their peak
         self.version_lags: dict[int, int] = {}  # micro-batch -> optimizer steps between its forward and backward
         # Zero-bubble: micro-batch -> (what its W needs, activation bytes held until then).
         self.weight_pending: dict[int, tuple[list, int]] = {}
@@ -94,59 +93,103 @@ class StageRuntime:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _rng(self, micro_batch: int):
-        """Seed dropout & co. per (update, stage, micro-batch) so every engine draws the same numbers."""
-        devices = [self.device] if self.device.type == "cuda" else []
-        ctx = torch.random.fork_rng(devices=devices)
-        seed = hash((self.seed, self.policy.updates, self.index, micro_batch)) % (2 ** 63)
-        return ctx, seed
+    def _seed_of(self, micro_batch: int) -> int:
+        """Dropout & co. are seeded per (update, stage, micro-batch) so every engine draws the same numbers."""
+        return hash((self.seed, self.policy.updates, self.index, micro_batch)) % (2 ** 63)
 
     def forward(self, micro_batch: int, inputs: tuple, target: Any = None, weight: float = 1.0,
-                grad: bool = True) -> Any:
-        """Forward ``micro_batch``; returns the outputs to send (or the loss on the last stage)."""
+                grad: bool = True, recompute: bool = False) -> Any:
+        """Forward ``micro_batch``; returns the outputs to send (or the loss on the last stage).
+        With ``recompute`` it keeps only the inputs and runs the forward again before the backward."""
+        weights = self.policy.forward_weights(micro_batch) if grad else None
+        seed = self._seed_of(micro_batch)
+        if grad and recompute:
+            self.policy.keep_for_recompute(micro_batch)
+            with torch.no_grad():
+                out, loss = self._run(inputs, weights, target, seed, with_loss=True)
+            held = storage_bytes(tensor_leaves(inputs))
+            replay = Replay(tuple(inputs), target, weight, seed)
+            self._hold(micro_batch, InFlight([], [], self.policy.updates, held, replay))
+        else:
+            with torch.set_grad_enabled(grad):
+                out, loss, to_differentiate, leaves, counted = self._traced(inputs, weights, target, weight, seed)
+            if not grad:
+                return out
+            self._hold(micro_batch, InFlight(to_differentiate, leaves, self.policy.updates, counted))
+        if self.is_last:
+            self.losses[micro_batch] = loss.detach()
+            return loss.detach()
+        return out
+
+    def _hold(self, micro_batch: int, flight: InFlight) -> None:
+        self.in_flight[micro_batch] = flight
+        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+        self._note_peak(self.activation_bytes())
+
+    def _note_peak(self, activations: int) -> None:
+        self.peak_activation_bytes = max(self.peak_activation_bytes, activations)
+        self.peak_working_bytes = max(self.peak_working_bytes, activations + grad_bytes(self.module))
+
+    def _traced(self, inputs: tuple, weights: dict | None, target: Any, weight: float, seed: int):
+        """The forward with autograd recording: outputs, loss, what to differentiate, the input leaves
+        and the bytes autograd saved (counted once per input shapes)."""
         leaves: list[list[torch.Tensor]] = []
         args = []
         for value in inputs:
-            if grad and self.index > 0:
+            if torch.is_grad_enabled() and self.index > 0:
                 value, value_leaves = self._as_leaves(value)
                 leaves.append(value_leaves)
             else:
                 leaves.append([])
             args.append(value)
-        weights = self.policy.forward_weights(micro_batch) if grad else None
+        if not torch.is_grad_enabled():  # prediction: nothing is saved, nothing to count
+            out, loss = self._run(tuple(args), weights, target, seed, with_loss=False)
+            return out, loss, [], leaves, 0
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(args))
         counted = self.saved_bytes.get(shapes)
+        counter: Any = contextlib.nullcontext()
         if counted is None:
             param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
             if weights is not None:
                 param_ptrs |= {w.untyped_storage().data_ptr() for w in weights.values()}
-            counter = SavedBytes(param_ptrs)
-        else:
-            counter = contextlib.nullcontext()
-        rng, seed = self._rng(micro_batch)
-        with rng, counter, torch.set_grad_enabled(grad), self._autocast():
+            counter = SavedBytes(param_ptrs, [leaf for ls in leaves for leaf in ls])
+        with counter:
+            out, loss = self._run(tuple(args), weights, target, seed, with_loss=True)
+        if counted is None:
+            counted = self.saved_bytes[shapes] = counter.total
+        to_differentiate = [loss * weight] if self.is_last else [t for t in tensor_leaves(out) if takes_grad(t)]
+        return out, loss, to_differentiate, leaves, counted
+
+    def _run(self, args: tuple, weights: dict | None, target: Any, seed: int, with_loss: bool) -> tuple[Any, Any]:
+        """The stage's forward under ``seed`` (and the loss on the last stage ``with_loss``)."""
+        loss = None
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), self._autocast():
             _seed(self.device, seed)
             if weights is None:
                 out = self.module(*args)
             else:
                 out = functional_call(self.module, weights, tuple(args))
-            if self.is_last and grad:  # target None: the model computes its own loss (model_loss)
+            if self.is_last and with_loss:  # target None: the model computes its own loss (model_loss)
                 loss = self.loss_fn(out, target)
-                to_differentiate = [loss * weight]
-        if not grad:
-            return out
-        if self.is_last:
-            self.losses[micro_batch] = loss.detach()
-        else:
-            to_differentiate = [t for t in tensor_leaves(out) if takes_grad(t)]
-        if counted is None:
-            counted = self.saved_bytes[shapes] = counter.total
-        self.in_flight[micro_batch] = InFlight(to_differentiate, leaves, self.policy.updates, counted)
-        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
-        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes())
-        if self.is_last:
-            return loss.detach()
-        return out
+        return out, loss
+
+    def _replay(self, micro_batch: int, saved: InFlight) -> InFlight:
+        """Run the forward of ``micro_batch`` again, on the weights and RNG seed its forward used; the
+        buffers it updates (batch-norm running statistics) keep the values of the first forward."""
+        replay = saved.replay
+        weights = self.policy.recompute_weights(micro_batch)
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        _, _, to_differentiate, leaves, counted = self._traced(replay.inputs, weights, replay.target,
+                                                               replay.weight, replay.seed)
+        for b, before in buffers:
+            if not torch.equal(b, before):
+                # Through .data: batch norm saves its running statistics for the backward (unread in
+                # training mode), so a visible in-place write would fail that backward's version check.
+                b.data.copy_(before)
+        # The recomputed activations join the boundary inputs held for the other micro-batches.
+        self._note_peak(self.activation_bytes() + counted)
+        return InFlight(to_differentiate, leaves, saved.update, counted)
 
     @staticmethod
     def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -174,6 +217,8 @@ class StageRuntime:
         returns, per input, the gradients of its floating tensors (zeros where unused). With
         ``split`` (zero-bubble B) the weight gradients wait for ``backward_weight``."""
         saved = self.in_flight.pop(micro_batch)
+        if saved.replay is not None:
+            saved = self._replay(micro_batch, saved)
         self.policy.before_backward(micro_batch)
         self.version_lags[micro_batch] = self.policy.updates - saved.update
         if self.is_last:
@@ -188,14 +233,17 @@ class StageRuntime:
             self.weight_pending[micro_batch] = (groups, saved.activation_bytes)
         elif tensors:
             torch.autograd.backward(tensors, grads)
+            self._note_peak(self.activation_bytes() + saved.activation_bytes)
         self.policy.after_backward(micro_batch)
         return [[l.grad if l.grad is not None else torch.zeros_like(l) for l in ls] for ls in saved.input_leaves]
 
     def backward_weight(self, micro_batch: int) -> None:
         """Zero-bubble W of ``micro_batch``: its weight gradients (nothing if its B ran whole)."""
-        pending = self.weight_pending.pop(micro_batch, None)
+        pending = self.weight_pending.get(micro_batch)
         if pending is not None:
             split_backward.backward_weight(self._weights(), pending[0])
+            self._note_peak(self.activation_bytes())
+            del self.weight_pending[micro_batch]
 
     def _weights(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -209,3 +257,9 @@ class StageRuntime:
     def activation_bytes(self) -> int:
         return (sum(f.activation_bytes for f in self.in_flight.values())
                 + sum(held for _, held in self.weight_pending.values()))
+
+    def take_peak_memory(self) -> int:
+        """Measured peak bytes since the last call (see pipetrain.runtime.memory); starts the next period."""
+        peak = resident_bytes(self.module, self.optimizer, self.policy.extra_weight_bytes()) + self.peak_working_bytes
+        self.peak_working_bytes = self.activation_bytes() + grad_bytes(self.module)
+        return peak

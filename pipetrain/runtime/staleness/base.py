@@ -90,6 +90,15 @@ class StalenessPolicy:
     def after_backward(self, micro_batch: int) -> None:
         """Release what the backward of ``micro_batch`` held; gradients go to ``.grad``."""
 
+    def keep_for_recompute(self, micro_batch: int) -> None:
+        """The forward of ``micro_batch`` will run again before its backward: keep its weights if
+        nothing else does (called right after ``forward_weights``)."""
+
+    def recompute_weights(self, micro_batch: int) -> WeightSet | None:
+        """The weights to run the forward of ``micro_batch`` again with, right before its backward: those
+        its forward used (None: the module's own, unchanged since without an asynchronous schedule)."""
+        return None
+
     def before_step(self) -> None:
         """Called right before the optimizer applies an update (not for a skipped step)."""
 
@@ -169,6 +178,10 @@ class VanillaPolicy(StalenessPolicy):
     def after_backward(self, micro_batch: int) -> None:
         accumulate(self.params, self.alias)
 
+    def recompute_weights(self, micro_batch: int) -> WeightSet:
+        # Vanilla keeps no old weights: the recomputed forward runs on the weights in force.
+        return self.alias
+
 
 class StashPolicy(StalenessPolicy):
     """PipeDream weight stashing: the backward uses exactly the forward's weight version.
@@ -200,6 +213,9 @@ class StashPolicy(StalenessPolicy):
         self.of_micro_batch[micro_batch] = key
         self.peak_versions = max(self.peak_versions, len(self.versions))
         return weights
+
+    def recompute_weights(self, micro_batch: int) -> WeightSet:
+        return self.versions[self.of_micro_batch[micro_batch]][0]
 
     def after_backward(self, micro_batch: int) -> None:
         key = self.of_micro_batch.pop(micro_batch)

@@ -40,6 +40,9 @@ class SpecTrainPolicy(StalenessPolicy):
         self.scratch = ({n: torch.empty_like(p).requires_grad_() for n, p in self.params} if self.predicts
                         else {n: p.data.requires_grad_() for n, p in self.params})
         self._outs = list(self.scratch.values())
+        # Forward predictions kept for recomputation: (updates, distance) -> (weights, micro-batches using them).
+        self.kept: dict[tuple[int, float], tuple[list[torch.Tensor], int]] = {}
+        self.kept_of: dict[int, tuple[int, float]] = {}
 
     def distance(self, micro_batch: int) -> float:
         return self.lookahead * (self.lags(micro_batch) + self.offset)
@@ -50,6 +53,30 @@ class SpecTrainPolicy(StalenessPolicy):
             self._update_size.write(self._outs, lambda group: steps)
         return self.scratch
 
+    def keep_for_recompute(self, micro_batch: int) -> None:
+        if not self.predicts:  # no prediction: the forward ran on the weights in force, as vanilla's does
+            return
+        key = (self.updates, self.distance(micro_batch))
+        copies, users = self.kept.get(key, (None, 0))
+        if copies is None:
+            copies = [w.detach().clone() for w in self._outs]
+        self.kept[key] = (copies, users + 1)
+        self.kept_of[micro_batch] = key
+
+    def recompute_weights(self, micro_batch: int) -> WeightSet:
+        """The scratch copy holding the forward's prediction again (``_before_backward`` then writes the
+        backward's prediction into it, so the backward sees what it would have without recomputation)."""
+        key = self.kept_of.pop(micro_batch, None)
+        if key is not None:
+            copies, users = self.kept[key]
+            with torch.no_grad():
+                torch._foreach_copy_([o.data for o in self._outs], copies)
+            if users == 1:
+                del self.kept[key]
+            else:
+                self.kept[key] = (copies, users - 1)
+        return self.scratch
+
     def _before_backward(self, micro_batch: int) -> None:
         if self.predicts:
             self._update_size.write(self._outs, lambda group: self.s_bwd)
@@ -58,10 +85,16 @@ class SpecTrainPolicy(StalenessPolicy):
         accumulate(self.params, self.scratch)
 
     def extra_weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for _, p in self.params) if self.predicts else 0
+        per_version = sum(p.numel() * p.element_size() for _, p in self.params)
+        return per_version * self.versions_held()
 
     def versions_held(self) -> int:
-        return 1 if self.predicts else 0
+        return (1 + len(self.kept)) if self.predicts else 0
+
+    def end_stream(self) -> None:
+        super().end_stream()
+        self.kept.clear()
+        self.kept_of.clear()
 
 
 class SpecTrainForwardOnlyPolicy(StashPolicy):

@@ -1,0 +1,68 @@
+"""The runtime's share of the planner's memory model (partitioners.MemoryModel): what a stage holds
+under a given schedule, staleness policy, optimizer and recomputation setting."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+import partitioners
+import schedules
+from pipetrain.runtime.memory import storage_bytes
+from partitioners.memory import Moments
+from schedules.memory import held_activations
+
+STASHING = ("stash", "nesterov", "spectrain-forward")  # a weight version per update in flight
+
+
+def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict[str, list[Moments]]:
+    """Per recomputation setting and virtual stage (chunk * stages + device), the moments its held bytes may peak."""
+    chunks = 1 + max((a.chunk for device in actions for a in device), default=0)
+    out: dict[str, list] = {}
+    for setting in partitioners.memory.SETTINGS:
+        per_stage: list = [[] for _ in range(stages * chunks)]
+        for d, device in enumerate(actions):
+            for c, moments in held_activations(device, setting).items():
+                per_stage[c * stages + d] = sorted(moments)
+        out[setting] = per_stage
+    return out
+
+
+def weight_versions(policy: str, stages: int, recompute: str) -> tuple[float, ...]:
+    """Extra weight copies per stage: stashing N-k, 2BW 2, SpecTrain 1 (plus, when recomputing, one
+    kept forward prediction per micro-batch in flight, N-k)."""
+    out = []
+    for k in range(stages):
+        if policy in STASHING:
+            out.append(stages - k)
+        elif policy == "2bw":
+            out.append(2)
+        elif policy == "spectrain":
+            out.append(1 + (stages - k if recompute in ("except-last", "always") else 0))
+        else:
+            out.append(0)
+    return tuple(out)
+
+
+def optimizer_state_factor(optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> float:
+    """Bytes of optimizer state per parameter byte (SGD with momentum 1, Adam 2), found by stepping the
+    factory's optimizer once on a scratch parameter (per-tensor scalars such as Adam's step count are
+    left out: they do not grow with the model)."""
+    p = torch.nn.Parameter(torch.zeros(1024))
+    opt = optimizer([p])
+    if not isinstance(opt, torch.optim.Optimizer):  # the stages' construction reports it, with the fix
+        return 0.0
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    state = storage_bytes(t for s in opt.state.values() for t in s.values()
+                          if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return state / (p.numel() * p.element_size())
+
+
+def memory_model(actions: list[list[schedules.Action]], stages: int, policy: str, recompute: str,
+                 optimizer: Callable) -> partitioners.MemoryModel:
+    """The memory model of a pipeline running ``actions`` (one list per device)."""
+    moments = schedule_moments(actions, stages)
+    virtual = len(moments["none"])
+    versions = weight_versions(policy, virtual, recompute)
+    return partitioners.MemoryModel(moments, optimizer_state_factor(optimizer), versions, recompute)
