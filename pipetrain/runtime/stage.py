@@ -183,10 +183,10 @@ class StageRuntime:
         _, _, to_differentiate, leaves, counted = self._traced(replay.inputs, weights, replay.target,
                                                                replay.weight, replay.seed)
         for b, before in buffers:
-            if not torch.equal(b, before):
-                # Through .data: batch norm saves its running statistics for the backward (unread in
-                # training mode), so a visible in-place write would fail that backward's version check.
-                b.data.copy_(before)
+            # Copied back unconditionally: comparing first would read the device on the host per buffer.
+            # Through .data: batch norm saves its running statistics for the backward (unread in
+            # training mode), so a visible in-place write would fail that backward's version check.
+            b.data.copy_(before)
         # The recomputed activations join the boundary inputs held for the other micro-batches.
         self._note_peak(self.activation_bytes() + counted)
         return InFlight(to_differentiate, leaves, saved.update, counted)
