@@ -42,7 +42,9 @@ def test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster(tm
         assert 0 < float(cores) <= (os.cpu_count() or 1) and float(measured) > 0 and float(predicted) > 0, label
     cluster = Cluster.from_json(saved.read_text())
     assert (cluster.devices, cluster.backend, cluster.overheads.report_bytes) == (4, "gloo", 8 * (2 + 8 * 4))
-    assert cluster.cores is not None and cluster.overheads.action > 0 and cluster.send_cpu > 0
+    # action is a fitted slope clamped at 0 (one round on a loaded machine can fit 0): its sign is timing
+    assert cluster.cores is not None and cluster.overheads.action >= 0 and cluster.overheads.step > 0
+    assert cluster.send_cpu > 0
     # the file is what `pipetrain plan --cluster` reads: it ranks layouts of a model on this machine
     plan = subprocess.run([sys.executable, "-m", "pipetrain.cli", "plan", "vgg", "--cluster", str(saved),
                            "--batch-size", "64", "--top", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)

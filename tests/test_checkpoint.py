@@ -71,7 +71,8 @@ def test_resume_in_a_new_process_is_exact(tmp_path, engine):
                 assert torch.equal(a[key], b[key]), f"{engine} {case} {key}"
 
 
-def _save_then_crash(root):
+def _save_then_crash(root, threads):
+    torch.set_num_threads(threads)  # the parent's count: the reference below must run the same kernels
     pipe = new_pipe()
     train(pipe, stream()[:2])
     pipe.save(root)
@@ -88,7 +89,7 @@ def _save_then_crash(root):
 
 def test_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     root = str(tmp_path / "ckpt")
-    proc = multiprocessing.get_context("spawn").Process(target=_save_then_crash, args=(root,))
+    proc = multiprocessing.get_context("spawn").Process(target=_save_then_crash, args=(root, torch.get_num_threads()))
     proc.start()
     proc.join(120)
     assert proc.exitcode == 3

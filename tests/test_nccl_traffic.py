@@ -61,8 +61,7 @@ def record(rank, world, cases):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_recorded_traffic_replays_under_nccl(tmp_path, world):
-    torch.set_num_threads(1)
+def test_recorded_traffic_replays_under_nccl(tmp_path, world, one_thread):
     per_rank = run_world(world, "test_nccl_traffic", "record", tmp_path, CASES[world])
     for i, case in enumerate(CASES[world]):
         programs = {rank: per_rank[rank][i][0] for rank in range(world)}

@@ -222,13 +222,13 @@ def world2(rank, world):
             "loss-raise": loss_raise("distributed", world)}
 
 
+# The tests on two_ranks take one_thread: the local engine runs the ranks' thread count, for equal bits.
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    torch.set_num_threads(1)  # the ranks' thread count, for bitwise equality with the local engine
     return run_world(2, "test_nonfinite", "world2", tmp_path_factory.mktemp("nonfinite"))
 
 
-def test_two_ranks_skip_the_same_step_as_the_local_engine(two_ranks):
+def test_two_ranks_skip_the_same_step_as_the_local_engine(two_ranks, one_thread):
     local_results, _, _, local_state = sync_run("local", 2, "skip")
     assert [r[0] for r in local_results] == [False, True, False, False]
     merged = {}
@@ -239,7 +239,7 @@ def test_two_ranks_skip_the_same_step_as_the_local_engine(two_ranks):
     assert same(merged, local_state)
 
 
-def test_two_ranks_raise_together_and_name_the_parameter(two_ranks):
+def test_two_ranks_raise_together_and_name_the_parameter(two_ranks, one_thread):
     _, _, name, _ = two_ranks[1]["raise"]
     _, _, _, local_state = sync_run("local", 2, "raise")  # after step 1: the local test shows nothing moved
     merged = {}
@@ -253,7 +253,7 @@ def test_two_ranks_raise_together_and_name_the_parameter(two_ranks):
     assert "found by rank 1 (stage 1, replica 0), whose error names the parameter" in two_ranks[0]["raise"][1]
 
 
-def test_two_ranks_async_stash_skip_equals_the_local_engine(two_ranks):
+def test_two_ranks_async_stash_skip_equals_the_local_engine(two_ranks, one_thread):
     skipped, losses, state, steps, policies, lags = async_stash("local", 2)
     assert skipped == [False, False, True, False, False, False]
     merged = {}
@@ -265,7 +265,7 @@ def test_two_ranks_async_stash_skip_equals_the_local_engine(two_ranks):
     assert same(merged, state)
 
 
-def test_two_ranks_async_bf16_skip_equals_the_local_engine(two_ranks):
+def test_two_ranks_async_bf16_skip_equals_the_local_engine(two_ranks, one_thread):
     skipped, losses, state, _, policies, _ = async_stash("local", 2, precision="bf16")
     assert skipped == [False, False, True, False, False, False]
     merged = {}
@@ -277,7 +277,7 @@ def test_two_ranks_async_bf16_skip_equals_the_local_engine(two_ranks):
     assert same(merged, state)
 
 
-def test_two_ranks_nan_loss_raises_on_both_naming_the_last_stage(two_ranks):
+def test_two_ranks_nan_loss_raises_on_both_naming_the_last_stage(two_ranks, one_thread):
     local_error, local_state, untouched = loss_raise("local", 2)
     assert "the loss is NaN or infinite at optimizer step 2, computed by pipeline device 1" in local_error
     assert untouched
@@ -291,7 +291,7 @@ def test_two_ranks_nan_loss_raises_on_both_naming_the_last_stage(two_ranks):
     assert same(merged, local_state)  # after step 1 on every rank: the bad step was applied nowhere
 
 
-def test_async_stream_raises_on_every_rank_without_waiting_at_each_step(two_ranks):
+def test_async_stream_raises_on_every_rank_without_waiting_at_each_step(two_ranks, one_thread):
     # Across processes an async stream's STEP t does not wait for the other ranks' verdict (that would
     # hold each stage until stage 0 finished the mini-batch's backward); STEP t + 1 reads it. Both ranks
     # raise naming the poisoned step; the poisoned stage never applied it, the clean stage did.

@@ -155,8 +155,7 @@ def distributed_run(rank, world):
     return [r.loss for r in results], results[-1].peak_memory, pipe.state_dict()
 
 
-def test_distributed_recomputation_and_peak_memory_equal_the_local_engine(tmp_path):
-    torch.set_num_threads(1)
+def test_distributed_recomputation_and_peak_memory_equal_the_local_engine(tmp_path, one_thread):
     per_rank = run_world(2, "test_recompute", "distributed_run", tmp_path)
     x, y = data("dropout", 16)
     pipe = wrap("dropout", "1f1b", "none", "fp32", 2, 4)

@@ -48,8 +48,8 @@ def scenarios(rank, world, cases):
 
 
 @pytest.mark.parametrize("world,cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
-def test_distributed_equals_local_exactly(tmp_path, world, cases):
-    torch.set_num_threads(1)  # the same kernels and thread count as the ranks, for bitwise equality
+def test_distributed_equals_local_exactly(tmp_path, world, cases, one_thread):
+    # one_thread: the same kernels and thread count as the ranks, for bitwise equality
     per_rank = run_world(world, "test_runtime_distributed", "scenarios", tmp_path, cases)
     for i, case in enumerate(cases):
         losses, expected, prediction = train("local", world, *case)

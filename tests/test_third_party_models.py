@@ -204,8 +204,8 @@ def async_ranks(rank: int, world: int) -> tuple[list[float], dict, torch.Tensor]
     return _async_spectrain("distributed")
 
 
-def test_async_spectrain_under_gloo_trains_like_the_local_engine(tmp_path) -> None:
-    torch.set_num_threads(1)  # the ranks' thread count, for bitwise equality
+def test_async_spectrain_under_gloo_trains_like_the_local_engine(tmp_path, one_thread) -> None:
+    # one_thread: the ranks' thread count, for bitwise equality
     per_rank = run_world(2, "test_third_party_models", "async_ranks", tmp_path)
     losses, expected, prediction = _async_spectrain("local")
     assert sum(losses[-2:]) < sum(losses[:2])  # it trains: two batches seen three times each
