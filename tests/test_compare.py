@@ -131,3 +131,16 @@ def test_table_has_one_row_per_method():
     table = format_table({"stash": MethodResult({(0.05, 0): s})})
     row = table.splitlines()[2]
     assert row.startswith("| stash | 1f1b 4 stages x 4 micro-batches | 0.7000 | 0.8000 | 60.00% | 50 | 1.5 KB |")
+
+
+def test_a_seed_that_diverged_before_its_first_epoch_still_gives_a_table():
+    # One seed of the best rate diverged at once (no epoch: NaN losses), the other trained: the table
+    # counts the diverged seed's accuracy as 0 and has no loss mean or spread (NaN) instead of failing.
+    from pipetrain.apps.training import EpochRecord, RunSummary
+
+    good = RunSummary(RunConfig(model="vgg", dataset="digits"), steps=2, samples=100, train_seconds=2.0)
+    good.epochs = [EpochRecord(1, 1, 0.9, 0.8, 0.5, 50.0, 0)]
+    bad = RunSummary(RunConfig(model="vgg", dataset="digits"), steps=1, samples=50, train_seconds=1.0)
+    bad.diverged = "NonFiniteError: the loss is NaN"
+    row = format_table({"stash": MethodResult({(0.3, 0): good, (0.3, 1): bad})}).splitlines()[2]
+    assert "| nan ± nan | nan ± nan | 25.00% ± 35.36% |" in row, row  # acc: mean of 50 and 0, sd 50/sqrt(2)

@@ -100,7 +100,10 @@ def _finite(value: float, instead: float = 0.0) -> float:
 
 
 def spread(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value)."""
+    """Mean and sample standard deviation (0 for one value; NaN when a value is NaN or infinite, as a
+    seed that diverged before its first epoch leaves: statistics.stdev cannot take those)."""
+    if not all(math.isfinite(v) for v in values):
+        return statistics.fmean(values), math.nan
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
