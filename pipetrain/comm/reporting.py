@@ -100,17 +100,11 @@ class Reporter:
             error = _read_on_host(error)
         comm = self.counter.since(self._comm)
         self._comm = self.counter.snapshot()
-        peak = None
-        if any(rt.device.type == "cuda" for rt in self.runtimes.values()):
-            peak = [0] * V
-            for v, rt in self.runtimes.items():
-                if rt.device.type == "cuda":
-                    peak[v] = torch.cuda.max_memory_allocated(rt.device)
         peak_memory = [0] * V
         for v, rt in self.runtimes.items():
-            counted = rt.take_peak_memory()
-            peak_memory[v] = peak[v] if rt.device.type == "cuda" else counted
-        return StepResult(0, loss_sum / samples, samples, seconds, busy, lag, weight_bytes, act_bytes, comm, peak,
+            counted = rt.take_peak_memory()  # also starts the next period on every device
+            peak_memory[v] = torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else counted
+        return StepResult(0, loss_sum / samples, samples, seconds, busy, lag, weight_bytes, act_bytes, comm,
                           prediction_distance=distance, prediction_error=error, peak_memory=peak_memory)
 
     def post(self, result: StepResult, loss_sum: float) -> tuple[StepResult, SumExchange]:

@@ -37,7 +37,6 @@ class StepResult:
     weight_version_bytes: list[int] = field(default_factory=list)  # bytes in stashed / predicted weight copies
     activation_bytes: list[int] = field(default_factory=list)      # peak bytes autograd held for in-flight micro-batches
     comm_bytes: dict[str, list[int]] = field(default_factory=dict)  # payload bytes per COMM_KINDS entry, per stage
-    peak_allocated: list[int] | None = None                        # device allocator peak, where the device reports it
     skipped: bool = False  # no update was applied for this mini-batch (non-finite values or fp16 overflow), on any stage
     skipped_total: int = 0  # mini-batches skipped so far by this pipeline, this one included
     stop_requested: bool = False  # some rank called Pipeline.request_stop() before this step's report (agreed)
