@@ -2,13 +2,14 @@
 
 ``pipetrain.wrap(model, example_inputs, stages=..., schedule=...)`` splits a model into
 balanced stages and trains it with GPipe, 1F1B, interleaved 1F1B or asynchronous 1F1B
-(with PipeDream weight stashing or SpecTrain weight prediction), in one process or one
-process per stage under torchrun.
+(with PipeDream weight stashing, PipeDream-2BW, SpecTrain weight prediction or a Nesterov
+look-ahead), in one process or one process per stage under torchrun.
 """
 from importlib.metadata import version
 
 from pipetrain.api import wrap
 from pipetrain.checkpoint import CheckpointError, export_state_dict
+from pipetrain.comm.transport import PeerFailure
 from pipetrain.losses import model_loss
 from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.nonfinite import NonFiniteError
@@ -16,5 +17,5 @@ from pipetrain.options import PipelineOptions
 from pipetrain.pipeline import Pipeline
 
 __all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult", "export_state_dict", "CheckpointError",
-           "NonFiniteError", "model_loss"]
+           "NonFiniteError", "PeerFailure", "model_loss"]
 __version__ = version("pipetrain")  # one source: pyproject.toml
