@@ -83,6 +83,7 @@ class StageRuntime:
         # Zero-bubble: micro-batch -> (what its W needs, activation bytes held until then).
         self.weight_pending: dict[int, tuple[list, int]] = {}
         self._split_ok: bool | None = None  # whether this stage's graph splits into B and W (checked once)
+        self._params = list(self.module.parameters())  # for grad_bytes on every action
 
     @property
     def is_last(self) -> bool:
@@ -128,7 +129,7 @@ class StageRuntime:
 
     def _note_peak(self, activations: int) -> None:
         self.peak_activation_bytes = max(self.peak_activation_bytes, activations)
-        self.peak_working_bytes = max(self.peak_working_bytes, activations + grad_bytes(self.module))
+        self.peak_working_bytes = max(self.peak_working_bytes, activations + grad_bytes(self._params))
 
     def _traced(self, inputs: tuple, weights: dict | None, target: Any, weight: float, seed: int):
         """The forward with autograd recording: outputs, loss, what to differentiate, the input leaves
@@ -260,6 +261,6 @@ class StageRuntime:
 
     def take_peak_memory(self) -> int:
         """Measured peak bytes since the last call (see pipetrain.runtime.memory); starts the next period."""
-        peak = resident_bytes(self.module, self.optimizer, self.policy.extra_weight_bytes()) + self.peak_working_bytes
-        self.peak_working_bytes = self.activation_bytes() + grad_bytes(self.module)
+        peak = resident_bytes(self._params, self.optimizer, self.policy.extra_weight_bytes()) + self.peak_working_bytes
+        self.peak_working_bytes = self.activation_bytes() + grad_bytes(self._params)
         return peak
