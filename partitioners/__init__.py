@@ -1,4 +1,5 @@
 """Model -> cost graph -> partition plan -> stage modules (never imports pipetrain)."""
+from .auto_capture import trace_for_training
 from .chain import DEFAULT_BANDWIDTH
 from .errors import PartitionError, TraceError
 from .graph import CostGraph
@@ -11,4 +12,4 @@ from .trace import trace
 
 __all__ = ["CostGraph", "DEFAULT_BANDWIDTH", "Layout", "MemoryModel", "PartitionError", "Plan", "TraceError",
            "evaluate_layout", "format_ranking", "partition", "plan_replicas", "plan_layout", "search_layouts",
-           "trace"]
+           "trace", "trace_for_training"]

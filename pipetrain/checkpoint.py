@@ -26,14 +26,18 @@ import shutil
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from partitioners import Plan
 from pipetrain.options import PipelineOptions
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.staleness import StalenessPolicy
+
+if TYPE_CHECKING:
+    from pipetrain.assembly import Parts
 
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are removed after a successful save
@@ -65,18 +69,46 @@ class CheckpointRole:
     streaming: bool        # an async-1f1b stream is running: micro-batches are in flight
 
 
-class Checkpointable(Protocol):
-    """What ``save_pipeline`` and ``load_pipeline`` need of a pipeline (pipetrain.Pipeline)."""
+@dataclass
+class PipelineView:
+    """What ``save_pipeline`` and ``load_pipeline`` read of a pipeline, built from its parts (`view_of`)."""
 
     plan: Plan
     options: PipelineOptions
-    updates: int
+    updates: int                   # optimizer steps taken: the step a save is filed under
+    stages: dict[int, StageState]  # the stages this process holds, by virtual stage index
+    role: CheckpointRole
 
-    def checkpoint_stages(self) -> dict[int, StageState]:
-        """The stages this process holds, by virtual stage index."""
 
-    def checkpoint_role(self) -> CheckpointRole:
-        """This process's part in a save."""
+def view_of(parts: Parts, updates: int, streaming: bool) -> PipelineView:
+    """The checkpoint's view of an assembled pipeline after ``updates`` steps."""
+    stages = {v: StageState(rt.module, rt.optimizer, rt.policy, parts.steppers[parts.topology.position_of(v)].scaler)
+              for v, rt in sorted(parts.stages.items())}
+    world = parts.engine.world
+    if world is None:
+        role = CheckpointRole(True, True, "local", lambda: None, streaming)
+    else:
+        role = CheckpointRole(world.replica == 0, world.rank == 0, "distributed",
+                              lambda: dist.barrier(group=world.checkpoint), streaming)
+    return PipelineView(parts.plan, parts.options, updates, stages, role)
+
+
+def load_module_state(stages: dict[int, torch.nn.Module], state: dict[str, torch.Tensor], strict: bool,
+                      partial: bool) -> None:
+    """Load original-model names into the stage modules that hold them; ``partial``: this process holds a
+    share of the model (keys of other stages are expected)."""
+    used = set()
+    for v, module in stages.items():
+        own = module.state_dict()
+        missing = [k for k in own if k not in state]
+        if missing and strict:
+            raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                           f"needed by stage {v}; is it from the same model?")
+        module.load_state_dict({k: state[k] for k in own if k in state}, strict=strict)
+        used.update(own)
+    extra = [k for k in state if k not in used]
+    if extra and strict and not partial:
+        raise KeyError(f"state dict has keys no stage holds: {extra[:5]}; is it from the same model?")
 
 
 def atomic_save(obj: Any, path: Path) -> str:
@@ -295,9 +327,9 @@ def export_state_dict(root: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> Path:
+def save_pipeline(pipe: PipelineView, path: str | os.PathLike) -> Path:
     """Write ``pipe``'s checkpoint of its current step under ``path`` and publish it."""
-    role = pipe.checkpoint_role()
+    role = pipe.role
     if role.streaming:
         raise RuntimeError("save() was called while train() streams async-1f1b mini-batches; micro-batches "
                            "are in flight then. Save between train() calls (the pipeline drains when the "
@@ -311,7 +343,7 @@ def save_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> Path:
     if new_root:
         fsync_dir(root.parent)
     if role.writes_stages:
-        for v, stage in pipe.checkpoint_stages().items():
+        for v, stage in pipe.stages.items():
             digest = atomic_save(_stage_payload(stage), target / f"stage{v}.pt")
             atomic_write_text(digest, target / f"stage{v}.sha256")  # rank 0 puts it into the manifest
         fsync_dir(target)
@@ -326,15 +358,16 @@ def save_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> Path:
     return target
 
 
-def load_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> None:
-    """Load the newest checkpoint under ``path`` into ``pipe``, whatever stage layout saved it.
+def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
+    """Load the newest checkpoint under ``path`` into ``pipe``, whatever stage layout saved it; returns
+    the step it was saved at.
 
     Every file is read and checked before anything in ``pipe`` changes, so a failed load leaves
     the pipeline as it was (and never writes to the checkpoint)."""
     source = checkpoint_dir(path)
     manifest = read_manifest(source)
     same_layout = manifest["plan_layout"] == _plan_layout(pipe)
-    stages = pipe.checkpoint_stages()
+    stages = pipe.stages
     wanted = sorted(stages) if same_layout else range(manifest["stages"])
     files = {v: read_stage_file(source, v, manifest) for v in wanted}
     module_state = {k: t for f in files.values() for k, t in f["module"].items()}
@@ -361,7 +394,7 @@ def load_pipeline(pipe: Checkpointable, path: str | os.PathLike) -> None:
             stage.scaler.load_state_dict(scaler_state)
     if same_layout and stages:
         torch.set_rng_state(files[min(stages)]["rng"])
-    pipe.updates = manifest["step"]
+    return manifest["step"]
 
 
 def _param_names(module: torch.nn.Module) -> dict[int, str]:
@@ -375,13 +408,13 @@ def _stage_payload(stage: StageState) -> dict:
             "rng": torch.get_rng_state()}
 
 
-def _plan_layout(pipe: Checkpointable) -> list:
+def _plan_layout(pipe: PipelineView) -> list:
     """What decides which parameters a stage file holds."""
     plan = json.loads(pipe.plan.to_json())
     return [plan["order"], plan["cuts"]]
 
 
-def _manifest(pipe: Checkpointable, role: CheckpointRole, files: dict[str, str]) -> dict:
+def _manifest(pipe: PipelineView, role: CheckpointRole, files: dict[str, str]) -> dict:
     o = pipe.options
     return {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages, "files": files,
             "devices": o.stages, "data_parallel": o.data_parallel, "plan_layout": _plan_layout(pipe),

@@ -27,10 +27,10 @@ def main() -> None:
     for x_b, y_b in batches[pipe.updates:]:
         pipe.step(x_b, y_b)
         pipe.save(root)
-        if crash and first_attempt and pipe.updates == CRASH_AT and pipe._engine.world.rank == 1:
+        if crash and first_attempt and pipe.updates == CRASH_AT and pipe.world.rank == 1:
             os._exit(9)  # killed mid-training, right after the checkpoint of step 4
     torch.save({"state": pipe.state_dict(), "restarts": os.environ.get("TORCHELASTIC_RESTART_COUNT")},
-               f"{out}.rank{pipe._engine.world.rank}")
+               f"{out}.rank{pipe.world.rank}")
 
 
 if __name__ == "__main__":

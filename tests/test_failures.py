@@ -36,8 +36,9 @@ def _outside_the_step(rank, out, mode, world, victim):
                           profile=False, engine="distributed", timeout=TIMEOUT)
     if mode == "hang-at-report":
         if rank == victim:
-            post = pipe._reporter.post
-            pipe._reporter.post = lambda *args: (_hang(out), post(*args))[1]
+            reporter = pipe._parts.links.reporter
+            post = reporter.post
+            reporter.post = lambda *args: (_hang(out), post(*args))[1]
         pipe.step(x, y)
 
 
@@ -61,7 +62,7 @@ def _rank(rank, port, out, mode, world, victim):
     if rank == VICTIM and mode == "hang-at-step":
         # Every compute and message of the step done, the victim hangs before the skip-or-step
         # agreement: the others wait in that collective, not in a point-to-point receive.
-        scaler = pipe._steppers[VICTIM].scaler
+        scaler = pipe._parts.steppers[VICTIM].scaler
         def unscale_then_hang(*args, _unscale=scaler.unscale_local_):
             Path(out, "t0").write_text(str(time.time()))
             time.sleep(120)
@@ -76,7 +77,7 @@ def _rank(rank, port, out, mode, world, victim):
                 time.sleep(120)  # hang
             fail.calls += 1
         fail.calls = 0
-        pipe._runtimes[VICTIM].module.register_forward_pre_hook(fail)
+        pipe.held_stages[VICTIM].module.register_forward_pre_hook(fail)
     try:
         pipe.step(x, y)
         Path(out, f"rank{rank}").write_text("finished")

@@ -32,7 +32,7 @@ def hybrid_scenarios(rank, world):
         pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                               optimizer=sgd, partitioner="uniform", profile=False, engine="distributed", **kw)
         losses = [r.loss for r in pipe.train(batches("convbn"))]
-        reducer = pipe._reducers[pipe._engine.world.position].reducer
+        reducer = pipe.gradient_reducer
         out[key] = (losses, pipe.state_dict(), pipe.last_result.comm_bytes, pipe.predict(data("convbn", 6, seed=5)[0]),
                     [(b.buffer.numel() * b.buffer.element_size(), b.hierarchical) for b in reducer.buckets])
     # async-1f1b with stash, replicated: each update averages the replicas' stashed gradients.
@@ -44,18 +44,18 @@ def hybrid_scenarios(rank, world):
     pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                           precision="fp16", optimizer=sgd, partitioner="uniform", profile=False,
                           engine="distributed")
-    step = pipe._steppers[pipe._engine.world.position]
     if rank == 3:
-        param = next(iter(pipe._runtimes[1].module.parameters()))
+        param = next(iter(pipe.held_stages[1].module.parameters()))
         param.register_hook(lambda g: g * float("inf") if pipe.updates == 1 else g)
-    scales, unchanged = [], []
-    for x, y in batches("mlp", steps=2):
-        before = [p.detach().clone() for rt in pipe._runtimes.values() for p in rt.module.parameters()]
+    scales, unchanged, skipped = [], [], []
+    for i, (x, y) in enumerate(batches("mlp", steps=2)):
+        before = [p.detach().clone() for rt in pipe.held_stages.values() for p in rt.module.parameters()]
         pipe.step(x, y)
-        scales.append(step.scaler.scale_value)
+        scales.append(pipe.loss_scale)
+        skipped += [i] if pipe.last_result.skipped else []
         unchanged.append(all(torch.equal(p, b) for p, b in zip(
-            (p for rt in pipe._runtimes.values() for p in rt.module.parameters()), before)))
-    out["fp16"] = (step.skipped, scales, unchanged)
+            (p for rt in pipe.held_stages.values() for p in rt.module.parameters()), before)))
+    out["fp16"] = (skipped, scales, unchanged)
     # Non-finite gradient on rank 3 only (replica 1's stage 1) at step 2, fp32.
     for mode in ("skip", "raise"):
         pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
@@ -206,14 +206,15 @@ def test_fp16_local_engine_skips_overflowing_step_on_every_stage():
     x, y = data("mlp", 8)
     pipe = pipetrain.wrap(make("mlp"), x[:2], stages=3, micro_batches=2, precision="fp16", optimizer=sgd,
                           partitioner="uniform", profile=False, engine="local")
-    param = next(iter(pipe._runtimes[2].module.parameters()))
+    param = next(iter(pipe.held_stages[2].module.parameters()))
     param.register_hook(lambda g: g * float("inf") if pipe.updates == 1 else g)
     pipe.step(x, y)
+    assert not pipe.last_result.skipped
     before = pipe.state_dict()
     pipe.step(x, y)  # overflow on the last stage only
     after = pipe.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if "weight" in k or "bias" in k)
-    assert all(s.skipped == [1] and s.scaler.scale_value == 2.0 ** 15 for s in pipe._steppers.values())
+    assert pipe.last_result.skipped and pipe.skipped_steps == 1 and pipe.loss_scale == 2.0 ** 15
 
 
 def test_local_engine_rejects_data_parallel_with_the_launch_command():

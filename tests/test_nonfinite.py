@@ -20,7 +20,7 @@ def poison(pipe, stage, when):
     """Make the gradient of the stage's SECOND parameter NaN after each backward where ``when(micro_batch)``
     (a hook on the policy works for every staleness policy, also those that backward through weight copies).
     Returns that parameter's original-model name."""
-    rt = pipe._runtimes[stage]
+    rt = pipe.held_stages[stage]
     name, param = list(rt.module.named_parameters())[1]
     original = rt.policy.after_backward
 
@@ -40,7 +40,7 @@ def wrap(engine="local", stages=3, **kw):
 
 def snapshot(pipe):
     params = {k: v.clone() for k, v in pipe.state_dict().items()}
-    optim = [{k: v.clone() for k, v in st.items()} for rt in pipe._runtimes.values() if rt.optimizer is not None
+    optim = [{k: v.clone() for k, v in st.items()} for rt in pipe.held_stages.values() if rt.optimizer is not None
              for st in rt.optimizer.state.values()]
     return params, optim
 
@@ -63,7 +63,7 @@ def test_raise_names_step_stage_and_parameter(precision):
     assert "lower the learning rate" in message and "nonfinite='skip'" in message, message
     assert ("bf16 has fp32's range" in message) == (precision == "bf16"), message
     assert same(before, snapshot(pipe)[0])  # nothing applied anywhere
-    assert all(p.grad is None for rt in pipe._runtimes.values() for p in rt.module.parameters())
+    assert all(p.grad is None for rt in pipe.held_stages.values() for p in rt.module.parameters())
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -90,7 +90,7 @@ def test_skip_leaves_every_stage_alone_and_equals_never_seeing_the_update(precis
 def poison_parameter(pipe, stage, update):
     """Make the gradient of the stage's second parameter NaN whenever autograd computes it during the
     step that makes update ``update + 1`` (a tensor hook: it also runs in zero-bubble W passes)."""
-    name, param = list(pipe._runtimes[stage].module.named_parameters())[1]
+    name, param = list(pipe.held_stages[stage].module.named_parameters())[1]
     param.register_hook(lambda g: g * NAN if pipe.updates == update else g)
     return name
 
@@ -134,16 +134,16 @@ def async_stash(engine, stages, nonfinite="skip", staleness="stash", precision="
     pipe = wrap(engine, stages=stages, schedule="async-1f1b", staleness=staleness, nonfinite=nonfinite,
                 precision=precision)
     m = pipe.options.micro_batches
-    stage = 1 if engine == "local" else next(iter(pipe._runtimes))
+    stage = 1 if engine == "local" else next(iter(pipe.held_stages))
     steps = []
-    for rt in pipe._runtimes.values():
+    for rt in pipe.held_stages.values():
         original = rt.optimizer.step
         rt.optimizer.step = lambda original=original, rt=rt: (steps.append(rt.index), original())[1]
     if engine == "local" or stage == 1:
         poison(pipe, 1, lambda g: g // m == 2)
     results = list(pipe.train(bs))
     policies = {v: (rt.policy.updates, dict(getattr(rt.policy, "versions", {})),
-                    dict(getattr(rt.policy, "of_micro_batch", {}))) for v, rt in pipe._runtimes.items()}
+                    dict(getattr(rt.policy, "of_micro_batch", {}))) for v, rt in pipe.held_stages.items()}
     return ([r.skipped for r in results], [r.loss for r in results], pipe.state_dict(), steps, policies,
             [r.version_lag for r in results])
 
@@ -165,7 +165,7 @@ def test_every_policy_step_is_counted_when_none_is_skipped():
     # The same stream without poison: the bookkeeping the test above relies on.
     pipe = wrap(schedule="async-1f1b", staleness="stash", nonfinite="skip")
     assert not any(r.skipped for r in pipe.train(batches(steps=3)))
-    assert all(rt.policy.updates == 3 for rt in pipe._runtimes.values())
+    assert all(rt.policy.updates == 3 for rt in pipe.held_stages.values())
 
 
 # ----- two ranks ---------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def sync_run(engine, stages, nonfinite):
     """1f1b over 4 mini-batches with stage 1's gradient poisoned at step 2; a raise is returned as text."""
     pipe = wrap(engine, stages=stages, nonfinite=nonfinite)
     name = None
-    if 1 in pipe._runtimes:
+    if 1 in pipe.held_stages:
         name = poison(pipe, 1, lambda g: pipe.updates == 1)
     results, error = [], None
     try:
@@ -189,14 +189,14 @@ def async_raise(engine, stages):
     """A stash stream with stage 1's gradient poisoned in mini-batch 2 and nonfinite="raise"."""
     pipe = wrap(engine, stages=stages, schedule="async-1f1b", staleness="stash")
     m = pipe.options.micro_batches
-    name = poison(pipe, 1, lambda g: g // m == 2) if 1 in pipe._runtimes else None
+    name = poison(pipe, 1, lambda g: g // m == 2) if 1 in pipe.held_stages else None
     try:
         results = [r.step for r in pipe.train(batches(steps=6))]
         error = None
     except pipetrain.NonFiniteError as e:
         results, error = None, str(e)
     finite = all(torch.isfinite(t).all() for t in pipe.state_dict().values())
-    return results, error, name, finite, {v: rt.policy.updates for v, rt in pipe._runtimes.items()}
+    return results, error, name, finite, {v: rt.policy.updates for v, rt in pipe.held_stages.items()}
 
 
 def loss_raise(engine, stages):

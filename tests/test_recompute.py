@@ -58,7 +58,7 @@ def test_recomputation_trains_exactly_as_without_it(case):
 def _forward_weights(pipe, stage: int):
     """Per forward call of ``stage``'s first linear layer: (grad enabled, weights it ran with, live weights)."""
     calls = []
-    rt = pipe._runtimes[stage]
+    rt = pipe.held_stages[stage]
     layer = next(m for m in rt.module.modules() if isinstance(m, torch.nn.Linear))
     live = dict(rt.module.named_parameters())
     name = next(n for n, p in live.items() if p is layer.weight)
@@ -101,7 +101,7 @@ def test_activations_when_always_recomputing_are_the_inputs_in_flight_plus_one_m
     full = one_step(whole, x, y).activation_bytes
     kept = one_step(replayed, x, y).activation_bytes
     for k in range(stages):
-        rt = whole._runtimes[k]
+        rt = whole.held_stages[k]
         one = next(iter(rt.saved_bytes.values()))  # one micro-batch's activations, inputs included
         inputs = (x.shape[0] // m) * (8 if k == 0 else 16) * 4  # the stage's boundary input, fp32
         assert full[k] == (stages - k) * one

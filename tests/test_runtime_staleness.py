@@ -46,7 +46,7 @@ def run_async(staleness, stages, steps=7, **kw):
 
 
 def stage_names(pipe):
-    return {v: [n for n, _ in rt.module.named_parameters()] for v, rt in pipe._runtimes.items()}
+    return {v: [n for n, _ in rt.module.named_parameters()] for v, rt in pipe.held_stages.items()}
 
 
 def hand_gradients(pipe, t, x, y, versions):
@@ -54,7 +54,7 @@ def hand_gradients(pipe, t, x, y, versions):
     model = make("mlp")
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for v, rt in pipe._runtimes.items():
+        for v, rt in pipe.held_stages.items():
             for name, w in zip(stage_names(pipe)[v], rt.optimizer.weights[versions[v]]):
                 params[name].copy_(w)
     nn.functional.cross_entropy(model(x), y).backward()
@@ -67,9 +67,9 @@ def test_stash_applies_the_gradient_of_the_forward_weight_version(stages):
     pipe, _ = run_async("stash", stages, steps)
     batches = stream(steps)
     for t in range(steps):
-        versions = {v: max(0, t - (stages - v - 1)) for v in pipe._runtimes}
+        versions = {v: max(0, t - (stages - v - 1)) for v in pipe.held_stages}
         expected = hand_gradients(pipe, t, *batches[t], versions)
-        for v, rt in pipe._runtimes.items():
+        for v, rt in pipe.held_stages.items():
             for name, g in zip(stage_names(pipe)[v], rt.optimizer.grads[t]):
                 torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=f"t={t} {name}")
 
@@ -80,9 +80,9 @@ def test_vanilla_differs_from_the_stashed_gradient():
     batches = stream(steps)
     worst = 0.0
     for t in range(stages, steps):
-        versions = {v: max(0, t - (stages - v - 1)) for v in pipe._runtimes}
+        versions = {v: max(0, t - (stages - v - 1)) for v in pipe.held_stages}
         expected = hand_gradients(pipe, t, *batches[t], versions)
-        for name, g in zip(stage_names(pipe)[0], pipe._runtimes[0].optimizer.grads[t]):
+        for name, g in zip(stage_names(pipe)[0], pipe.held_stages[0].optimizer.grads[t]):
             worst = max(worst, (g - expected[name]).abs().max().item())
     # Stage 0 backpropagates through stage 1's newer weights: a real, not rounding-sized, difference.
     assert worst > 1e-4
@@ -91,10 +91,10 @@ def test_vanilla_differs_from_the_stashed_gradient():
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_stash_holds_p_minus_k_versions_spectrain_one(stages):
     pipe, results = run_async("stash", stages, steps=2 * stages + 2)
-    assert [pipe._runtimes[v].policy.peak_versions for v in range(stages)] == [stages - k for k in range(stages)]
-    assert all(rt.policy.versions_held() == 0 for rt in pipe._runtimes.values())  # drained at the end
+    assert [pipe.held_stages[v].policy.peak_versions for v in range(stages)] == [stages - k for k in range(stages)]
+    assert all(rt.policy.versions_held() == 0 for rt in pipe.held_stages.values())  # drained at the end
     pipe, results = run_async("spectrain", stages, steps=stages + 2)
-    for v, rt in pipe._runtimes.items():
+    for v, rt in pipe.held_stages.items():
         # One predicted copy per stage, none where both distances floor(k/2)+p-k-1 and floor(k/2) are 0.
         copies = 1 if (v // 2 + stages - v - 1, v // 2) != (0, 0) else 0
         one_copy = sum(p.numel() * p.element_size() for p in rt.module.parameters())
@@ -115,8 +115,8 @@ def test_spectrain_uses_predicted_weights_in_forward_and_backward(stages):
     pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
                           staleness="spectrain", optimizer=RecordingSGD, partitioner="uniform", profile=False,
                           engine="local")
-    seen = {v: {"forward": [], "backward": []} for v in pipe._runtimes}
-    for v, rt in pipe._runtimes.items():
+    seen = {v: {"forward": [], "backward": []} for v in pipe.held_stages}
+    for v, rt in pipe.held_stages.items():
         first = next(m for m in rt.module.modules() if isinstance(m, nn.Linear))
         # The forward sees the weights functional_call put in place; the backward reads the scratch copy.
         first.register_forward_hook(lambda m, i, o, v=v: seen[v]["forward"].append(m.weight.detach().clone()))
@@ -124,7 +124,7 @@ def test_spectrain_uses_predicted_weights_in_forward_and_backward(stages):
         scratch = rt.policy.scratch[name]
         scratch.register_hook(lambda g, v=v, s=scratch: seen[v]["backward"].append(s.detach().clone()))
     list(pipe.train(stream(steps)))
-    for v, rt in pipe._runtimes.items():
+    for v, rt in pipe.held_stages.items():
         k, opt = v, rt.optimizer
         s_fwd, s_bwd = k // 2 + stages - k - 1, k // 2
         name_index = 0  # the first Linear's weight is the stage's first parameter
@@ -170,12 +170,12 @@ def test_async_with_several_micro_batches_accumulates_within_a_mini_batch():
                            staleness="stash", optimizer=RecordingSGD, partitioner="uniform", profile=False,
                            engine="local")
     results2 = list(pipe2.train(stream(5)))
-    assert len(results2) == 5 and all(len(rt.optimizer.grads) == 5 for rt in pipe2._runtimes.values())
+    assert len(results2) == 5 and all(len(rt.optimizer.grads) == 5 for rt in pipe2.held_stages.values())
     # The first mini-batch sees no staleness at all, so its update equals the synchronous one.
     x, y = stream(5)[0]
     model = make("mlp")
     nn.functional.cross_entropy(model(x), y).backward()
-    for v, rt in pipe2._runtimes.items():
+    for v, rt in pipe2.held_stages.items():
         for name, g in zip(stage_names(pipe2)[v], rt.optimizer.grads[0]):
             torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, atol=1e-6, rtol=1e-5)
 
@@ -212,8 +212,8 @@ def test_stash_with_several_micro_batches_uses_each_micro_batch_forward_version(
     for t in range(steps):
         x, y = batches[t]
         parts = [hand_gradients(pipe, t, x[j * size:(j + 1) * size], y[j * size:(j + 1) * size],
-                                {k: versions[(k, t * m + j)] for k in pipe._runtimes}) for j in range(m)]
-        for v, rt in pipe._runtimes.items():
+                                {k: versions[(k, t * m + j)] for k in pipe.held_stages}) for j in range(m)]
+        for v, rt in pipe.held_stages.items():
             for name, g in zip(stage_names(pipe)[v], rt.optimizer.grads[t]):
                 expected = sum(part[name] for part in parts) / m
                 torch.testing.assert_close(g, expected, atol=1e-6, rtol=1e-5, msg=f"t={t} stage {v} {name}")
@@ -235,13 +235,13 @@ def test_spectrain_forward_only_predicts_p_minus_k_minus_1_and_reuses_it_backwar
     pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
                           staleness="spectrain", spectrain_variant="forward-only", optimizer=RecordingSGD,
                           partitioner="uniform", profile=False, engine="local")
-    seen = {v: [] for v in pipe._runtimes}
-    for v, rt in pipe._runtimes.items():
+    seen = {v: [] for v in pipe.held_stages}
+    for v, rt in pipe.held_stages.items():
         first = next(m for m in rt.module.modules() if isinstance(m, nn.Linear))
         first.register_forward_hook(lambda m, i, o, v=v: seen[v].append(m.weight.detach().clone()))
     list(pipe.train(stream(steps)))
     batches = stream(steps)
-    for v, rt in pipe._runtimes.items():
+    for v, rt in pipe.held_stages.items():
         opt, s = rt.optimizer, stages - v - 1
         for t in range(steps):
             u = max(0, t - s)
@@ -253,14 +253,14 @@ def test_spectrain_forward_only_predicts_p_minus_k_minus_1_and_reuses_it_backwar
         model = make("mlp")
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for v, rt in pipe._runtimes.items():
+            for v, rt in pipe.held_stages.items():
                 s = stages - v - 1
                 u = max(0, t - s)
                 for i, name in enumerate(stage_names(pipe)[v]):
                     w = rt.optimizer.weights[u][i]
                     params[name].copy_(w if u == 0 else w - s * LR * rt.optimizer.momenta[u][i])
         nn.functional.cross_entropy(model(batches[t][0]), batches[t][1]).backward()
-        for v, rt in pipe._runtimes.items():
+        for v, rt in pipe.held_stages.items():
             for name, g in zip(stage_names(pipe)[v], rt.optimizer.grads[t]):
                 torch.testing.assert_close(g, params[name].grad, atol=1e-6, rtol=1e-5, msg=f"t={t} {name}")
 
@@ -273,7 +273,7 @@ def test_spectrain_with_lars_predicts_from_its_scaled_momentum():
                           partitioner="uniform", profile=False, engine="local")
     results = list(pipe.train(stream(6)))
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
-    rt = pipe._runtimes[0]
+    rt = pipe.held_stages[0]
     name, p = next(iter(rt.module.named_parameters()))
     rt.policy.forward_weights(5)  # past the warm-up, stage 0 of 3 predicts 0 // 2 + 3 - 0 - 1 = 2 updates ahead
     expected = p.detach() - 2 * 0.1 * rt.optimizer.state[p]["momentum_buffer"]

@@ -68,7 +68,7 @@ def test_predict_equals_unsplit_model_in_eval_mode():
     x = data("convbn", 10, seed=7)[0]
     torch.testing.assert_close(pipe.predict(x), ref(x), atol=1e-6, rtol=0)
     # predict() leaves the stages in training mode.
-    assert all(rt.module.training for rt in pipe._runtimes.values())
+    assert all(rt.module.training for rt in pipe.held_stages.values())
 
 
 @pytest.mark.parametrize("batch", [7, 3])
@@ -126,7 +126,7 @@ def test_step_result_reports_per_stage_numbers(tmp_path):
 def test_runtime_holds_the_in_flight_micro_batches_the_schedule_documents(schedule, expected):
     # gpipe keeps all m micro-batches in flight at every stage; 1f1b at most p-k at stage k.
     pipe, _, _ = train_pipeline("mlp", 3, schedule, 4, steps=1, partitioner="uniform")
-    assert [pipe._runtimes[k].peak_in_flight for k in range(3)] == expected
+    assert [pipe.held_stages[k].peak_in_flight for k in range(3)] == expected
 
 
 class TwoInputsDictOut(torch.nn.Module):

@@ -151,8 +151,8 @@ def test_lookahead_scales_the_prediction(policy):
 
 def test_two_buffered_holds_at_most_two_versions():
     pipe, _ = run_pipeline("2bw", 4, 3, 8)
-    assert [rt.policy.peak_versions for rt in pipe._runtimes.values()] == [2, 2, 2, 2]
-    assert all(rt.policy.versions_held() == 0 for rt in pipe._runtimes.values())  # released when the stream ends
+    assert [rt.policy.peak_versions for rt in pipe.held_stages.values()] == [2, 2, 2, 2]
+    assert all(rt.policy.versions_held() == 0 for rt in pipe.held_stages.values())  # released when the stream ends
 
 
 def test_two_buffered_needs_enough_micro_batches():
@@ -193,7 +193,7 @@ def test_spectrain_distances_equal_a_hand_count_on_the_action_lists(stages, m):
                           schedule="async-1f1b", staleness="spectrain", partitioner=[str(k) for k in range(1, stages)],
                           optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM), profile=False,
                           engine="local")
-    for k, rt in pipe._runtimes.items():
+    for k, rt in pipe.held_stages.items():
         counted = hand_count(k, stages, m, mini_batches)
         assert [rt.policy.distance(u) for u in counted] == [counted[u] + (k // 2) / m for u in counted]
         assert rt.policy.s_bwd == (k // 2) / m
@@ -206,7 +206,7 @@ def test_spectrain_distances_equal_a_hand_count_on_the_action_lists(stages, m):
 @pytest.mark.parametrize("stages", [2, 3, 4, 5])
 def test_with_one_micro_batch_spectrain_predicts_the_papers_distances(stages):
     pipe, _ = run_pipeline("spectrain", stages, 1, 1)
-    for k, rt in pipe._runtimes.items():
+    for k, rt in pipe.held_stages.items():
         u = 3 * stages  # past the warm-up
         assert rt.policy.distance(u) == k // 2 + stages - k - 1
         assert rt.policy.s_bwd == k // 2
@@ -246,7 +246,7 @@ def test_nesterov_and_spectrain_predict_from_adam_and_lars_state(optimizer):
                               engine="local")
         results = list(pipe.train(stream(4, 2)))
         assert all(r.loss == r.loss for r in results)
-        rt = pipe._runtimes[0]
+        rt = pipe.held_stages[0]
         opt = rt.optimizer
         group = opt.param_groups[0]
         u = 9  # lag 1 at stage 0 of 3 with 2 micro-batches (u // 2 - (u - 2) // 2)

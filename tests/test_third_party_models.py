@@ -114,7 +114,7 @@ def test_hand_written_batch_norm_profiles_without_making_buffers_require_grad() 
     pipe = pipetrain.wrap(model, x[:2], stages=2, micro_batches=MICRO, optimizer=sgd, profile=True, engine="local")
     assert not any(b.requires_grad for b in model.buffers())
     assert pipe.step(x, y) > 0
-    assert not any(b.requires_grad for rt in pipe._runtimes.values() for b in rt.module.buffers())
+    assert not any(b.requires_grad for rt in pipe.held_stages.values() for b in rt.module.buffers())
     assert pipe.plan.graph.total_time() > 0
 
 
@@ -142,7 +142,7 @@ def test_predict_runs_dropout_and_stochastic_depth_in_eval_mode() -> None:
         expected = _tensor(_call(model.eval(), x))
         torch.testing.assert_close(_tensor(pipe.predict(x)), expected, rtol=1e-5, atol=1e-6)
         assert pipe.step(x, y) > 0  # training mode draws dropout masks again
-        assert all(rt.module.training for rt in pipe._runtimes.values())
+        assert all(rt.module.training for rt in pipe.held_stages.values())
 
 
 class _NoCapture(nn.Module):

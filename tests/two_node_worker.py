@@ -22,8 +22,8 @@ def main() -> None:
                           allreduce=allreduce, optimizer=sgd, partitioner="uniform", profile=False,
                           engine="distributed", timeout=60)
     losses = [r.loss for r in pipe.train(batches("convbn"))]
-    world = pipe._engine.world
-    reducer = pipe._reducers[world.position].reducer
+    world = pipe.world
+    reducer = pipe.gradient_reducer
     hierarchy = reducer.hierarchy
     torch.save({"losses": losses, "state": pipe.state_dict(), "replica": world.replica,
                 "hierarchy": None if hierarchy is None else (hierarchy.nodes, hierarchy.per_node),

@@ -1,9 +1,11 @@
 """The engine: everything that differs between one process and one process per stage.
 
-A Pipeline asks its engine where its stages run and how they talk; the engine picks the one
-implementation of each cross-device piece for its layout: transport, tied-weight sync, skip-or-step
-agreement (non-finite values, fp16 overflow), step reporter, gradient reducers of hybrid mode, and how a plan and a
-prediction reach every process. `select_engine` is the one place that chooses.
+The assembly asks its engine where stages run, how the plan reaches every process, and for the
+cross-device pieces of the stages it built (`connect`): transport, tied-weight sync, skip-or-step
+agreement (non-finite values, fp16 overflow), step reporter and the gradient reducers of hybrid mode.
+The runner asks it how a mini-batch is sharded over replicas and how a prediction reaches every
+process. `select_engine` is the one place that chooses; the options are reduced to the values each
+engine needs right here.
 
 - `LocalEngine`: every stage in this process (one device or several), the deterministic
   reference.
@@ -13,7 +15,7 @@ prediction reach every process. `select_engine` is the one place that chooses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ import torch.distributed as dist
 import partitioners
 from pipetrain.comm.overflow import DistributedOverflowAgreement, LocalOverflowAgreement
 from pipetrain.comm.peers import peers_answer
-from pipetrain.comm.replicas import StageReducer, replica_shard, shard_weight
+from pipetrain.comm.replicas import ReductionSettings, StageReducer, replica_shard, shard_weight
 from pipetrain.comm.reporting import Reporter
 from pipetrain.comm.tied import DistributedTiedSync, LocalTiedSync
 from pipetrain.comm.transport import DistributedTransport, LocalTransport
@@ -30,7 +32,6 @@ from pipetrain.runtime.batching import batch_size
 from pipetrain.runtime.devices import to_device
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.optimizer_step import OverflowAgreement, TiedSync
-from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.topology import Topology
 
@@ -48,6 +49,8 @@ class Connections:
     tied: TiedSync
     agreement: OverflowAgreement
     reporter: Reporter
+    reducers: dict[int, StageReducer]  # hybrid mode: pipeline position -> its gradient reducer
+    counter: CommCounter
 
 
 class LocalEngine:
@@ -73,21 +76,13 @@ class LocalEngine:
     def agree_on_plan(self, plan: partitioners.Plan, graph: partitioners.CostGraph) -> partitioners.Plan:
         return plan
 
-    def connect(self, topology: Topology, runtimes: dict[int, StageRuntime], tied: Tied,
-                counter: CommCounter, options: PipelineOptions) -> Connections:
+    def connect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
+        counter = CommCounter(topology.num_stages)
         stage_devices = [self.devices[topology.position_of(v)] for v in range(topology.num_stages)]
-        describe = lambda d: f"pipeline device {d} ({_stages_at(topology, d)})"  # noqa: E731
-        return Connections(LocalTransport(stage_devices, counter), LocalTiedSync(tied, runtimes, counter),
+        describe = lambda d: f"pipeline device {d} ({topology.describe(d)})"  # noqa: E731
+        return Connections(LocalTransport(stage_devices, counter), LocalTiedSync(tied, stages, counter),
                            LocalOverflowAgreement(len(self.devices), describe),
-                           Reporter(runtimes, topology.num_stages, counter))
-
-    def make_scaler(self, precision: str) -> DynamicLossScaler | None:
-        """fp16 needs loss scaling; the skip-or-step agreement decides overflow, not the scaler."""
-        return DynamicLossScaler(groups=[]) if precision == "fp16" else None
-
-    def make_reducers(self, stages_on: Callable[[int], list[StageRuntime]], options: PipelineOptions,
-                      counter: CommCounter) -> dict[int, StageReducer]:
-        return {}
+                           Reporter(topology.num_stages, counter, has_last_stage=True), {}, counter)
 
     def shard(self, x: Any, y: Any) -> tuple[Any, Any, float]:
         """One process holds the whole mini-batch."""
@@ -109,6 +104,8 @@ class DistributedEngine:
             self.world = World(options.stages, options.data_parallel, options.allreduce, options.hierarchy,
                                options.timeout)
         self.data_parallel = options.data_parallel
+        self.dynamic_shapes, self.timeout = options.dynamic_shapes, options.timeout
+        self.reduction = ReductionSettings.of(options) if options.data_parallel > 1 else None
 
     @property
     def is_rank_zero(self) -> bool:
@@ -133,39 +130,25 @@ class DistributedEngine:
             dist.broadcast_object_list(box, src=0, group=self.world.control)
         return partitioners.Plan.from_json(box[0], graph)
 
-    def connect(self, topology: Topology, runtimes: dict[int, StageRuntime], tied: Tied,
-                counter: CommCounter, options: PipelineOptions) -> Connections:
+    def connect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
         world = self.world
+        counter = CommCounter(topology.num_stages)
         with peers_answer(SETTING_UP):
             links, tied_groups = world.link_groups(topology), world.tied_groups(topology, tied)
         transport = DistributedTransport(topology, lambda v: world.rank_of(topology.position_of(v)),
-                                         links, world.device, counter, options.dynamic_shapes, options.timeout)
-        tied_sync = DistributedTiedSync(tied, runtimes, tied_groups, counter)
-        reporter = Reporter(runtimes, topology.num_stages, counter, (world.control, world.report),
-                            options.data_parallel, world.device)
+                                         links, world.device, counter, self.dynamic_shapes, self.timeout)
+        tied_sync = DistributedTiedSync(tied, stages, tied_groups, counter)
+        reporter = Reporter(topology.num_stages, counter, any(s.is_last for s in stages.values()),
+                            (world.control, world.report), self.data_parallel, world.device)
         S = world.stages
-        describe = lambda r: f"rank {r} ({_stages_at(topology, r % S)}, replica {r // S})"  # noqa: E731
+        describe = lambda r: f"rank {r} ({topology.describe(r % S)}, replica {r // S})"  # noqa: E731
         agreement = DistributedOverflowAgreement(world.agreement, world.device, describe)
-        return Connections(transport, tied_sync, agreement, reporter)
-
-    def make_scaler(self, precision: str) -> DynamicLossScaler | None:
-        """fp16 loss scaling; its overflow flag travels in the skip-or-step agreement's one all-reduce
-        over every rank (DistributedOverflowAgreement), so the scaler itself reduces nothing."""
-        return DynamicLossScaler(groups=[]) if precision == "fp16" else None
-
-    def make_reducers(self, stages_on: Callable[[int], list[StageRuntime]], options: PipelineOptions,
-                      counter: CommCounter) -> dict[int, StageReducer]:
-        """Hybrid mode: a reducer averaging this position's gradients over its replicas."""
-        if options.data_parallel == 1:
-            return {}
-        # Hooks see gradients only when autograd accumulates them: not with staleness policies
-        # (they add per-version gradients by hand), nor across interleaved chunks, nor when
-        # zero-bubble W passes set the weight gradients.
-        overlap = (options.overlap and options.staleness == "none" and options.chunks_per_device == 1
-                   and options.schedule != "zb-h1")
-        position = self.world.position
-        return {position: StageReducer(stages_on(position), self.world.data_parallel_group, self.world.hierarchy,
-                                       options, counter, overlap)}
+        reducers = {}
+        if self.reduction is not None:
+            held = [stages[v] for v in topology.stages_at(world.position)]
+            reducers[world.position] = StageReducer(held, world.data_parallel_group, world.hierarchy,
+                                                    self.reduction, counter)
+        return Connections(transport, tied_sync, agreement, reporter, reducers, counter)
 
     def shard(self, x: Any, y: Any) -> tuple[Any, Any, float]:
         """This replica's share of a global mini-batch and the factor that keeps the mean exact."""
@@ -184,11 +167,6 @@ class DistributedEngine:
         with peers_answer(f"predict()'s output broadcast from rank {last} (every rank calls predict())"):
             dist.broadcast_object_list(box, src=last, group=self.world.control)
         return box[0]
-
-
-def _stages_at(topology: Topology, position: int) -> str:
-    stages = [v for v in range(topology.num_stages) if topology.position_of(v) == position]
-    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
 
 
 Engine = LocalEngine | DistributedEngine

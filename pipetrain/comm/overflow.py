@@ -20,7 +20,7 @@ import torch.distributed as dist
 from pipetrain.comm import recording
 from pipetrain.comm.peers import peers_answer
 from pipetrain.runtime import host_sync
-from pipetrain.runtime.executor import BLOCKED
+from pipetrain.runtime.progress import BLOCKED
 
 
 def _first(code: list[float], participants: int) -> list[int | None]:

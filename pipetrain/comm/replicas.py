@@ -2,6 +2,7 @@
 over its replicas with the fused/hierarchical reducer."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -48,21 +49,41 @@ def bucket_choice(cluster: str | None, hierarchy: Hierarchy | None) -> Callable[
     return lambda nbytes: prefers_hierarchical(nbytes, group, spec)
 
 
+@dataclass(frozen=True)
+class ReductionSettings:
+    """How hybrid mode averages a stage's gradients over its replicas (wrap's options, reduced)."""
+
+    bucket_mb: float
+    algorithm: str                 # "hybrid" | "flat" | "hierarchical" | "per-tensor"
+    compress: str | None           # "bf16" | "fp16": gradients sent in low precision
+    cluster: str | None            # allreduce="hybrid": the cluster whose cost model picks per bucket
+    overlap: bool                  # buckets reduced during the last backward
+
+    @classmethod
+    def of(cls, options: Any) -> ReductionSettings:
+        # Hooks see gradients only when autograd accumulates them: not with staleness policies
+        # (they add per-version gradients by hand), nor across interleaved chunks, nor when
+        # zero-bubble W passes set the weight gradients.
+        overlap = (options.overlap and options.staleness == "none" and options.chunks_per_device == 1
+                   and options.schedule != "zb-h1")
+        return cls(options.bucket_mb, options.allreduce, options.compress, options.cluster, overlap)
+
+
 class StageReducer:
     """Averages one device's gradients over the replicas of its stage at the REDUCE action."""
 
-    def __init__(self, stages: list[StageRuntime], group, hierarchy, options, counter: CommCounter,
-                 overlap: bool):
+    def __init__(self, stages: list[StageRuntime], group, hierarchy, settings: ReductionSettings,
+                 counter: CommCounter):
         self.params = [p for s in stages for p in s.module.parameters() if p.requires_grad]
         self.stage = stages[0].index
         self.counter = counter
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
-        self.reducer = GradientReducer(self.params, group, bucket_bytes=int(options.bucket_mb * MiB),
-                                       hierarchy=hierarchy, algorithm=options.allreduce,
-                                       compress=COMPRESS[options.compress],
-                                       choose_hierarchical=bucket_choice(options.cluster, hierarchy)
+        self.reducer = GradientReducer(self.params, group, bucket_bytes=int(settings.bucket_mb * MiB),
+                                       hierarchy=hierarchy, algorithm=settings.algorithm,
+                                       compress=COMPRESS[settings.compress],
+                                       choose_hierarchical=bucket_choice(settings.cluster, hierarchy)
                                        ) if self.params else None
-        self.overlap = overlap and self.reducer is not None
+        self.overlap = settings.overlap and self.reducer is not None
         if self.overlap:
             self.reducer.enable_overlap()
 

@@ -6,7 +6,6 @@ for the first one to finish a mini-batch before it can report.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -14,8 +13,7 @@ import torch.distributed as dist
 
 from pipetrain.comm.peers import peers_answer
 from pipetrain.runtime import host_sync
-from pipetrain.runtime.metrics import COMM_KINDS, CommCounter, StepResult
-from pipetrain.runtime.stage import StageRuntime
+from pipetrain.runtime.metrics import COMM_KINDS, CommCounter, StageReport, StepResult, per_stage_fields
 
 
 class SumExchange:
@@ -68,65 +66,54 @@ class SumExchange:
 
 
 class Reporter:
-    """Builds the result of each mini-batch from the stages this process runs."""
+    """Builds the result of each mini-batch from the reports of the stages this process runs."""
 
-    def __init__(self, runtimes: dict[int, StageRuntime], num_stages: int, counter: CommCounter,
+    def __init__(self, num_stages: int, counter: CommCounter, has_last_stage: bool,
                  groups: tuple[Any, Any] | None = None, replicas: int = 1, device: torch.device | str = "cpu"):
-        self.runtimes = runtimes
         self.num_stages = num_stages
         self.counter = counter
+        self.has_last_stage = has_last_stage
         self.groups = groups  # (sum, broadcast) groups of every rank; None: one process holds every stage
         self.replicas = replicas
         self.device = device  # NCCL reduces device tensors only
         self._comm = counter.snapshot()
+        self._fields = per_stage_fields()
 
-    def local(self, loss_sum: float, micro_batches: range, samples: int, seconds: float,
+    def local(self, loss_sum: float, samples: int, seconds: float, reports: dict[int, StageReport],
               busy_seconds: dict[int, float]) -> StepResult:
         """This process's view of one mini-batch (complete when it runs every stage); ``loss_sum``
         is the loss summed over samples."""
         V = self.num_stages
-        busy, lag, weight_bytes, act_bytes = [0.0] * V, [0.0] * V, [0] * V, [0] * V
-        distance, error = [0.0] * V, [0.0] * V
-        for v, rt in self.runtimes.items():
-            busy[v] = busy_seconds.get(v, 0.0) / max(seconds, 1e-12)
-            lag[v] = _mean_popped(rt.version_lags, micro_batches, 0.0)
-            distance[v] = _mean_popped(rt.policy.distances, micro_batches, 0.0)
-            # NaN where no micro-batch of this mini-batch was sampled (synchronous: nothing ever differs)
-            error[v] = _mean_popped(rt.policy.errors, micro_batches, 0.0 if rt.policy.name == "none" else math.nan)
-            weight_bytes[v] = rt.policy.extra_weight_bytes()
-            act_bytes[v] = rt.peak_activation_bytes
-            rt.peak_activation_bytes = rt.activation_bytes()
+        result = StepResult(0, loss_sum / samples, samples, seconds)
+        for f in self._fields:
+            setattr(result, f.name, [f.metadata["per_stage"](0)] * V)
+        for v, report in reports.items():
+            result.busy_fraction[v] = busy_seconds.get(v, 0.0) / max(seconds, 1e-12)
+            for name, value in vars(report).items():
+                getattr(result, name)[v] = value
         if self.groups is None:  # under torchrun the errors travel to the step report on the device
-            error = _read_on_host(error)
-        comm = self.counter.since(self._comm)
+            result.prediction_error = _read_on_host(result.prediction_error)
+        result.comm_bytes = self.counter.since(self._comm)
         self._comm = self.counter.snapshot()
-        peak_memory = [0] * V
-        for v, rt in self.runtimes.items():
-            counted = rt.take_peak_memory()  # also starts the next period on every device
-            peak_memory[v] = torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else counted
-        return StepResult(0, loss_sum / samples, samples, seconds, busy, lag, weight_bytes, act_bytes, comm,
-                          prediction_distance=distance, prediction_error=error, peak_memory=peak_memory)
+        return result
 
     def post(self, result: StepResult, loss_sum: float) -> tuple[StepResult, SumExchange]:
         """Start summing over ranks: the loss sums and sample counts of last stages, per-stage numbers."""
         V = self.num_stages
-        is_last = any(rt.is_last for rt in self.runtimes.values())
-        per_stage = [result.busy_fraction, result.version_lag, result.weight_version_bytes,
-                     result.activation_bytes, result.prediction_distance,
-                     result.prediction_error, result.peak_memory] + [result.comm_bytes[k] for k in COMM_KINDS]
+        per_stage = [getattr(result, f.name) for f in self._fields] + [result.comm_bytes[k] for k in COMM_KINDS]
         # The last entry: this rank was asked to stop (summed: any rank was), so every rank learns it
         # from the report it already exchanges instead of from a collective of its own.
         mine = torch.zeros(2 + len(per_stage) * V + 1, dtype=torch.float64)
-        if is_last:
+        if self.has_last_stage:
             mine[0], mine[1] = loss_sum, result.samples
         mine[-1] = float(result.stop_requested)
         on_device = []
         for i, values in enumerate(per_stage):
-            for v in self.runtimes:
-                if isinstance(values[v], torch.Tensor):  # staleness diagnostics, still on the stage's device
-                    on_device.append((2 + i * V + v, values[v]))
-                else:
-                    mine[2 + i * V + v] = values[v]
+            for v, value in enumerate(values):
+                if isinstance(value, torch.Tensor):  # staleness diagnostics, still on the stage's device
+                    on_device.append((2 + i * V + v, value))
+                elif value:
+                    mine[2 + i * V + v] = value
         mine = mine.to(self.device)
         for index, value in on_device:
             mine[index] = value.to(mine.device, mine.dtype)  # a device-side copy, not a host read
@@ -141,22 +128,13 @@ class Reporter:
         result.loss = float(total[0] / total[1])
         result.samples = int(total[1])
         part = lambda i: [float(x) for x in total[2 + i * V: 2 + (i + 1) * V]]  # noqa: E731
-        result.busy_fraction = [x / D for x in part(0)]
-        result.version_lag = [x / D for x in part(1)]
-        result.weight_version_bytes = [int(x / D) for x in part(2)]
-        result.activation_bytes = [int(x / D) for x in part(3)]
-        result.prediction_distance = [x / D for x in part(4)]
-        result.prediction_error = [x / D for x in part(5)]
-        result.peak_memory = [int(x / D) for x in part(6)]  # the mean over replicas
-        result.comm_bytes = {k: [int(x) for x in part(7 + i)] for i, k in enumerate(COMM_KINDS)}
+        for i, f in enumerate(self._fields):
+            kind = f.metadata["per_stage"]
+            setattr(result, f.name, [kind(x / D) for x in part(i)])
+        n = len(self._fields)
+        result.comm_bytes = {k: [int(x) for x in part(n + i)] for i, k in enumerate(COMM_KINDS)}
         result.stop_requested = float(total[-1]) > 0
         return result
-
-
-def _mean_popped(values: dict[int, float], micro_batches: range, empty: float) -> float:
-    """Mean of the entries of ``micro_batches`` (removed from ``values``); ``empty`` when there are none."""
-    found = [values.pop(g) for g in micro_batches if g in values]
-    return sum(found) / len(found) if found else empty
 
 
 def _read_on_host(values: list) -> list:

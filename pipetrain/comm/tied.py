@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from pipetrain.comm import recording
 from pipetrain.comm.peers import peers_answer
-from pipetrain.runtime.executor import BLOCKED
+from pipetrain.runtime.progress import BLOCKED
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.stage import StageRuntime
 

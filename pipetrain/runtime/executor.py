@@ -10,6 +10,7 @@ instead of blocking the generator). Both execute the same lists ``schedules`` bu
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -17,22 +18,36 @@ from torch.utils import _pytree as pytree
 
 from pipetrain.runtime.devices import move, to_device
 from pipetrain.runtime.feed import Feed
+from pipetrain.runtime.progress import BLOCKED, DONE, STEPPED
 from pipetrain.runtime.stage import StageRuntime, takes_grad
 from pipetrain.runtime.topology import ACT, GRAD, Message, Topology
 from schedules import Action, ActionKind
 from schedules.nccl_order import comm_batches
 
-BLOCKED, DONE, STEPPED = "blocked", "done", "stepped"
+StepCall = Callable[[int, list[torch.Tensor]], Iterator[str]]  # (t, losses) -> ...; returns whether t was skipped
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Which forwards keep only their inputs and run again right before their backward, resolved once
+    from the plan's per-stage settings and the schedule: every forward of ``stages`` (an endless async
+    stream) and the (virtual stage, micro-batch) pairs of ``forwards``."""
+
+    stages: frozenset[int] = frozenset()
+    forwards: frozenset[tuple[int, int]] = frozenset()
+
+    def __call__(self, stage: int, micro_batch: int) -> bool:
+        return stage in self.stages or (stage, micro_batch) in self.forwards
 
 
 class DeviceExecutor:
     """Executes the actions of one pipeline device (all its chunks / virtual stages)."""
 
     def __init__(self, device: int, stages: dict[int, StageRuntime], topology: Topology, transport: Any,
-                 feed: Feed, step: Callable[[int], Iterator[str]], reduce: Callable[[int], None] | None = None,
+                 feed: Feed, step: StepCall, reduce: Callable[[int], None] | None = None,
                  before_backward: Callable[[bool], None] | None = None, send_dtype: torch.dtype | None = None,
                  train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0, split_backward: bool = False,
-                 recompute: Callable[[Action], bool] = lambda a: False):
+                 recompute: Recompute = Recompute()):
         self.device = device
         self.stages = stages  # chunk -> runtime
         self.topology = topology
@@ -43,15 +58,19 @@ class DeviceExecutor:
         self.before_backward = before_backward
         self.send_dtype = send_dtype
         self.split_backward = split_backward  # zero-bubble: B computes input gradients, W weight gradients
-        self.recompute = recompute  # whether a forward keeps only its inputs and runs again before its backward
+        self.recompute = recompute
         self.train = train
         self.loss_scale = loss_scale
         self.outputs: dict[tuple[int, int], Any] = {}       # (stage, micro-batch) -> forward outputs to send
         self.input_grads: dict[tuple[int, int], list] = {}  # (stage, micro-batch) -> gradients to send back
         self.float_leaves: dict[tuple[int, int], dict[str, int]] = {}  # gradients expected per output
+        # What the run produced, read by the runner: the last stage's outputs (predict) or losses (training)
+        # per micro-batch, and per finished STEP t whether its update was skipped.
         self.predictions: dict[int, Any] = {}
-        self.steps_done: list[int] = []
-        self.busy_seconds = {stage.index: 0.0 for stage in stages.values()}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.skipped: dict[int, bool] = {}
+        self.steps_done = 0
+        self._busy = {stage.index: 0.0 for stage in stages.values()}
         self._handlers = {
             ActionKind.FORWARD: self._forward,
             ActionKind.BACKWARD: self._backward,
@@ -101,11 +120,11 @@ class DeviceExecutor:
         if stage.is_last and self.train:
             target = to_device(self.feed.target(g), stage.device)  # the loss is computed where the output is
         start = time.perf_counter()
-        out = stage.forward(g, inputs, target, self.feed.grad_weight(g), grad=self.train, recompute=self.recompute(a))
-        self.busy_seconds[stage.index] += time.perf_counter() - start
+        out = stage.forward(g, inputs, target, self.feed.grad_weight(g), grad=self.train,
+                            recompute=self.recompute(stage.index, g))
+        self._busy[stage.index] += time.perf_counter() - start
         if stage.is_last:
-            if not self.train:
-                self.predictions[g] = out
+            (self.losses if self.train else self.predictions)[g] = out
         else:
             values = dict(zip(self.topology.outputs[stage.index], _as_tuple(out)))
             self.outputs[(stage.index, g)] = values
@@ -147,7 +166,7 @@ class DeviceExecutor:
             self.before_backward((g + 1) % self.feed.micro_batches == 0)
         start = time.perf_counter()
         input_grads = stage.backward(g, grads, loss_scale=self.loss_scale(), split=self.split_backward)
-        self.busy_seconds[stage.index] += time.perf_counter() - start
+        self._busy[stage.index] += time.perf_counter() - start
         if stage.index > 0:
             self.input_grads[(stage.index, g)] = input_grads
 
@@ -170,12 +189,19 @@ class DeviceExecutor:
         stage = self._stage(a)
         start = time.perf_counter()
         stage.backward_weight(a.micro_batch)
-        self.busy_seconds[stage.index] += time.perf_counter() - start
+        self._busy[stage.index] += time.perf_counter() - start
         return iter(())
 
     def _step(self, a: Action) -> Iterator[str]:
-        yield from self.step(a.micro_batch)
-        self.steps_done.append(a.micro_batch)
+        t, m = a.micro_batch, self.feed.micro_batches
+        losses = [self.losses[g] for g in range(t * m, (t + 1) * m) if g in self.losses]
+        self.skipped[t] = yield from self.step(t, losses)
+        self.steps_done += 1
+
+    def take_busy(self) -> dict[int, float]:
+        """Compute seconds per stage since the last call."""
+        busy, self._busy = self._busy, dict.fromkeys(self._busy, 0.0)
+        return busy
 
     def _reduce(self, a: Action) -> Iterator[str]:
         if self.reduce is not None:

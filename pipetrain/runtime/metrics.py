@@ -1,7 +1,8 @@
 """What one mini-batch of training reports, and writing it to TensorBoard."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 # What crosses the wire, by purpose: stage-to-stage activations and their gradients, gradient
 # sums of parameters tied across stages, and the data-parallel gradient reduction (payload bytes).
@@ -24,6 +25,25 @@ class CommCounter:
         return {kind: [a - b for a, b in zip(v, snapshot[kind])] for kind, v in self.bytes.items()}
 
 
+def _per_stage(kind: type, doc: str) -> Any:
+    """A per-stage list of StepResult: ``kind`` is how it crosses processes (summed over ranks as float64,
+    then averaged over replicas and cast back)."""
+    return field(default_factory=list, metadata={"per_stage": kind, "doc": doc})
+
+
+@dataclass
+class StageReport:
+    """One virtual stage's numbers for one mini-batch, as the stage itself measured them (its field names
+    are those of StepResult's per-stage lists)."""
+
+    version_lag: float
+    weight_version_bytes: int
+    activation_bytes: int
+    prediction_distance: float
+    prediction_error: Any  # a float, or a 0-dim tensor still on the stage's device (read once per report)
+    peak_memory: int
+
+
 @dataclass
 class StepResult:
     """One trained mini-batch. Per-stage lists are indexed by virtual stage."""
@@ -32,22 +52,22 @@ class StepResult:
     loss: float
     samples: int
     seconds: float
-    busy_fraction: list[float] = field(default_factory=list)
-    version_lag: list[float] = field(default_factory=list)         # mean optimizer steps between forward and backward
-    weight_version_bytes: list[int] = field(default_factory=list)  # bytes in stashed / predicted weight copies
-    activation_bytes: list[int] = field(default_factory=list)      # peak bytes autograd held for in-flight micro-batches
+    busy_fraction: list[float] = _per_stage(float, "share of the step's seconds the stage computed")
+    version_lag: list[float] = _per_stage(float, "mean optimizer steps between forward and backward")
+    weight_version_bytes: list[int] = _per_stage(int, "bytes in stashed / predicted weight copies")
+    activation_bytes: list[int] = _per_stage(int, "peak bytes autograd held for in-flight micro-batches")
+    # async-1f1b: mean updates ahead the forwards predicted the weights (spectrain, nesterov; 0 otherwise) and
+    # the distance, in updates (lr * |v|), between a sampled forward's weights and those its gradient is applied to.
+    prediction_distance: list[float] = _per_stage(float, "updates ahead the forwards predicted the weights")
+    prediction_error: list[float] = _per_stage(float, "distance of a sampled forward's weights from the backward's")
+    # On CUDA the device allocator's peak (torch.cuda.max_memory_allocated, since the process started or
+    # torch.cuda.reset_peak_memory_stats); elsewhere the peak over this step of the stage's tensors (weights,
+    # gradients, optimizer state, weight versions, held activations: pipetrain.runtime.memory).
+    peak_memory: list[int] = _per_stage(int, "measured peak bytes (mean over replicas)")
     comm_bytes: dict[str, list[int]] = field(default_factory=dict)  # payload bytes per COMM_KINDS entry, per stage
     skipped: bool = False  # no update was applied for this mini-batch (non-finite values or fp16 overflow), on any stage
     skipped_total: int = 0  # mini-batches skipped so far by this pipeline, this one included
     stop_requested: bool = False  # some rank called Pipeline.request_stop() before this step's report (agreed)
-    # async-1f1b, per stage: mean updates ahead the forwards predicted the weights (spectrain, nesterov; 0 otherwise) and
-    # the distance, in updates (lr * |v|), between a sampled forward's weights and those its gradient is applied to.
-    prediction_distance: list[float] = field(default_factory=list)
-    prediction_error: list[float] = field(default_factory=list)
-    # Measured peak bytes per stage: on CUDA the device allocator's peak (torch.cuda.max_memory_allocated, since
-    # the process started or torch.cuda.reset_peak_memory_stats); elsewhere the peak over this step of the stage's
-    # tensors (weights, gradients, optimizer state, weight versions, held activations: pipetrain.runtime.memory).
-    peak_memory: list[int] = field(default_factory=list)
 
     @property
     def bytes_sent(self) -> list[int]:
@@ -87,3 +107,8 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def per_stage_fields() -> list[Field]:
+    """StepResult's per-stage lists, in the order reports pack them."""
+    return [f for f in fields(StepResult) if "per_stage" in f.metadata]

@@ -13,7 +13,7 @@ replica. A step is skipped everywhere or nowhere, so stages and replicas never d
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Iterator, Protocol
 
 import torch
@@ -53,7 +53,7 @@ class OverflowAgreement(Protocol):
 
 
 class OptimizerStep:
-    """What one device does at STEP t for all of its stages.
+    """What one device does at STEP t for all of its stages; the generator returns whether t was skipped.
 
     ``nonfinite``: "raise" (a NonFiniteError on every rank, after they agreed) or "skip" (no
     optimizer step and no staleness-policy update on any stage, gradients zeroed). In fp16 a
@@ -64,8 +64,7 @@ class OptimizerStep:
 
     def __init__(self, stages: list[StageRuntime], tied: TiedSync, scaler: DynamicLossScaler | None,
                  agreement: OverflowAgreement, nonfinite: str = "raise", precision: str = "fp32",
-                 micro_batches: int = 1, position: int = 0,
-                 process_stages: Callable[[], Sequence[tuple[int, nn.Module]]] | None = None):
+                 position: int = 0, process_stages: Sequence[tuple[int, nn.Module]] | None = None):
         self.stages = stages
         self.indices = [s.index for s in stages]
         self.tied = tied
@@ -73,53 +72,45 @@ class OptimizerStep:
         self.agreement = agreement
         self.nonfinite = nonfinite
         self.precision = precision
-        self.micro_batches = micro_batches
         self.position = position
-        self.process_stages = process_stages or (lambda: [(s.index, s.module) for s in self.stages])
+        self.process_stages = list(process_stages) if process_stages is not None else [
+            (s.index, s.module) for s in stages]
         self.device = stages[0].device if stages else torch.device("cpu")
-        self.skipped: list[int] = []  # which of this device's steps (0-based, over its lifetime) were skipped
-        self.steps_seen = 0
-        self.outcomes: dict[int, bool] = {}  # mini-batch t -> skipped; the pipeline reads them into results
         # async-1f1b with nonfinite="raise": the agreement of the previous step, still running, with what
         # this device found then (t, wait for the result, this device's first bad parameter).
         self.in_flight: tuple[int, Callable[[], list[int | None]], tuple[int, str] | None] | None = None
         self.first_update = 1  # the pipeline's update number of mini-batch 0 of the current call (messages)
         self.stream = False
 
-    def __call__(self, t: int) -> Iterator[str]:
+    def __call__(self, t: int, losses: list[torch.Tensor]) -> Generator[str, None, bool]:
+        """STEP t, given the losses of mini-batch t's micro-batches computed on this device (if any)."""
         yield from self.tied.sync(self.indices, t)
         params = [p for s in self.stages for p in s.module.parameters() if p.grad is not None]
         if self.scaler is not None:
             grads_bad = self.scaler.unscale_local_(params, self.device)
         else:
             grads_bad = check_and_unscale_([p.grad for p in params], 1.0, self.device)
-        m = self.micro_batches
-        losses = [s.losses[g] for s in self.stages if s.is_last for g in range(t * m, (t + 1) * m) if g in s.losses]
         flags = torch.cat([grads_bad, losses_nonfinite(losses, self.device)])
         if self.stream and self.nonfinite == "raise":
             result = self.agreement.post(t, self.position, flags)
             if result is not None:
-                self._step_then_agree(t, flags, result)
-                return
+                return self._step_then_agree(t, flags, result)
         first = yield from self.agreement.agree(t, self.position, flags)
         overflow = self.scaler is not None and first[GRADS] is not None
         bad = first[LOSSES] is not None or (self.scaler is None and first[GRADS] is not None)
         skip = overflow or bad
         if self.scaler is not None:
             self.scaler.update(overflow)
-        if skip:
-            self.skipped.append(self.steps_seen)
-        self.steps_seen += 1
-        self.outcomes[t] = skip
         error = self._message(t, first) if bad and self.nonfinite == "raise" else None  # before grads go
         self._apply(skip)
         if error is not None:
             # In one process the other devices never resume this step: clear what they hold too, so a
             # caller that catches the error and goes on starts from clean gradients.
-            for _, module in self.process_stages():
+            for _, module in self.process_stages:
                 module.zero_grad(set_to_none=True)
             self.agreement.forget(t)
             raise NonFiniteError(error)
+        return skip
 
     def _apply(self, skip: bool) -> None:
         """Step every stage of this device (or skip the step), then clear the gradients."""
@@ -136,7 +127,7 @@ class OptimizerStep:
             else:
                 s.policy.on_step()
 
-    def _step_then_agree(self, t: int, flags: torch.Tensor, result: Callable[[], list[int | None]]) -> None:
+    def _step_then_agree(self, t: int, flags: torch.Tensor, result: Callable[[], list[int | None]]) -> bool:
         """async-1f1b, nonfinite="raise", several processes: the stream never flushes, so waiting at STEP t
         for every rank would hold each stage until stage 0 finished mini-batch t's backward (N-1 backward
         hops every mini-batch). Nothing needs the decision before the next step, so STEP t steps on this
@@ -145,13 +136,10 @@ class OptimizerStep:
         applied update t; a stage that found a non-finite value never applies it."""
         self.finish_stream()
         mine = bool(flags.any())
-        found = first_nonfinite(self.process_stages()) if mine and self.scaler is None else None
+        found = first_nonfinite(self.process_stages) if mine and self.scaler is None else None
         self.in_flight = (t, result, found)
-        if mine:
-            self.skipped.append(self.steps_seen)
-        self.steps_seen += 1
-        self.outcomes[t] = mine
         self._apply(mine)
+        return mine
 
     def finish_stream(self) -> None:
         """Read the agreement still running from the last step; raise NonFiniteError if any rank found a
@@ -162,7 +150,7 @@ class OptimizerStep:
         self.in_flight = None
         first = result()
         if first[LOSSES] is not None or first[GRADS] is not None:
-            for _, module in self.process_stages():
+            for _, module in self.process_stages:
                 module.zero_grad(set_to_none=True)
             raise NonFiniteError(self._message(t, first, found).replace(
                 "the update was not applied on any stage",
@@ -183,7 +171,7 @@ class OptimizerStep:
         else:
             what = f"a gradient is NaN or infinite at {when}"
             if found is None and self.scaler is None:
-                found = first_nonfinite(self.process_stages())
+                found = first_nonfinite(self.process_stages)
             if found is not None:
                 what += f": stage {found[0]}, parameter {found[1]!r} (the first bad one)"
             else:

@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
 from pipetrain.runtime.memory import SavedBytes, grad_bytes, resident_bytes, storage_bytes
+from pipetrain.runtime.metrics import StageReport
 from pipetrain.runtime.staleness import StalenessPolicy
 
 
@@ -70,7 +71,6 @@ class StageRuntime:
     autocast_dtype: torch.dtype | None = None
     seed: int = 0
     in_flight: dict[int, InFlight] = field(default_factory=dict)
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         # Bytes autograd saves per forward, by input shapes: counting them takes a Python hook per
@@ -117,10 +117,7 @@ class StageRuntime:
             if not grad:
                 return out
             self._hold(micro_batch, InFlight(to_differentiate, leaves, self.policy.updates, counted))
-        if self.is_last:
-            self.losses[micro_batch] = loss.detach()
-            return loss.detach()
-        return out
+        return loss.detach() if self.is_last else out
 
     def _hold(self, micro_batch: int, flight: InFlight) -> None:
         self.in_flight[micro_batch] = flight
@@ -259,8 +256,18 @@ class StageRuntime:
         return (sum(f.activation_bytes for f in self.in_flight.values())
                 + sum(held for _, held in self.weight_pending.values()))
 
-    def take_peak_memory(self) -> int:
-        """Measured peak bytes since the last call (see pipetrain.runtime.memory); starts the next period."""
+    def report(self, micro_batches: range) -> StageReport:
+        """This stage's numbers for the mini-batch of ``micro_batches``; its peaks start a new period."""
+        lags = [self.version_lags.pop(g) for g in micro_batches if g in self.version_lags]
+        distance, error = self.policy.take_diagnostics(micro_batches)
+        report = StageReport(sum(lags) / len(lags) if lags else 0.0, self.policy.extra_weight_bytes(),
+                             self.peak_activation_bytes, distance, error, self._take_peak_memory())
+        self.peak_activation_bytes = self.activation_bytes()
+        return report
+
+    def _take_peak_memory(self) -> int:
+        """Measured peak bytes since the last call: the allocator's on CUDA, else the stage's tensors (see
+        pipetrain.runtime.memory); starts the next period."""
         peak = resident_bytes(self._params, self.optimizer, self.policy.extra_weight_bytes()) + self.peak_working_bytes
         self.peak_working_bytes = self.activation_bytes() + grad_bytes(self._params)
-        return peak
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak

@@ -62,6 +62,15 @@ class Topology:
     def chunk_of(self, stage: int) -> int:
         return stage // self.devices
 
+    def stages_at(self, position: int) -> list[int]:
+        """The virtual stages pipeline position ``position`` runs, in order."""
+        return list(range(position, self.num_stages, self.devices))
+
+    def describe(self, position: int) -> str:
+        """"stage 1" or "stages 1, 5": what position ``position`` runs, for messages."""
+        stages = self.stages_at(position)
+        return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+
     def assemble(self, stage: int, received: dict[int, list[Any]]) -> tuple:
         """Stage inputs in the module's order from the values received on each incoming link."""
         by_name = {}

@@ -121,6 +121,12 @@ class StalenessPolicy:
         """The stream has drained (or was abandoned): drop what only later micro-batches would read."""
         self._probe = None
 
+    def take_diagnostics(self, micro_batches: range) -> tuple[float, torch.Tensor | float]:
+        """The mean prediction distance and error over ``micro_batches`` (forgotten afterwards); the error is
+        NaN where no micro-batch of them was sampled (0.0 for synchronous schedules: nothing ever differs)."""
+        distance = _mean_popped(self.distances, micro_batches, 0.0)
+        return distance, _mean_popped(self.errors, micro_batches, 0.0 if self.name == "none" else math.nan)
+
     def extra_weight_bytes(self) -> int:
         """Bytes held in weight copies beyond the live parameters."""
         return 0
@@ -243,3 +249,9 @@ class StashPolicy(StalenessPolicy):
 
     def versions_held(self) -> int:
         return len(self.versions)
+
+
+def _mean_popped(values: dict, micro_batches: range, empty: float):
+    """Mean of the entries of ``micro_batches`` (removed from ``values``); ``empty`` when there are none."""
+    found = [values.pop(g) for g in micro_batches if g in values]
+    return sum(found) / len(found) if found else empty

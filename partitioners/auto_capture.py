@@ -1,0 +1,38 @@
+"""Capture for training: the first of torch.fx, torch.export and the top-level chain that accepts the model."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .errors import TraceError
+from .graph import CostGraph
+from .trace import trace
+
+CAPTURES = ("fx", "export", "chain")
+
+
+def trace_for_training(model: nn.Module, example_inputs: Any, profile: bool) -> CostGraph:
+    """Capture ``model`` in training mode with torch.fx; where fx cannot follow forward(), with torch.export
+    (non-strict); failing both, as the chain of its top-level children, which is accepted only when running
+    them in order reproduces the model's output. When none works: one TraceError saying why each failed.
+    The modules' own modes are restored afterwards."""
+    errors = []
+    modes = {m: m.training for m in model.modules()}
+    model.train()  # capture what training runs (a model from_pretrained() comes in eval mode)
+    try:
+        for capture in CAPTURES:
+            try:
+                return trace(model, example_inputs, profile=profile, capture=capture)
+            except TraceError as error:
+                errors.append((capture, error))
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    children = [name for name, _ in model.named_children()]
+    why = "\n".join(f"  {capture}: {str(error).strip()}".replace("\n", "\n    ") for capture, error in errors)
+    raise TraceError(
+        f"pipetrain cannot capture {type(model).__name__}:\n{why}\n  fix: make the failing code capturable (no "
+        f"Python control flow on tensor values: torch.where), or build the model so that its top-level children "
+        f"{children} run in order (nn.Sequential) and split it between them with partitioner=[<child names>]"
+    ) from errors[0][1]

@@ -1,0 +1,75 @@
+"""Assembly: one forward pass from a model to the parts of a running pipeline.
+
+    options ──validate──> engine ──> capture ──> plan ──> schedules (recompute resolved) ──>
+    stage modules (materialise) ──> runtimes (optimizer, policy) ──> connections ──> STEP per device
+
+Each step is a small function taking what the previous ones made; nothing here runs a mini-batch
+(pipetrain.runner does) and nothing calls back up (pipetrain.pipeline is the facade over both).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+import partitioners
+from pipetrain.assembly.schedule_book import ScheduleBook
+from pipetrain.assembly.stages import build_stages, build_steppers
+from pipetrain.comm.engine import Connections, Engine, select_engine
+from pipetrain.options import PipelineOptions
+from pipetrain.runtime.memory_model import memory_model
+from pipetrain.runtime.optimizer_step import OptimizerStep
+from pipetrain.runtime.precision import PrecisionPolicy, precision_policy
+from pipetrain.runtime.stage import StageRuntime
+from pipetrain.runtime.topology import Topology
+
+
+@dataclass
+class Parts:
+    """Everything a running pipeline is made of, on this process."""
+
+    options: PipelineOptions
+    engine: Engine
+    plan: partitioners.Plan
+    topology: Topology
+    schedules: ScheduleBook
+    precision: PrecisionPolicy
+    stages: dict[int, StageRuntime]      # the virtual stages this process runs, by index
+    links: Connections
+    steppers: dict[int, OptimizerStep]   # per pipeline position this process runs
+
+    def stages_at(self, position: int) -> dict[int, StageRuntime]:
+        """Position ``position``'s stages by chunk (their index within the position)."""
+        return {self.topology.chunk_of(v): self.stages[v] for v in self.topology.stages_at(position)}
+
+
+def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) -> Parts:
+    """Validate ``options``, then capture, plan, schedule and build this process's share of the pipeline."""
+    options.validate()
+    engine = select_engine(options)
+    book = ScheduleBook(options.schedule, options.stages, options.micro_batches, options.chunks_per_device,
+                        data_parallel=options.data_parallel > 1)
+    plan = make_plan(model, example_inputs, options, engine, book)
+    book.resolve_recompute(plan.recompute)
+    topology = Topology(plan, options.stages)
+    precision = precision_policy(options.precision)
+    stages = build_stages(plan, topology, engine, options, precision.autocast_dtype)
+    links = engine.connect(topology, stages, plan.tied_groups())
+    steppers = build_steppers(stages, topology, links, options)
+    return Parts(options, engine, plan, topology, book, precision, stages, links, steppers)
+
+
+def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, engine: Engine,
+              book: ScheduleBook) -> partitioners.Plan:
+    """Capture and partition the model; under torchrun rank 0 decides and every rank follows its plan."""
+    decides = engine.decides_plan
+    graph = partitioners.trace_for_training(model, example_inputs, profile=options.profile and decides)
+    plan = None
+    if decides:
+        method = list(options.partitioner) if isinstance(options.partitioner, (list, tuple)) else options.partitioner
+        memory = memory_model(book.planning_actions(), options.stages, options.policy_name, options.recompute,
+                              options.optimizer)
+        plan = partitioners.partition(graph, options.virtual_stages, method=method, bandwidth=options.bandwidth,
+                                      memory_limit=options.memory_limit, memory=memory)
+    return engine.agree_on_plan(plan, graph)

@@ -1,0 +1,74 @@
+"""The action lists a pipeline runs, built and validated once per (kind, micro-batches), with the
+recomputation choice resolved into data (`Recompute`) once the plan has fixed each stage's setting."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import schedules
+from pipetrain.runtime.executor import Recompute
+from schedules import Action, ActionKind
+from schedules.memory import recomputed
+
+FORWARD_ONLY = frozenset({ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT})
+
+
+@dataclass(frozen=True)
+class RunSchedule:
+    """One device list per pipeline position and which forwards recompute."""
+
+    actions: list[list[Action]]
+    recompute: Recompute
+
+
+class ScheduleBook:
+    """Schedules of one pipeline: ``positions`` pipeline positions, ``chunks`` virtual stages each."""
+
+    def __init__(self, kind: str, positions: int, micro_batches: int, chunks: int, data_parallel: bool):
+        self.kind, self.positions, self.micro_batches = kind, positions, micro_batches
+        self.chunks, self.data_parallel = chunks, data_parallel
+        self._built: dict[tuple[str, int], schedules.Schedule] = {}
+        self.training = RunSchedule(self.planning_actions(), Recompute())
+
+    def build(self, kind: str, micro_batches: int) -> schedules.Schedule:
+        """A synchronous schedule, validated (bad combinations, e.g. interleaved with m % stages, fail here)."""
+        key = (kind, micro_batches)
+        if key not in self._built:
+            options = {"chunks": self.chunks} if kind in ("interleaved-1f1b", "gpipe") and self.chunks > 1 else {}
+            sched = schedules.build(kind, self.positions, micro_batches, data_parallel=self.data_parallel, **options)
+            schedules.validate(sched)
+            self._built[key] = sched
+        return self._built[key]
+
+    def planning_actions(self) -> list[list[Action]]:
+        """Every position's actions for one mini-batch of training (async-1f1b: a few mini-batches of the
+        stream), as the memory model reads them."""
+        if self.kind != "async-1f1b":
+            return self.build(self.kind, self.micro_batches).actions
+        return [list(schedules.async_1f1b_actions(d, self.positions, self.micro_batches, lambda t: t < 4))
+                for d in range(self.positions)]
+
+    def resolve_recompute(self, settings: list[str] | None) -> None:
+        """Fix which training forwards recompute from the plan's per-virtual-stage settings."""
+        S = self.positions
+        settings = settings or ["none"] * (S * self.chunks)
+        if self.kind == "async-1f1b":  # the stream never ends: every stage but the last runs other forwards between
+            stages = frozenset(v for v, s in enumerate(settings) if s == "always" or (s == "except-last" and v != S - 1))
+            recompute = Recompute(stages=stages)
+        else:
+            forwards = set()
+            for d, device in enumerate(self.training.actions):
+                for setting in set(settings) - {"none"}:
+                    forwards |= {(c * S + d, g) for c, g in recomputed(device, setting) if settings[c * S + d] == setting}
+            recompute = Recompute(forwards=frozenset(forwards))
+        self.training = RunSchedule(self.training.actions, recompute)
+
+    def stream(self, position: int, has: Callable[[int], bool]) -> Iterator[Action]:
+        """async-1f1b: position ``position``'s endless action stream while mini-batch ``t`` exists (``has``)."""
+        return schedules.async_1f1b_actions(position, self.positions, self.micro_batches, has,
+                                            data_parallel=self.data_parallel)
+
+    def forward_only(self, micro_batches: int) -> list[list[Action]]:
+        """predict: the forwards of GPipe with the same stage placement (any m works, unlike
+        interleaved-1f1b, which needs m divisible by stages: a short last batch need not be)."""
+        return [[a for a in device if a.kind in FORWARD_ONLY] for device in self.build("gpipe", micro_batches).actions]

@@ -1,0 +1,62 @@
+"""Stage modules -> stage runtimes on this process's devices, and the STEP of each device."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+import partitioners
+from pipetrain.runtime.optimizer_step import OptimizerStep
+from pipetrain.runtime.precision import DynamicLossScaler
+from pipetrain.runtime.stage import StageRuntime
+from pipetrain.runtime.staleness import POLICIES
+from pipetrain.runtime.topology import Topology
+
+if TYPE_CHECKING:
+    from pipetrain.comm.engine import Connections, Engine
+    from pipetrain.options import PipelineOptions
+
+
+def materialise(module: nn.Module, device: torch.device) -> nn.Module:
+    """Stage ``module``'s parameters and buffers on ``device``: the one place a stage gets its tensors."""
+    return module.to(device)
+
+
+def make_optimizer(params: list[nn.Parameter], factory: Callable) -> torch.optim.Optimizer | None:
+    """The stage's optimizer from the user's factory (None for a stage without parameters)."""
+    if not params:
+        return None
+    optimizer = factory(params)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("optimizer must be a factory: params -> torch.optim.Optimizer, "
+                        "e.g. lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)")
+    return optimizer
+
+
+def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, options: PipelineOptions,
+                 autocast_dtype: torch.dtype | None) -> dict[int, StageRuntime]:
+    """The runtimes of the virtual stages this process runs (every one locally; its rank's under torchrun)."""
+    V, held = topology.num_stages, set(engine.positions())
+    stages = {}
+    for v in range(V):
+        if topology.position_of(v) not in held:
+            continue
+        device = engine.torch_device(topology.position_of(v))
+        module = materialise(plan.build_stage(v), device)
+        optimizer = make_optimizer(list(module.parameters()), options.optimizer)
+        policy = POLICIES[options.policy_name](module, optimizer, v, V, micro_batches=options.micro_batches,
+                                               lookahead=options.lookahead)
+        stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed)
+    return stages
+
+
+def build_steppers(stages: dict[int, StageRuntime], topology: Topology, links: Connections,
+                   options: PipelineOptions) -> dict[int, OptimizerStep]:
+    """Per pipeline position this process runs: what its STEP action does."""
+    positions = sorted({topology.position_of(v) for v in stages})
+    process_stages = [(v, rt.module) for v, rt in sorted(stages.items())]
+    return {d: OptimizerStep([stages[v] for v in topology.stages_at(d)], links.tied,
+                             DynamicLossScaler(groups=[]) if options.precision == "fp16" else None,
+                             links.agreement, options.nonfinite, options.precision, d, process_stages)
+            for d in positions}

@@ -1,0 +1,180 @@
+"""The runner: trains and predicts with the parts of an assembled pipeline.
+
+Sync steps, async streams and predict all create one executor per pipeline position this process
+runs and drive them over a feed; every finished mini-batch takes the same path to its StepResult
+(`_report`: losses and stage reports from the run, skip decision from the STEP, summed over ranks
+under torchrun) and to the counters and TensorBoard (`_finish`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from pipetrain.assembly import Parts
+from pipetrain.assembly.schedule_book import RunSchedule
+from pipetrain.runtime import host_sync
+from pipetrain.runtime.batching import batch_size, merge_micro_batches
+from pipetrain.runtime.devices import caller_device, to_device
+from pipetrain.runtime.executor import DeviceExecutor, Recompute, drive
+from pipetrain.runtime.feed import Feed, StreamFeed
+from pipetrain.runtime.metrics import StepResult, TensorBoardLog
+
+
+class Runner:
+    """Runs steps, streams and predictions; counts updates and skipped steps; logs results."""
+
+    def __init__(self, parts: Parts):
+        self.parts = parts
+        o = parts.options
+        self.updates = 0
+        self.skipped_steps = 0  # mini-batches whose update was skipped on every stage
+        self.last_result: StepResult | None = None
+        self.in_stream = False
+        self.stop_requested = False
+        self._log = TensorBoardLog(o.logdir) if o.logdir and parts.engine.is_rank_zero else None
+
+    def step(self, x: Any, y: Any) -> StepResult:
+        """One mini-batch of a synchronous schedule."""
+        p = self.parts
+        feed = Feed(p.options.micro_batches, self._input_names())
+        feed.add(0, *p.engine.shard(x, y))
+        start = time.perf_counter()
+        executors = self._executors(feed, p.schedules.training.recompute, train=True)
+        self._start(stream=False)
+        for _ in drive({d: ex.run(p.schedules.training.actions[d]) for d, ex in executors.items()}):
+            pass
+        p.links.transport.flush()
+        report, pending = self._report(feed, executors, 0, time.perf_counter() - start)
+        return self._finish(report if pending is None else p.links.reporter.collect(*pending))
+
+    def stream(self, batches: Iterable) -> Iterator[StepResult]:
+        """async-1f1b: keep the pipeline full for the whole stream; one result per mini-batch, in order."""
+        self.in_stream = True
+        for rt in self.parts.stages.values():
+            rt.policy.start_stream()
+        try:
+            yield from self._run_stream(batches)
+        finally:
+            self.in_stream = False
+            for rt in self.parts.stages.values():
+                rt.policy.end_stream()
+
+    def _run_stream(self, batches: Iterable) -> Iterator[StepResult]:
+        p = self.parts
+        feed = StreamFeed(batches, p.options.micro_batches, self._input_names(), prepare=p.engine.shard)
+        executors = self._executors(feed, p.schedules.training.recompute, train=True)
+        runs = {d: ex.run(p.schedules.stream(d, feed.has)) for d, ex in executors.items()}
+        self._start(stream=True)
+        start = time.perf_counter()
+        pending: list[tuple] = []
+        reported = 0
+        for _ in drive(runs):
+            done = min(ex.steps_done for ex in executors.values())
+            while reported < done:
+                now = time.perf_counter()
+                report, posted = self._report(feed, executors, reported, now - start)
+                start = now
+                feed.release(reported)
+                reported += 1
+                if posted is None:
+                    yield self._finish(report)
+                    continue
+                pending.append(posted)
+                while pending and pending[0][1].is_completed():
+                    yield self._finish(p.links.reporter.collect(*pending.pop(0)))
+        for stepper in p.steppers.values():
+            stepper.finish_stream()
+        p.links.transport.flush()
+        for item in pending:
+            yield self._finish(p.links.reporter.collect(*item))
+
+    @torch.no_grad()
+    def predict(self, x: Any) -> Any:
+        """Forward only in eval mode; the full output on every rank, on the device of ``x``."""
+        p = self.parts
+        m = min(p.options.micro_batches, batch_size(x))
+        feed = Feed(m, self._input_names())
+        feed.add(0, x)
+        actions = p.schedules.forward_only(m)
+        for rt in p.stages.values():
+            rt.module.eval()
+        try:
+            executors = self._executors(feed, Recompute(), train=False)
+            for _ in drive({d: ex.run(actions[d]) for d, ex in executors.items()}):
+                pass
+            p.links.transport.flush()
+        finally:
+            for rt in p.stages.values():
+                rt.module.train()
+        outputs = sorted((g, out) for ex in executors.values() for g, out in ex.predictions.items())
+        merged = merge_micro_batches([out for _, out in outputs]) if outputs else None
+        return to_device(p.engine.share_prediction(merged, p.topology), caller_device(x))
+
+    def _input_names(self) -> list[str]:
+        return list(self.parts.plan.stage_inputs(0))
+
+    def _start(self, stream: bool) -> None:
+        for stepper in self.parts.steppers.values():
+            stepper.start(self.updates + 1, stream=stream)
+
+    def _executors(self, feed: Feed, recompute: Recompute, train: bool) -> dict[int, DeviceExecutor]:
+        p = self.parts
+        precision, split = p.precision, p.options.schedule == "zb-h1"
+        send_dtype = precision.activation_dtype if precision.autocast_dtype is not None else None
+        executors = {}
+        for d, stepper in p.steppers.items():
+            scaler, reducer = stepper.scaler, p.links.reducers.get(d)
+            executors[d] = DeviceExecutor(
+                d, p.stages_at(d), p.topology, p.links.transport, feed, stepper,
+                reduce=reducer.reduce if reducer else None,
+                before_backward=reducer.before_backward if reducer else None, send_dtype=send_dtype, train=train,
+                loss_scale=(lambda s=scaler: s.scale_value) if scaler is not None else (lambda: 1.0),
+                split_backward=split, recompute=recompute)
+        return executors
+
+    def _report(self, feed: Feed, executors: dict[int, DeviceExecutor], t: int,
+                seconds: float) -> tuple[StepResult, tuple | None]:
+        """Mini-batch ``t``'s result on this process, and its exchange with the other ranks (None locally)."""
+        p = self.parts
+        own = range(t * feed.micro_batches, (t + 1) * feed.micro_batches)
+        loss_sum = _loss_sum([ex.losses for ex in executors.values()], own, feed)
+        busy = {v: s for ex in executors.values() for v, s in ex.take_busy().items()}
+        reports = {v: rt.report(own) for v, rt in p.stages.items()}
+        result = p.links.reporter.local(loss_sum, feed.mini_batch_size(t), seconds, reports, busy)
+        result.skipped = [ex.skipped.pop(t) for ex in executors.values()][0]  # agreed: any device can say
+        result.stop_requested = self.stop_requested
+        if not p.engine.distributed:
+            return result, None
+        return result, p.links.reporter.post(result, loss_sum)
+
+    def _finish(self, result: StepResult) -> StepResult:
+        self.updates += 1
+        result.step = self.updates
+        self.skipped_steps += result.skipped
+        result.skipped_total = self.skipped_steps
+        self.last_result = result
+        if self._log is not None:
+            self._log.write(result)
+        return result
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+
+
+def _loss_sum(losses: list[dict[int, torch.Tensor]], micro_batches: range, feed: Feed) -> float:
+    """Sum over samples of the loss (0 where this process has no last stage); mean = sum / samples
+    in every engine, so local and distributed report the same bits. Summed on the device in float64
+    (the same bits as adding the Python floats) and read once: one host synchronisation per step."""
+    total = None
+    for found in losses:
+        for g in micro_batches:
+            if g in found:
+                term = found.pop(g).double() * feed.size(g)
+                total = term if total is None else total + term
+    if total is None:
+        return 0.0
+    host_sync.note("loss report")
+    return float(total)
