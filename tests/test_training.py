@@ -2,6 +2,8 @@
 TensorBoard scalars, and resuming equals not stopping."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -14,7 +16,7 @@ import torch
 import pipetrain
 
 from _example_runs import CASES, COMMON, decreased, run_example, scalars
-from pipetrain.apps.training import RunConfig, evaluate, optimizer_factory, run
+from pipetrain.apps.training import RunConfig, add_arguments, config_from_args, evaluate, optimizer_factory, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
@@ -130,6 +132,60 @@ def test_adam_option_trains_with_adam_and_its_default_rate():
     # SpecTrain predicts with Adam's smoothed update: an async run trains end to end
     summary = run(tiny(optimizer="adam", lr=None, staleness="spectrain", epochs=1))
     assert summary.steps == 6 and all(torch.isfinite(torch.tensor(summary.step_losses)))
+
+
+# ----- command-line flags: declared once on RunConfig, they reach the config and wrap() -----
+
+def other_value(action: argparse.Action):
+    """A value of ``action``'s flag that is not its default, as the parser stores it."""
+    if action.nargs == 0:  # store_true / store_false
+        return not action.default
+    if action.choices:
+        return [c for c in action.choices if c != action.default][-1]
+    if action.type in (int, float):
+        return action.type((action.default or 0) + 3)
+    return f"{action.dest}-value"
+
+
+def test_every_flag_reaches_the_config_and_every_wrap_option_reaches_wrap():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, ["vgg", "resnet"])
+    argv, given = [], {}
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        given[action.dest] = other_value(action)
+        argv += [action.option_strings[0]] + ([] if action.nargs == 0 else [str(given[action.dest])])
+    config = config_from_args(parser.parse_args(argv))
+    defaults = RunConfig()
+    assert all(given[name] != getattr(defaults, name) for name in given), given  # every flag really changes
+    assert {name: getattr(config, name) for name in given} == given
+    wrapped = {f.metadata["wrap"]: f.name for f in dataclasses.fields(RunConfig) if f.metadata["wrap"]}
+    assert set(wrapped) - {"engine"} <= set(given)  # engine alone has no flag: torchrun decides it
+    options = config.wrap_options()
+    assert {option: options[option] for option in wrapped if option != "engine"} == {
+        option: given[name] for option, name in wrapped.items() if name != "engine"}
+    assert set(options) == {"stages", "micro_batches", "schedule", "staleness", "partitioner", "loss_fn",
+                            "precision", "data_parallel", "engine", "logdir", "seed", "lookahead", "profile",
+                            "optimizer"}
+    assert set(options) <= {f.name for f in dataclasses.fields(pipetrain.PipelineOptions)}
+    assert options["engine"] == "auto" and options["profile"] is False  # the uniform partitioner times nothing
+    assert options["optimizer"]([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"] == given["lr"]
+
+
+def test_staleness_defaults_to_the_schedules_policy_and_compare_has_no_schedule_flags():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, ["vgg"])
+    assert config_from_args(parser.parse_args(["--schedule", "async-1f1b"])).staleness == "spectrain"
+    assert config_from_args(parser.parse_args(["--schedule", "gpipe"])).staleness == "none"
+    no_schedule = argparse.ArgumentParser()
+    add_arguments(no_schedule, ["vgg"], pipeline=False)
+    config = config_from_args(no_schedule.parse_args(["--stages", "2"]))
+    assert (config.stages, config.schedule, config.staleness, config.lookahead, config.resume) == (
+        2, "1f1b", "none", 1.0, "never")
+    flags = {option for action in no_schedule._actions for option in action.option_strings}
+    assert flags.isdisjoint({"--schedule", "--staleness", "--lookahead", "--data-parallel", "--checkpoint-dir",
+                             "--resume"}) and "--micro-batches" in flags
 
 
 # ----- preemption: SIGTERM saves at the next mini-batch and the resume is exact -----

@@ -28,7 +28,8 @@ from typing import Sequence
 
 from pipetrain import NonFiniteError
 from pipetrain.apps.models import MODELS
-from pipetrain.apps.training import RunConfig, RunSummary, human_bytes, is_rank_zero, add_arguments, run
+from pipetrain.apps.training import (RunConfig, RunSummary, add_arguments, config_from_args, human_bytes,
+                                      is_rank_zero, run)
 
 METHODS = ["data-parallel", "1f1b", "vanilla", "stash", "2bw", "spectrain", "nesterov"]
 ASYNC = ("vanilla", "stash", "2bw", "spectrain", "nesterov")
@@ -277,16 +278,9 @@ def config_from_compare_args(args: argparse.Namespace) -> tuple[RunConfig, list[
         raise ValueError(f"--methods is empty; choose from {', '.join(METHODS)}")
     for m in methods:
         parse_method(m)
-    base = RunConfig(model=args.model, dataset=args.dataset, data_dir=args.data_dir, download=args.download,
-                     width=args.width,
-                     depth=args.depth, stages=args.stages, micro_batches=args.micro_batches,
-                     precision=args.precision, partitioner=args.partitioner, epochs=args.epochs,
-                     batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
-                     train_samples=args.train_samples,
-                     val_samples=args.val_samples, progress=args.progress,
-                     # Estimated layer costs: every method gets the same partition (timings are noisy).
-                     profile=False)
-    return base, methods
+    # Estimated layer costs: every method gets the same partition (timings are noisy). The logdir is
+    # each run's own (see compare).
+    return dataclasses.replace(config_from_args(args), profile=False), methods
 
 
 def run_compare(args: argparse.Namespace) -> tuple[dict[str, MethodResult], Path | None]:

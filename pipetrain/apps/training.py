@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from datetime import timedelta
-from dataclasses import asdict, dataclass, field
+from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -42,47 +42,77 @@ _HPARAMS_FALLBACK = {"resnet18": "resnet", "resnet50": "resnet"}
 OPTIMIZERS = ("sgd", "nag", "adam", "nadam")  # nag: SGD with Nesterov momentum; nadam: Adam with it
 ADAPTIVE = ("adam", "nadam")
 ADAM_LR = 1e-3  # torch.optim.Adam's default
+RESUME = ("never", "auto")  # auto: continue from the newest checkpoint in checkpoint_dir
+
+
+def _flag(value: Any, help: str | None = None, *, wrap: str | None = None, pipeline_only: bool = False,
+          name: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A RunConfig field with default ``value`` that is also a command-line flag, ``--field-name`` unless
+    ``name`` is given.
+
+    ``argparse_kwargs`` go to ``add_argument`` (type, choices, action; a ``default`` there replaces
+    ``value`` on the command line), ``wrap`` names the ``pipetrain.wrap`` option the field is passed as,
+    and ``pipeline_only`` flags are left out of entry points that choose no schedule (`pipetrain compare`)."""
+    return field(default=value, metadata={"argparse": dict(argparse_kwargs, help=help), "flag": name,
+                                            "wrap": wrap, "pipeline_only": pipeline_only})
+
+
+def _setting(default: Any, *, wrap: str | None = None) -> Any:
+    """A RunConfig field without a command-line flag (programs set it: compare, the tests)."""
+    return field(default=default, metadata={"wrap": wrap})
 
 
 @dataclass
 class RunConfig:
-    """What to train and how; None means the model family's default (DEFAULT_DATASET, DEFAULT_HPARAMS)."""
+    """What to train and how; None means the model family's default (DEFAULT_DATASET, DEFAULT_HPARAMS).
 
-    model: str = "vgg"
-    dataset: str | None = None
-    data_dir: str | None = None
-    download: bool = False  # fetch cifar10/cifar100 into data_dir (needs the network; run one process)
-    width: int | None = None
-    depth: int | None = None
-    stages: int = 4
-    micro_batches: int = 4
-    schedule: str = "1f1b"
-    staleness: str = "none"
-    precision: str = "fp32"
-    data_parallel: int = 1
-    partitioner: str = "graph"
-    profile: bool = True  # time each layer for the graph/time partitioners (False: estimate; deterministic)
-    engine: str = "auto"
-    epochs: int | None = None
-    batch_size: int | None = None
-    lr: float | None = None
-    momentum: float = 0.9
-    optimizer: str = "sgd"  # one of OPTIMIZERS
-    seed: int = 0
-    train_samples: int | None = None  # train on the first N samples of the train split (quick runs)
-    val_samples: int | None = None
-    logdir: str | None = None
-    checkpoint_dir: str | None = None
-    resume: str = "never"  # "auto": continue from the newest checkpoint in checkpoint_dir
-    progress: bool = True
-    label: str = ""  # names the run in the progress bar and summary line
-    lookahead: float = 1.0  # spectrain / nesterov: scales the prediction distance
+    Each field's metadata declares its command-line flag (see add_arguments) and the ``pipetrain.wrap``
+    option it is (see wrap_options); the flags appear in --help in field order."""
+
+    model: str = _flag("vgg")  # add_arguments takes the choices (and the default) from its caller
+    dataset: str | None = _flag(None, "default: the model's offline dataset", choices=DATASETS)
+    data_dir: str | None = _flag(None, "where cifar10/cifar100/imagefolder live (default $PIPETRAIN_DATA or data)")
+    # Fetches cifar10/cifar100 into data_dir: needs the network; run one process.
+    download: bool = _flag(False, "download cifar10/cifar100 into --data-dir first (needs the network)",
+                           action="store_true")
+    width: int | None = _flag(None, "first conv channels / hidden size (default: pipetrain.apps.models)", type=int)
+    depth: int | None = _flag(None, "layers (vgg 11/13/16/19, resnet 6n+2, transformer/lstm layers)", type=int)
+    stages: int = _flag(4, "pipeline stages (under torchrun: world / data-parallel)", type=int, wrap="stages")
+    micro_batches: int = _flag(4, "micro-batches per mini-batch", type=int, wrap="micro_batches")
+    schedule: str = _flag("1f1b", choices=SCHEDULES, wrap="schedule", pipeline_only=True)
+    # On the command line None stands for the schedule's policy (config_from_args picks it).
+    staleness: str = _flag("none", "async-1f1b: vanilla | stash | 2bw | spectrain | nesterov (default spectrain); "
+                           "sync: none", choices=STALENESS, default=None, wrap="staleness", pipeline_only=True)
+    lookahead: float = _flag(1.0, "spectrain/nesterov: scale the prediction distance (1: the schedule's real lag)",
+                             type=float, wrap="lookahead", pipeline_only=True)
+    data_parallel: int = _flag(1, "replicas of the whole pipeline", type=int, wrap="data_parallel",
+                               pipeline_only=True)
+    engine: str = _setting("auto", wrap="engine")
+    checkpoint_dir: str | None = _flag(None, "save a checkpoint here after every epoch, and on SIGTERM (then exit 0)",
+                                       pipeline_only=True)
+    resume: str = _flag("never", "auto: continue from the newest checkpoint in --checkpoint-dir", choices=RESUME,
+                        pipeline_only=True)
+    precision: str = _flag("fp32", choices=PRECISIONS, wrap="precision")
+    partitioner: str = _flag("graph", choices=PARTITIONERS, wrap="partitioner")
+    profile: bool = _setting(True)  # time each layer for the graph/time partitioners (False: estimate; deterministic)
+    epochs: int | None = _flag(None, "default: the model family's DEFAULT_HPARAMS", type=int)
+    batch_size: int | None = _flag(None, "global mini-batch size", type=int)
+    optimizer: str = _flag("sgd", "sgd (momentum 0.9), nag (the same with Nesterov momentum), adam or nadam",
+                           choices=OPTIMIZERS)
+    lr: float | None = _flag(None, "learning rate (default: the family's SGD rate; 1e-3 with adam)", type=float)
+    momentum: float = _setting(0.9)
+    seed: int = _flag(0, type=int, wrap="seed")
+    train_samples: int | None = _flag(None, "use only the first N training samples", type=int)
+    val_samples: int | None = _flag(None, "use only the first N validation samples", type=int)
+    logdir: str | None = _flag(None, "TensorBoard run directory", wrap="logdir")
+    progress: bool = _flag(True, "no progress bar", name="--no-progress", action="store_false")
+    label: str = _setting("")  # names the run in the progress bar and summary line
 
     def resolved(self) -> "RunConfig":
         """A copy with every family default filled in (dataset, epochs, batch size, lr)."""
         if self.model not in DEFAULT_DATASET:
             raise ValueError(f"unknown model {self.model!r}; choose one of {sorted(DEFAULT_DATASET)}")
-        if self.resume not in ("never", "auto"):
+        if self.resume not in RESUME:
             raise ValueError(f"resume must be 'never' or 'auto', got {self.resume!r}")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ValueError("resume='auto' needs a checkpoint directory (--checkpoint-dir)")
@@ -99,12 +129,11 @@ class RunConfig:
 
     def wrap_options(self) -> dict[str, Any]:
         """The options of ``pipetrain.wrap`` this run trains with (call on a resolved config)."""
-        return dict(stages=self.stages, micro_batches=self.micro_batches, schedule=self.schedule,
-                    staleness=self.staleness, partitioner=self.partitioner, loss_fn=F.cross_entropy,
-                    precision=self.precision, data_parallel=self.data_parallel, engine=self.engine,
-                    logdir=self.logdir, seed=self.seed, lookahead=self.lookahead,
-                    profile=self.profile and self.partitioner in ("graph", "time"),
-                    optimizer=optimizer_factory(self.optimizer, self.lr, self.momentum))
+        options = {f.metadata["wrap"]: getattr(self, f.name) for f in fields(self) if f.metadata["wrap"]}
+        # The options no single field holds: only the graph and time partitioners use layer timings.
+        options.update(loss_fn=F.cross_entropy, profile=self.profile and self.partitioner in ("graph", "time"),
+                       optimizer=optimizer_factory(self.optimizer, self.lr, self.momentum))
+        return options
 
     def check(self) -> None:
         """Raise the error wrap() would raise for these options, before any data is loaded or trained."""
@@ -463,53 +492,29 @@ def optimizer_factory(name: str, lr: float, momentum: float) -> Callable[[Any], 
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nag")
 
 
+def _flags(*, pipeline: bool = True) -> list[Field]:
+    """RunConfig's fields that are command-line flags, in --help order (``pipeline=False``: not the schedule ones)."""
+    return [f for f in fields(RunConfig)
+            if "argparse" in f.metadata and (pipeline or not f.metadata["pipeline_only"])]
+
+
 def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pipeline: bool = True) -> None:
     """The options every training entry point shares (``pipeline=False`` leaves out the schedule ones)."""
-    parser.add_argument("--model", default=models[0], choices=list(models))
-    parser.add_argument("--dataset", choices=DATASETS, help="default: the model's offline dataset")
-    parser.add_argument("--data-dir", help="where cifar10/cifar100/imagefolder live (default $PIPETRAIN_DATA or data)")
-    parser.add_argument("--download", action="store_true",
-                        help="download cifar10/cifar100 into --data-dir first (needs the network)")
-    parser.add_argument("--width", type=int, help="first conv channels / hidden size (default: pipetrain.apps.models)")
-    parser.add_argument("--depth", type=int, help="layers (vgg 11/13/16/19, resnet 6n+2, transformer/lstm layers)")
-    parser.add_argument("--stages", type=int, default=4, help="pipeline stages (under torchrun: world / data-parallel)")
-    parser.add_argument("--micro-batches", type=int, default=4,
-                        help="micro-batches per mini-batch" + ("" if pipeline else " of the pipelined runs"))
-    if pipeline:
-        parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-        parser.add_argument("--staleness", default=None, choices=STALENESS,
-                            help="async-1f1b: vanilla | stash | 2bw | spectrain | nesterov (default spectrain); sync: none")
-        parser.add_argument("--lookahead", type=float, default=1.0,
-                            help="spectrain/nesterov: scale the prediction distance (1: the schedule's real lag)")
-        parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the whole pipeline")
-        parser.add_argument("--checkpoint-dir",
-                            help="save a checkpoint here after every epoch, and on SIGTERM (then exit 0)")
-        parser.add_argument("--resume", default="never", choices=["never", "auto"],
-                            help="auto: continue from the newest checkpoint in --checkpoint-dir")
-    parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    parser.add_argument("--partitioner", default="graph", choices=PARTITIONERS)
-    parser.add_argument("--epochs", type=int, help="default: the model family's DEFAULT_HPARAMS")
-    parser.add_argument("--batch-size", type=int, help="global mini-batch size")
-    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="sgd (momentum 0.9), nag (the same with Nesterov momentum), adam or nadam")
-    parser.add_argument("--lr", type=float, help="learning rate (default: the family's SGD rate; 1e-3 with adam)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train-samples", type=int, help="use only the first N training samples")
-    parser.add_argument("--val-samples", type=int, help="use only the first N validation samples")
-    parser.add_argument("--logdir", help="TensorBoard run directory")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    for f in _flags(pipeline=pipeline):
+        kwargs = {"dest": f.name, "default": f.default, **f.metadata["argparse"]}
+        if f.name == "model":  # each entry point trains its own models
+            kwargs.update(default=models[0], choices=list(models))
+        elif f.name == "micro_batches" and not pipeline:  # compare's data-parallel baseline takes none
+            kwargs["help"] += " of the pipelined runs"
+        parser.add_argument(f.metadata["flag"] or "--" + f.name.replace("_", "-"), **kwargs)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """A RunConfig from parsed ``add_arguments`` options."""
-    staleness = args.staleness or ("spectrain" if args.schedule == "async-1f1b" else "none")
-    return RunConfig(
-        model=args.model, dataset=args.dataset, data_dir=args.data_dir, download=args.download,
-        width=args.width, depth=args.depth,
-        stages=args.stages, micro_batches=args.micro_batches, schedule=args.schedule, staleness=staleness,
-        precision=args.precision, data_parallel=args.data_parallel, partitioner=args.partitioner,
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
-        train_samples=args.train_samples, val_samples=args.val_samples, logdir=args.logdir,
-        checkpoint_dir=args.checkpoint_dir, resume=args.resume, progress=args.progress, lookahead=args.lookahead)
+    """A RunConfig from parsed ``add_arguments`` options; the fields without a flag keep their defaults."""
+    values = {f.name: getattr(args, f.name) for f in _flags() if hasattr(args, f.name)}
+    if "staleness" in values and values["staleness"] is None:  # not given: the schedule's policy
+        values["staleness"] = "spectrain" if values["schedule"] == "async-1f1b" else "none"
+    return RunConfig(**values)
 
 
 def example_main(models: Sequence[str], description: str, argv: Sequence[str] | None = None) -> RunSummary:
