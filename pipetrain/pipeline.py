@@ -152,8 +152,9 @@ class Pipeline:
         if key not in self._schedules:
             chunks = self.options.chunks_per_device
             options = {"chunks": chunks} if kind in ("interleaved-1f1b", "gpipe") and chunks > 1 else {}
-            sched = schedules.build(kind, self.options.stages, micro_batches,
-                                    data_parallel=self.options.data_parallel > 1, **options)
+            sched = schedules.build(kind, self.options.stages, micro_batches, **options)
+            if self.options.data_parallel > 1:
+                sched = schedules.with_reductions(sched)
             schedules.validate(sched)
             self._schedules[key] = sched
         return self._schedules[key]
@@ -252,7 +253,8 @@ class Pipeline:
         m = o.micro_batches
         feed = StreamFeed(batches, m, self._input_names, prepare=self._engine.shard)
         executors = self._executors(feed, train=True, kind="async-1f1b")
-        runs = {d: ex.run(schedules.async_1f1b_actions(d, o.stages, m, feed.has, data_parallel=o.data_parallel > 1))
+        reduced = schedules.stream_with_reductions if o.data_parallel > 1 else iter
+        runs = {d: ex.run(reduced(schedules.async_1f1b_actions(d, o.stages, m, feed.has)))
                 for d, ex in executors.items()}
         for stepper in self._steppers.values():
             stepper.start(self.updates + 1, stream=True)
