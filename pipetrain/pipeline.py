@@ -120,13 +120,13 @@ class Pipeline:
         if key not in self._recompute_rules:
             settings, S = self.plan.recompute or ["none"] * self._topology.num_stages, self.options.stages
             if kind == "async-1f1b":  # the stream never ends: every stage but the last runs other forwards in between
-                rule = lambda a: settings[a.stage] == "always" or (  # noqa: E731
-                    settings[a.stage] == "except-last" and a.stage != S - 1)
+                rule = lambda a: settings[a.position] == "always" or (  # noqa: E731
+                    settings[a.position] == "except-last" and a.position != S - 1)
             else:
                 actions = self._actions(kind, micro_batches)
                 chosen = {(d, s): recomputed(actions[d], s) for d in range(S) for s in set(settings) if s != "none"}
-                rule = lambda a: (settings[a.chunk * S + a.stage] != "none"  # noqa: E731
-                                  and (a.chunk, a.micro_batch) in chosen[(a.stage, settings[a.chunk * S + a.stage])])
+                rule = lambda a: (settings[a.chunk * S + a.position] != "none"  # noqa: E731
+                                  and (a.chunk, a.micro_batch) in chosen[(a.position, settings[a.chunk * S + a.position])])
             self._recompute_rules[key] = rule
         return self._recompute_rules[key]
 

@@ -28,9 +28,9 @@ def stream_with_reductions(actions: Iterable[Action]) -> Iterator[Action]:
     for a in actions:
         kind = a.kind
         if kind is STEP:
-            yield Action(a.stage, REDUCE, a.micro_batch)
+            yield Action(a.position, REDUCE, a.micro_batch)
         elif kind is REDUCE:
-            raise ValueError(f"stage {a.stage} already has {a}; add reductions once, "
+            raise ValueError(f"stage {a.position} already has {a}; add reductions once, "
                              "to a schedule built without them")
         yield a
 
