@@ -89,10 +89,6 @@ class Plan:
         """Predicted seconds per micro-batch of the slowest stage."""
         return max(self.stage_times)
 
-    def stage_of(self, name: str) -> int:
-        """Stage that runs node `name`."""
-        return self._stage_of[name]
-
     def nodes(self, k: int) -> list[str]:
         """Node names of stage k in order."""
         return self.order[self.cuts[k]:self.cuts[k + 1]]

@@ -3,7 +3,7 @@
 Pure Python (no torch): the runtime executes the same lists this package builds.
 """
 from schedules.actions import Action, ActionKind
-from schedules.builders import BUILDERS, async_1f1b_actions, build
+from schedules.builders import BUILDERS, async_1f1b_actions, build, stream_with_reductions, with_reductions
 from schedules.cluster import PRESETS, Cluster, load_cluster
 from schedules.cluster.reductions import Reduction
 from schedules.costs import Costs
@@ -18,5 +18,6 @@ from schedules.validate import validate
 __all__ = [
     "Action", "ActionKind", "BUILDERS", "Cluster", "Costs", "ClusterStepResult", "PRESETS", "Reduction", "RuntimeOverheads", "StageWork",
     "load_cluster", "simulate_cluster_step", "Schedule", "ScheduleError", "SimResult", "StreamLags",
-    "async_1f1b_actions", "build", "forward_backward_lags", "simulate", "validate", "write_chrome_trace", "write_png",
+    "async_1f1b_actions", "build", "forward_backward_lags", "simulate", "stream_with_reductions", "validate",
+    "with_reductions", "write_chrome_trace", "write_png",
 ]

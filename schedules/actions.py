@@ -38,20 +38,22 @@ _TEXT = re.compile(r"([A-Z_]+)(\d+)(?::(\d+))?")
 class Action:
     """One step of one device: `kind` applied to `micro_batch` of model chunk `chunk`.
 
+    `position` is the device's place in the pipeline (0..stages-1), the index of the
+    list that holds the action; its virtual stage is chunk * stages + position.
     `micro_batch` is global across mini-batches (micro-batch g belongs to
     mini-batch g // micro_batches); for STEP and REDUCE it is the mini-batch.
     """
 
-    stage: int
+    position: int
     kind: ActionKind
     micro_batch: int
     chunk: int = 0
 
-    def __init__(self, stage: int, kind: ActionKind, micro_batch: int, chunk: int = 0) -> None:
+    def __init__(self, position: int, kind: ActionKind, micro_batch: int, chunk: int = 0) -> None:
         # The instance is frozen, so the fields are written through their slot descriptors.
         # That is what the generated __init__ does via object.__setattr__, only about a third
         # faster, and a big schedule creates hundreds of thousands of actions.
-        _set_stage(self, stage)
+        _set_position(self, position)
         _set_kind(self, kind)
         _set_micro_batch(self, micro_batch)
         _set_chunk(self, chunk)
@@ -61,11 +63,11 @@ class Action:
         return f"{text}:{self.chunk}" if self.chunk else text
 
     def __repr__(self) -> str:
-        return f"Action({self.stage}, {str(self)!r})"
+        return f"Action({self.position}, {str(self)!r})"
 
     @classmethod
-    def parse(cls, text: str, stage: int) -> "Action":
-        """Parse the text form ("F3", "SEND_ACT3", "B3:1") of an action of `stage`."""
+    def parse(cls, text: str, position: int) -> "Action":
+        """Parse the text form ("F3", "SEND_ACT3", "B3:1") of an action of device `position`."""
         match = _TEXT.fullmatch(text.strip())
         if match is None or match.group(1) not in _BY_VALUE:
             known = ", ".join(_BY_VALUE)
@@ -74,8 +76,8 @@ class Action:
                 f"with KIND one of {known}, e.g. 'F3' or 'B3:1'"
             )
         chunk = int(match.group(3)) if match.group(3) is not None else 0
-        return cls(stage, _BY_VALUE[match.group(1)], int(match.group(2)), chunk)
+        return cls(position, _BY_VALUE[match.group(1)], int(match.group(2)), chunk)
 
 
-_set_stage, _set_kind, _set_micro_batch, _set_chunk = (
-    Action.__dict__[name].__set__ for name in ("stage", "kind", "micro_batch", "chunk"))
+_set_position, _set_kind, _set_micro_batch, _set_chunk = (
+    Action.__dict__[name].__set__ for name in ("position", "kind", "micro_batch", "chunk"))

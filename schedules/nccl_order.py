@@ -264,8 +264,8 @@ def link_comm(index: int, src: int, dst: int, kind: str, chunks: int = 1) -> Has
 
 
 def link_ops(a: Action, stages: int, links: Links, chunks: int = 1) -> Iterator[tuple[Hashable, Op]]:
-    """(communicator, op) of each message a comm action of device ``a.stage`` posts."""
-    v = a.chunk * stages + a.stage
+    """(communicator, op) of each message a comm action of device ``a.position`` posts."""
+    v = a.chunk * stages + a.position
     for index, (src, dst) in enumerate(links):
         if src % stages == dst % stages:
             continue  # both ends on one device: handed over in memory

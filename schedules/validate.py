@@ -66,8 +66,8 @@ def _check_fields_and_messages(s: Schedule) -> None:
                 raise ScheduleError(f"stage {stage} action {i} {a!r}: not an Action; build actions "
                                     "with schedules.Action or Action.parse")
             kind, micro, chunk = a.kind, a.micro_batch, a.chunk
-            if a.stage != stage:
-                raise ScheduleError(f"{_where(stage, i, a)}: belongs to stage {a.stage} but sits in "
+            if a.position != stage:
+                raise ScheduleError(f"{_where(stage, i, a)}: belongs to stage {a.position} but sits in "
                                     f"stage {stage}'s list")
             if not 0 <= chunk < chunks:
                 raise ScheduleError(f"{_where(stage, i, a)}: chunk {chunk} out of range, the "

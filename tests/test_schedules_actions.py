@@ -17,7 +17,7 @@ KIND_OPTIONS = [("gpipe", {}), ("1f1b", {}), ("interleaved-1f1b", {"chunks": 3})
     ("REDUCE4", ActionKind.REDUCE, 4, 0), ("B3:1", ActionKind.BACKWARD, 3, 1),
 ])
 def test_parse_and_print(text, kind, micro, chunk):
-    action = Action.parse(text, stage=2)
+    action = Action.parse(text, position=2)
     assert action == Action(2, kind, micro, chunk)
     assert str(action) == text
 

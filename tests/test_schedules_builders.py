@@ -54,12 +54,11 @@ def test_build_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("kind", SYNC_KINDS)
-def test_sync_schedules_end_with_step_and_optional_reduce(kind):
-    for data_parallel, tail in ((False, ["STEP0"]), (True, ["REDUCE0", "STEP0"])):
-        schedule = build(kind, 4, 8, data_parallel=data_parallel)
-        for actions in schedule.actions:
-            assert [str(a) for a in actions[-len(tail):]] == tail
-            assert sum(a.kind in (ActionKind.STEP, ActionKind.REDUCE) for a in actions) == len(tail)
+def test_sync_schedules_end_with_one_step_and_no_reduce(kind):
+    # REDUCE is with_reductions' business (tests/test_schedules_reductions.py)
+    for actions in build(kind, 4, 8).actions:
+        assert str(actions[-1]) == "STEP0"
+        assert sum(a.kind in (ActionKind.STEP, ActionKind.REDUCE) for a in actions) == 1
 
 
 @pytest.mark.parametrize("kind", SYNC_KINDS + ["async-1f1b"])
@@ -145,13 +144,13 @@ def test_zb_h1_splits_every_backward():
 
 def test_async_steps_right_after_last_micro_batch_of_each_mini_batch():
     p, m, n = 3, 2, 4
-    schedule = build("async-1f1b", p, m, mini_batches=n, data_parallel=True)
+    schedule = build("async-1f1b", p, m, mini_batches=n)
     for actions in schedule.actions:
         compute = [str(a) for a in actions if a.kind not in (ActionKind.SEND_GRAD, ActionKind.SEND_ACT,
                                                               ActionKind.RECV_ACT, ActionKind.RECV_GRAD)]
         for t in range(n):
             i = compute.index(f"STEP{t}")
-            assert compute[i - 2:i] == [f"B{(t + 1) * m - 1}", f"REDUCE{t}"]
+            assert compute[i - 1] == f"B{(t + 1) * m - 1}"
         assert sum(c.startswith("STEP") for c in compute) == n
 
 

@@ -1,7 +1,7 @@
 """The NCCL-order checker: it finds stalls that gloo forgives, and every schedule's posting passes it."""
 import pytest
 
-from schedules import Action, build
+from schedules import Action, build, with_reductions
 from schedules.nccl_order import (Group, NcclOrderError, Op, Wait, check, comm_batches, posted_groups,
                                   replay)
 
@@ -108,12 +108,19 @@ def test_every_schedule_posts_an_nccl_safe_order():
     assert cases == 4 * 7 * 16 + sum(16 // s for s in range(2, 9))
 
 
-@pytest.mark.parametrize("kind,options", [("interleaved-1f1b", {"chunks": 3}), ("gpipe", {"chunks": 2}),
-                                          ("1f1b", {"data_parallel": True})])
-def test_more_chunks_and_data_parallel_post_an_nccl_safe_order(kind, options):
+@pytest.mark.parametrize("kind,options", [("interleaved-1f1b", {"chunks": 3}), ("gpipe", {"chunks": 2})])
+def test_more_chunks_post_an_nccl_safe_order(kind, options):
     for stages in range(2, 6):
         for micro_batches in (stages, 2 * stages):
             assert replay(posted_groups(build(kind, stages, micro_batches, **options))) is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reductions_post_an_nccl_safe_order(kind):
+    options = {"mini_batches": 3} if kind == "async-1f1b" else {}
+    for stages in range(2, 6):
+        for micro_batches in (stages, 2 * stages):
+            assert replay(posted_groups(with_reductions(build(kind, stages, micro_batches, **options)))) is None
 
 
 @pytest.mark.parametrize("span", [2, 3])

@@ -148,7 +148,7 @@ def test_chrome_trace(tmp_path):
                if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
     assert len(slices) == len(actions)
     assert {(e["name"], e["tid"], e["ts"], e["dur"]) for e in slices} == {
-        (str(a), a.stage, s * 1e6, (e - s) * 1e6) for a, s, e in actions}
+        (str(a), a.position, s * 1e6, (e - s) * 1e6) for a, s, e in actions}
     sends = sum(a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
                 for acts in result.schedule.actions for a in acts)
     assert sum(e["ph"] == "s" for e in events) == sum(e["ph"] == "f" for e in events) == sends

@@ -132,7 +132,7 @@ def test_hybrid_replicas_share_the_node_and_the_tail_by_hand():
 
 
 def test_reduce_cpu_occupies_the_devices_core_by_hand():
-    plan = schedules.build("gpipe", 2, 2, data_parallel=True)  # ... B0 B1 REDUCE0 STEP0 on each stage
+    plan = schedules.with_reductions(schedules.build("gpipe", 2, 2))  # ... B0 B1 REDUCE0 STEP0 on each stage
     r = simulate_shared(plan, schedules.Costs(1.0, 2.0), [[0, 0]], cores=1, reduce_cpu=[1.0, 0.5])[0]
     at = lambda k, text: plan.actions[k].index(schedules.Action.parse(text, k))  # noqa: E731
     span = lambda k, text: (r.start[k][at(k, text)], r.end[k][at(k, text)])  # noqa: E731

@@ -35,7 +35,9 @@ class ScheduleBook:
         key = (kind, micro_batches)
         if key not in self._built:
             options = {"chunks": self.chunks} if kind in ("interleaved-1f1b", "gpipe") and self.chunks > 1 else {}
-            sched = schedules.build(kind, self.positions, micro_batches, data_parallel=self.data_parallel, **options)
+            sched = schedules.build(kind, self.positions, micro_batches, **options)
+            if self.data_parallel:
+                sched = schedules.with_reductions(sched)
             schedules.validate(sched)
             self._built[key] = sched
         return self._built[key]
@@ -65,8 +67,8 @@ class ScheduleBook:
 
     def stream(self, position: int, has: Callable[[int], bool]) -> Iterator[Action]:
         """async-1f1b: position ``position``'s endless action stream while mini-batch ``t`` exists (``has``)."""
-        return schedules.async_1f1b_actions(position, self.positions, self.micro_batches, has,
-                                            data_parallel=self.data_parallel)
+        actions = schedules.async_1f1b_actions(position, self.positions, self.micro_batches, has)
+        return schedules.stream_with_reductions(actions) if self.data_parallel else actions
 
     def forward_only(self, micro_batches: int) -> list[list[Action]]:
         """predict: the forwards of GPipe with the same stage placement (any m works, unlike

@@ -9,6 +9,7 @@ from schedules.builders.common import check_count
 from schedules.builders.gpipe import gpipe
 from schedules.builders.interleaved import interleaved_1f1b
 from schedules.builders.one_f_one_b import one_f_one_b
+from schedules.builders.reduce import stream_with_reductions, with_reductions
 from schedules.builders.zero_bubble import zb_h1
 from schedules.gc_pause import gc_paused
 from schedules.schedule import Schedule
@@ -26,8 +27,8 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
 def build(kind: str, stages: int, micro_batches: int, **options: object) -> Schedule:
     """Build the action lists of every stage for schedule `kind`.
 
-    Options: data_parallel=True (all kinds) puts REDUCE t before each STEP t;
-    chunks (interleaved-1f1b, default 2); mini_batches (async-1f1b, default 4).
+    Options: chunks (interleaved-1f1b, default 2; gpipe, default 1); mini_batches
+    (async-1f1b, default 4). The lists have no REDUCE: with_reductions adds them.
     """
     if kind not in BUILDERS:
         raise ValueError(f"unknown schedule kind {kind!r}; choose one of {', '.join(BUILDERS)}")
@@ -38,8 +39,10 @@ def build(kind: str, stages: int, micro_batches: int, **options: object) -> Sche
                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise TypeError(f"schedule {kind!r} does not take option(s) {unknown}; it accepts {accepted}")
+        # data_parallel was an option of every kind before the reduction pass replaced it
+        hint = "; for REDUCE before each STEP use with_reductions(build(...))" if "data_parallel" in unknown else ""
+        raise TypeError(f"schedule {kind!r} does not take option(s) {unknown}; it accepts {accepted}{hint}")
     return builder(stages, micro_batches, **options)
 
 
-__all__ = ["BUILDERS", "build", "async_1f1b_actions"]
+__all__ = ["BUILDERS", "build", "async_1f1b_actions", "stream_with_reductions", "with_reductions"]

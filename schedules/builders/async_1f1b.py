@@ -10,16 +10,15 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from schedules.actions import Action, ActionKind
-from schedules.builders.common import check_count, step_tail
+from schedules.builders.common import check_count
 from schedules.builders.send_recv import backward_block, forward_block
 from schedules.schedule import Schedule
 
-F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+F, B, STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP
 
 
 def async_1f1b_actions(stage: int, stages: int, micro_batches: int,
-                       has_mini_batch: Callable[[int], bool], *,
-                       data_parallel: bool = False) -> Iterator[Action]:
+                       has_mini_batch: Callable[[int], bool]) -> Iterator[Action]:
     """Lazily yield the actions of one stage for a stream of unknown length.
 
     Micro-batch g belongs to mini-batch g // micro_batches. `has_mini_batch(t)`
@@ -62,14 +61,12 @@ def async_1f1b_actions(stage: int, stages: int, micro_batches: int,
         yield from backward_block(Action(stage, B, backwards), stage, last)
         backwards += 1
         if backwards % micro_batches == 0:
-            yield from step_tail(stage, backwards // micro_batches - 1, data_parallel)
+            yield Action(stage, STEP, backwards // micro_batches - 1)
 
 
-def async_1f1b(stages: int, micro_batches: int, *, mini_batches: int = 4,
-               data_parallel: bool = False) -> Schedule:
+def async_1f1b(stages: int, micro_batches: int, *, mini_batches: int = 4) -> Schedule:
     """The stream of `mini_batches` mini-batches as a finite schedule (see async_1f1b_actions)."""
     check_count("mini_batches", mini_batches)
-    actions = [list(async_1f1b_actions(d, stages, micro_batches, lambda t: t < mini_batches,
-                                       data_parallel=data_parallel))
+    actions = [list(async_1f1b_actions(d, stages, micro_batches, lambda t: t < mini_batches))
                for d in range(stages)]
     return Schedule("async-1f1b", stages, micro_batches, actions, mini_batches=mini_batches)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from schedules.actions import Action, ActionKind
-from schedules.builders.common import check_count, step_tail
+from schedules.builders.common import check_count
 from schedules.builders.send_recv import attach_comms
 from schedules.schedule import Schedule
 
@@ -20,8 +20,7 @@ def _unit(k: int, stages: int, chunks: int, backward: bool) -> tuple[int, int]:
     return micro_batch, (chunks - 1 - chunk) if backward else chunk
 
 
-def interleaved_1f1b(stages: int, micro_batches: int, *, chunks: int = 2,
-                     data_parallel: bool = False) -> Schedule:
+def interleaved_1f1b(stages: int, micro_batches: int, *, chunks: int = 2) -> Schedule:
     """Interleaved 1F1B.
 
     Needs stages >= 2, chunks >= 2 and micro_batches divisible by stages.
@@ -47,6 +46,6 @@ def interleaved_1f1b(stages: int, micro_batches: int, *, chunks: int = 2,
         order += [(ActionKind.BACKWARD, k) for k in range(total - warmup, total)]
         actions = [Action(d, kind, *_unit(k, stages, chunks, kind is ActionKind.BACKWARD))
                    for kind, k in order]
-        compute.append(actions + step_tail(d, 0, data_parallel))
+        compute.append(actions + [Action(d, ActionKind.STEP, 0)])
     return Schedule("interleaved-1f1b", stages, micro_batches,
                     attach_comms(compute, stages, chunks), chunks=chunks)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from schedules.actions import Action, ActionKind
-from schedules.builders.common import step_tail
 from schedules.builders.send_recv import attach_comms
 from schedules.schedule import Schedule
 
@@ -19,8 +18,8 @@ def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[Actio
     return actions
 
 
-def one_f_one_b(stages: int, micro_batches: int, *, data_parallel: bool = False) -> Schedule:
+def one_f_one_b(stages: int, micro_batches: int) -> Schedule:
     """1F1B schedule. Peak in-flight micro-batches at stage k (0-based): min(p-k, m)."""
-    compute = [one_f_one_b_order(d, stages, micro_batches) + step_tail(d, 0, data_parallel)
+    compute = [one_f_one_b_order(d, stages, micro_batches) + [Action(d, ActionKind.STEP, 0)]
                for d in range(stages)]
     return Schedule("1f1b", stages, micro_batches, attach_comms(compute, stages, 1))

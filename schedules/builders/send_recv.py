@@ -17,19 +17,19 @@ SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
 
 def forward_block(forward: Action, v: int, last: int) -> list[Action]:
     """RECV_ACT (unless first virtual stage), `forward` (an F at virtual stage v), SEND_ACT (unless last)."""
-    stage, micro_batch, chunk = forward.stage, forward.micro_batch, forward.chunk
-    block = [Action(stage, RECV_ACT, micro_batch, chunk), forward] if v > 0 else [forward]
+    position, micro_batch, chunk = forward.position, forward.micro_batch, forward.chunk
+    block = [Action(position, RECV_ACT, micro_batch, chunk), forward] if v > 0 else [forward]
     if v < last:
-        block.append(Action(stage, SEND_ACT, micro_batch, chunk))
+        block.append(Action(position, SEND_ACT, micro_batch, chunk))
     return block
 
 
 def backward_block(backward: Action, v: int, last: int) -> list[Action]:
     """RECV_GRAD (unless last virtual stage), `backward` (a B at virtual stage v), SEND_GRAD (unless first)."""
-    stage, micro_batch, chunk = backward.stage, backward.micro_batch, backward.chunk
-    block = [Action(stage, RECV_GRAD, micro_batch, chunk), backward] if v < last else [backward]
+    position, micro_batch, chunk = backward.position, backward.micro_batch, backward.chunk
+    block = [Action(position, RECV_GRAD, micro_batch, chunk), backward] if v < last else [backward]
     if v > 0:
-        block.append(Action(stage, SEND_GRAD, micro_batch, chunk))
+        block.append(Action(position, SEND_GRAD, micro_batch, chunk))
     return block
 
 

@@ -8,13 +8,12 @@ With F = B = W the bubble is (p-1)/(3m+p-1) instead of 1F1B's 3(p-1)/(3m+3(p-1))
 from __future__ import annotations
 
 from schedules.actions import Action, ActionKind
-from schedules.builders.common import step_tail
 from schedules.builders.one_f_one_b import one_f_one_b_order
 from schedules.builders.send_recv import attach_comms
 from schedules.schedule import Schedule
 
 
-def zb_h1(stages: int, micro_batches: int, *, data_parallel: bool = False) -> Schedule:
+def zb_h1(stages: int, micro_batches: int) -> Schedule:
     """ZB-H1 schedule.
 
     Peak in-flight micro-batches at stage k: min(p-k, m) between F and B (as in
@@ -30,5 +29,5 @@ def zb_h1(stages: int, micro_batches: int, *, data_parallel: bool = False) -> Sc
                 actions.append(Action(d, ActionKind.WEIGHT, weights_done))
                 weights_done += 1
         actions += [Action(d, ActionKind.WEIGHT, i) for i in range(weights_done, micro_batches)]
-        compute.append(actions + step_tail(d, 0, data_parallel))
+        compute.append(actions + [Action(d, ActionKind.STEP, 0)])
     return Schedule("zb-h1", stages, micro_batches, attach_comms(compute, stages, 1))

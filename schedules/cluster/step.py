@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from schedules.actions import ActionKind
-from schedules.builders import build
+from schedules.builders import build, with_reductions
 from schedules.cluster.spec import Cluster
 from schedules.cluster.reductions import (Group, Reduction, allreduce_time, bucket_overhead, buckets, reduction_finish,
                                        report_time)
@@ -158,7 +158,9 @@ def simulate_cluster_step(work: Sequence[StageWork], cluster: Cluster, *, replic
                   comm=comm)
     # with shared cores the reduction's CPU is simulated as a REDUCE action of each stage
     reduce_on_cores = cluster.cores is not None and replicas > 1
-    plan = build(schedule, p, micro_batches, data_parallel=reduce_on_cores)
+    plan = build(schedule, p, micro_batches)
+    if reduce_on_cores:
+        plan = with_reductions(plan)
     if cluster.cores is None:
         sims = [simulate(plan, costs)]  # replicas are identical: one pipeline stands for all
         tail = 1.0
