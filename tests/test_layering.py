@@ -47,6 +47,9 @@ RULES = (
     Rule("pipetrain.comm", ("pipetrain",),
          allowed=("pipetrain.comm", "pipetrain.runtime", "pipetrain.allreduce", "pipetrain.options"),
          why="communication sits between the runtime and the face"),
+    Rule("pipetrain.assembly", ("pipetrain.runner", "pipetrain.pipeline", "pipetrain.api", "pipetrain.checkpoint",
+                                "pipetrain.cli", "pipetrain.apps"),
+         why="assembly builds the parts in one forward pass; what runs them and the face sit above it"),
     Rule("pipetrain.apps", ("pipetrain",),
          allowed=("pipetrain.options", "pipetrain.optim", "pipetrain.apps"), exact=("pipetrain",),
          why="applications use only the public API, as a user's program would"),
@@ -116,6 +119,82 @@ def import_cycles(root: Path) -> list[list[str]]:
             if target != name and _is_our_module(target, root):
                 graph.add_edge(name, target)
     return [sorted(c) for c in nx.simple_cycles(graph)]
+
+
+# Attributes pipetrain.comm may write on objects it did not make: tensors' gradients, which gradient
+# synchronisation exists to write. Everything else of the runtime it only reads; the runtime reports values.
+COMM_WRITES = ("grad",)
+
+
+def _root(target: ast.expr) -> ast.expr:
+    """The object an assignment target writes into (``getattr(x, name)[i]`` writes into x)."""
+    while True:
+        if isinstance(target, (ast.Attribute, ast.Subscript)):
+            target = target.value
+        elif isinstance(target, ast.Call) and ast.unparse(target.func) == "getattr":
+            target = target.args[0]
+        else:
+            return target
+
+
+def _names(target: ast.expr) -> list[ast.expr]:
+    """The single targets of a possibly nested tuple unpacking."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for e in target.elts for n in _names(e)]
+    return [target]
+
+
+def _made_here(func: ast.FunctionDef) -> set[str]:
+    """Names a function binds to objects it builds (a call, a literal, a comprehension) or to its own
+    (``self``'s) state, and parameters annotated as the StepResult it fills in."""
+    made = {a.arg for a in func.args.args if a.annotation is not None and "StepResult" in ast.unparse(a.annotation)}
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign):
+            root = _root(node.value)
+            if not isinstance(node.value, (ast.Name, ast.Attribute, ast.Subscript)) or (
+                    isinstance(root, ast.Name) and root.id == "self"):
+                made |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return made
+
+
+def foreign_writes(root: Path, scope: str = "pipetrain.comm") -> list[str]:
+    """Assignments in ``scope`` to attributes of objects it neither owns (``self``) nor made in that function."""
+    out = []
+    for path in source_files(root):
+        name = module_name(path, root)
+        if not _under(name, scope):
+            continue
+        for func in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            made = _made_here(func) | {"self"}
+            for node in ast.walk(func):
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+                for target in (n for t in targets for n in _names(t)):
+                    base = _root(target)
+                    if (isinstance(target, ast.Name) or (isinstance(base, ast.Name) and base.id in made)
+                            or (isinstance(target, ast.Attribute) and target.attr in COMM_WRITES)):
+                        continue
+                    out.append(f"{name}:{node.lineno} writes {ast.unparse(target)}")
+    return out
+
+
+def test_comm_never_writes_the_state_of_objects_it_did_not_make() -> None:
+    assert foreign_writes(ROOT) == []
+
+
+def test_a_foreign_write_is_reported(tmp_path: Path) -> None:
+    _write(tmp_path, {"pipetrain/comm/bad.py": (
+        "def report(rt, result: 'StepResult'):\n"
+        "    rt.peak_activation_bytes = 0\n"
+        "    rt.policy.errors[0] = 1.0\n"
+        "    result.loss = 1.0\n"
+        "    out = dict()\n"
+        "    out['a'] = 1\n"
+        "    rt.param.grad = None\n")})
+    assert foreign_writes(tmp_path) == ["pipetrain.comm.bad:2 writes rt.peak_activation_bytes",
+                                        "pipetrain.comm.bad:3 writes rt.policy.errors[0]"]
 
 
 def test_the_code_base_keeps_every_layering_rule() -> None:
