@@ -9,10 +9,9 @@ import torch
 import partitioners
 import schedules
 from pipetrain.runtime.memory import storage_bytes
+from pipetrain.runtime.staleness import POLICIES
 from partitioners.memory import Moments
 from schedules.memory import held_activations
-
-STASHING = ("stash", "nesterov", "spectrain-forward")  # a weight version per update in flight
 
 
 def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict[str, list[Moments]]:
@@ -29,19 +28,11 @@ def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict
 
 
 def weight_versions(policy: str, stages: int, recompute: str) -> tuple[float, ...]:
-    """Extra weight copies per stage: stashing N-k, 2BW 2, SpecTrain 1 (plus, when recomputing, one
-    kept forward prediction per micro-batch in flight, N-k)."""
-    out = []
-    for k in range(stages):
-        if policy in STASHING:
-            out.append(stages - k)
-        elif policy == "2bw":
-            out.append(2)
-        elif policy == "spectrain":
-            out.append(1 + (stages - k if recompute in ("except-last", "always") else 0))
-        else:
-            out.append(0)
-    return tuple(out)
+    """Extra weight copies per stage, as the policy declares them (``StalenessPolicy.weight_versions``),
+    plus, when recomputing a policy that keeps the forward's weights for it, one per micro-batch in flight (N-k)."""
+    kind = POLICIES[policy]
+    keeps = kind.recompute_keeps_forward_weights and recompute in ("except-last", "always")
+    return tuple(kind.weight_versions(k, stages) + (stages - k if keeps else 0) for k in range(stages))
 
 
 def optimizer_state_factor(optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> float:
