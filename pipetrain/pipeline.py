@@ -20,7 +20,7 @@ from pipetrain.runtime.batching import batch_size, merge_micro_batches
 from pipetrain.runtime.devices import caller_device, to_device
 from pipetrain.runtime.executor import DeviceExecutor, drive
 from pipetrain.runtime.feed import Feed, StreamFeed
-from pipetrain.runtime.memory_model import memory_model
+from pipetrain.runtime.stage_memory import memory_model
 from pipetrain.runtime.metrics import CommCounter, StepResult, TensorBoardLog
 from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import precision_policy
@@ -28,7 +28,7 @@ from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.staleness import POLICIES
 from pipetrain.runtime.topology import Topology
 from schedules import ActionKind
-from schedules.memory import recomputed
+from schedules.held_activations import recomputed
 
 FORWARD_ONLY = {ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT}
 

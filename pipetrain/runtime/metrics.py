@@ -46,7 +46,7 @@ class StepResult:
     prediction_error: list[float] = field(default_factory=list)
     # Measured peak bytes per stage: on CUDA the device allocator's peak (torch.cuda.max_memory_allocated, since
     # the process started or torch.cuda.reset_peak_memory_stats); elsewhere the peak over this step of the stage's
-    # tensors (weights, gradients, optimizer state, weight versions, held activations: pipetrain.runtime.memory).
+    # tensors (weights, gradients, optimizer state, weight versions, held activations: pipetrain.runtime.tensor_bytes).
     peak_memory: list[int] = field(default_factory=list)
 
     @property

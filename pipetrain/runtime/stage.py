@@ -11,7 +11,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
-from pipetrain.runtime.memory import SavedBytes, grad_bytes, resident_bytes, storage_bytes
+from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.staleness import StalenessPolicy
 
 

@@ -8,17 +8,17 @@ import torch
 
 import partitioners
 import schedules
-from pipetrain.runtime.memory import storage_bytes
 from pipetrain.runtime.staleness import POLICIES
-from partitioners.memory import Moments
-from schedules.memory import held_activations
+from pipetrain.runtime.tensor_bytes import storage_bytes
+from partitioners.memory_model import SETTINGS, Moments
+from schedules.held_activations import held_activations
 
 
 def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict[str, list[Moments]]:
     """Per recomputation setting and virtual stage (chunk * stages + device), the moments its held bytes may peak."""
     chunks = 1 + max((a.chunk for device in actions for a in device), default=0)
     out: dict[str, list] = {}
-    for setting in partitioners.memory.SETTINGS:
+    for setting in SETTINGS:
         per_stage: list = [[] for _ in range(stages * chunks)]
         for d, device in enumerate(actions):
             for c, moments in held_activations(device, setting).items():
