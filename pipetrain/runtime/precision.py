@@ -1,7 +1,7 @@
 """Mixed-precision policy and the fp16 dynamic loss scaler.
 
 The scaler keeps the scale and decides nothing alone: each device reports its found-inf flag
-(``unscale_local_``) to the skip-or-step agreement (pipetrain/comm/overflow.py), the one
+(``unscale_local_``) to the skip-or-step agreement (pipetrain/comm/skip_agreement.py), the one
 all-reduce per step that also carries the non-finite checks of every precision, and every device
 then calls ``update`` with the agreed decision. So every rank of every stage and replica skips
 the same steps and keeps the same scale. (torch.amp.GradScaler decides per process, hence this
