@@ -3,7 +3,7 @@ from .auto_capture import trace_for_training
 from .chain import DEFAULT_BANDWIDTH
 from .errors import PartitionError, TraceError
 from .graph import CostGraph
-from .memory import MemoryModel
+from .memory_model import MemoryModel
 from .planners.replicas import plan_replicas
 from .planners.layout import Layout, evaluate_layout, format_ranking, plan_layout, search_layouts
 from .partition import partition

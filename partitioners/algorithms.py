@@ -15,7 +15,7 @@ import numpy as np
 
 from .chain import Chain, allreduce_time
 from .errors import PartitionError
-from .memory import MemoryModel
+from .memory_model import MemoryModel
 
 
 def balanced_cuts(weights: np.ndarray, stages: int, cuttable: np.ndarray) -> list[int]:
@@ -103,7 +103,7 @@ def optimal_cuts(chain: Chain, stages: int, *, bandwidth: float, replicas: list[
                  memory_limit: float | None = None, memory: MemoryModel | None = None) -> list[int]:
     """Cuts minimising the slowest stage's time (chain.py's cost model), exactly.
 
-    With ``memory``, a stage fits memory_limit when its predicted peak (memory.py) does; without,
+    With ``memory``, a stage fits memory_limit when its predicted peak (memory_model.py) does; without,
     when its parameters, output activations and received bytes do.
     Raises PartitionError when no split satisfies memory_limit."""
     rows = SegmentCosts(chain)

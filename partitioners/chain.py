@@ -5,7 +5,7 @@ A stage is a contiguous segment [i, j) of the order. Its cost model:
   received = bytes of every value produced before i and consumed in [i, j)
   sent     = bytes of every value produced in [i, j) and consumed at or after j
   memory   = parameter bytes + output-activation bytes of its nodes + received bytes
-             (without a MemoryModel; with one, see memory.py)
+             (without a MemoryModel; with one, see memory_model.py)
   activations = received bytes + what autograd saves for one micro-batch's backward
   boundary = received bytes + the model inputs it takes (what a recomputing stage keeps)
   time     = max(compute + (received + sent) / bandwidth, allreduce) / replicas

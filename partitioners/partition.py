@@ -11,7 +11,7 @@ from .algorithms import balanced_cuts, optimal_cuts
 from .chain import COMPUTE_OPS, DEFAULT_BANDWIDTH, Chain
 from .errors import PartitionError
 from .graph import CostGraph
-from .memory import MemoryModel
+from .memory_model import MemoryModel
 from .plan import Plan
 
 METHODS = ("graph", "time", "params", "uniform")

@@ -277,7 +277,7 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads(file.read_text())
         if not isinstance(manifest, dict):
             raise ValueError("not a JSON object")
-        missing = [k for k in ("format", "step", "stages", "plan_layout") if k not in manifest]
+        missing = [k for k in ("format", "step", "stages", "plan_layout", "files") if k not in manifest]
         if missing:
             raise ValueError(f"lacks {missing}")
     except (ValueError, UnicodeDecodeError) as exc:
@@ -298,14 +298,12 @@ def read_stage_file(path: Path, v: int, manifest: dict) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing, though {path / 'manifest.json'} lists {manifest['stages']} "
                               f"stage files. {fix}") from None
-    expected = manifest.get("files", {}).get(file.name)  # absent in checkpoints of older pipetrain versions
-    if expected is not None:
-        digest, size = expected.split()
-        if len(data) != int(size) or hashlib.sha256(data).hexdigest() != digest:
-            raise CheckpointError(
-                f"{file} does not match {path / 'manifest.json'} ({len(data)} bytes, the manifest recorded {size}; "
-                f"sha256 differs): the file is truncated or corrupted, or the manifest and the file come from "
-                f"different saves. {fix}")
+    digest, size = manifest["files"][file.name].split()
+    if len(data) != int(size) or hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(
+            f"{file} does not match {path / 'manifest.json'} ({len(data)} bytes, the manifest recorded {size}; "
+            f"sha256 differs): the file is truncated or corrupted, or the manifest and the file come from "
+            f"different saves. {fix}")
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises many types for a damaged zip; one clear error instead

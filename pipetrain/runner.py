@@ -13,7 +13,6 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from pipetrain.assembly import Parts
-from pipetrain.assembly.schedule_book import RunSchedule
 from pipetrain.runtime import host_sync
 from pipetrain.runtime.batching import batch_size, merge_micro_batches
 from pipetrain.runtime.devices import caller_device, to_device

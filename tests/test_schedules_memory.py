@@ -2,7 +2,7 @@
 import pytest
 
 import schedules
-from schedules.memory import held_activations, in_flight, recomputed
+from schedules.held_activations import held_activations, in_flight, recomputed
 
 
 @pytest.mark.parametrize("stages,m", [(4, 8), (3, 3)])

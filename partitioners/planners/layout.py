@@ -88,7 +88,7 @@ class _Model:
         return StageWork(forward=sum(self.fwd[i:j]) * scale, backward=total_bwd * scale,
                          grad_bytes=tuple(grads), ready_fraction=tuple(ready),
                          send_bytes=seg["sent"] * scale, memory=seg["params"] * param_memory_factor,
-                         # what autograd keeps of one micro-batch (memory.py's model), held per micro-batch in flight
+                         # what autograd keeps of one micro-batch (memory_model.py's model), held per micro-batch in flight
                          activation_memory=seg["activations"] * scale,
                          # the runtime's first stage has no input gradient to split off (zb-h1)
                          weight_fraction=0.0 if i == 0 else 0.5)

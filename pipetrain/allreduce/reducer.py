@@ -243,12 +243,6 @@ class GradientReducer:
             return
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
-    def disable_overlap(self) -> None:
-        """Remove the hooks (reduction then happens in `finish()` / `reduce_now()`)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._final:
             return

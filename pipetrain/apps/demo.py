@@ -34,8 +34,8 @@ def run_demo(args: argparse.Namespace) -> int:
     unknown = [m for m in models if m not in DEMOS]
     if unknown or not models:
         raise ValueError(f"unknown demo model(s) {unknown}; choose from {', '.join(DEMOS)}")
-    # These models are tiny: one intra-op thread avoids thread-pool spinning, which on a
-    # busy 2-core machine made the demo several times slower.
+    # These models are tiny: one intra-op thread avoids thread-pool spinning, which costs more than
+    # splitting such small kernels gains, the more so when other processes share the cores.
     torch.set_num_threads(1)
     logdir = Path(args.logdir or time.strftime("runs/demo-%Y%m%d-%H%M%S"))
     start = time.perf_counter()

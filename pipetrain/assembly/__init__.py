@@ -18,7 +18,7 @@ from pipetrain.assembly.schedule_book import ScheduleBook
 from pipetrain.assembly.stages import build_stages, build_steppers
 from pipetrain.comm.engine import Connections, Engine, select_engine
 from pipetrain.options import PipelineOptions
-from pipetrain.runtime.memory_model import memory_model
+from pipetrain.runtime.stage_memory import memory_model
 from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import PrecisionPolicy, precision_policy
 from pipetrain.runtime.stage import StageRuntime

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 import schedules
 from pipetrain.runtime.executor import Recompute
 from schedules import Action, ActionKind
-from schedules.memory import recomputed
+from schedules.held_activations import recomputed
 
 FORWARD_ONLY = frozenset({ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT})
 

@@ -57,6 +57,6 @@ def build_steppers(stages: dict[int, StageRuntime], topology: Topology, links: C
     positions = sorted({topology.position_of(v) for v in stages})
     process_stages = [(v, rt.module) for v, rt in sorted(stages.items())]
     return {d: OptimizerStep([stages[v] for v in topology.stages_at(d)], links.tied,
-                             DynamicLossScaler(groups=[]) if options.precision == "fp16" else None,
+                             DynamicLossScaler() if options.precision == "fp16" else None,
                              links.agreement, options.nonfinite, options.precision, d, process_stages)
             for d in positions}

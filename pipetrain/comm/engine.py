@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import partitioners
-from pipetrain.comm.overflow import DistributedOverflowAgreement, LocalOverflowAgreement
+from pipetrain.comm.skip_agreement import DistributedOverflowAgreement, LocalOverflowAgreement
 from pipetrain.comm.peers import peers_answer
 from pipetrain.comm.replicas import ReductionSettings, StageReducer, replica_shard, shard_weight
 from pipetrain.comm.reporting import Reporter

@@ -22,9 +22,9 @@ class SumExchange:
     NCCL (and other backends): one all_reduce. gloo: a gather to the group's first rank, which
     adds the parts in rank order and broadcasts the total on a second group. gloo's all_reduce
     is a ring of 2 (W - 1) dependent messages even for a few hundred bytes, each waking a
-    process: 4.1 ms at 4 processes on this 2-core machine against 0.9 ms for gather +
-    broadcast (2 hops). The broadcast has its own group so a root that is still summing
-    step N never interleaves its broadcast with step N + 1's gather.
+    process, where gather + broadcast is 2 hops: several times faster when processes share
+    cores (README, "Cost-model calibration"). The broadcast has its own group so a root that
+    is still summing step N never interleaves its broadcast with step N + 1's gather.
     """
 
     def __init__(self, mine: torch.Tensor, group: Any, broadcast_group: Any):

@@ -90,7 +90,7 @@ class World:
         # new_group must be called by every rank in the same order, so groups are built up front.
         self.control = self._group(list(range(self.size)))
         self.report = self._group(list(range(self.size)))  # broadcasts of the step report's sum (reporting)
-        # The skip-or-step all-reduce at every STEP (comm.overflow); its own group so it never queues
+        # The skip-or-step all-reduce at every STEP (comm.skip_agreement); its own group so it never queues
         # behind the reports' asynchronous gathers on `control`.
         self.agreement = self._group(list(range(self.size)))
         self.checkpoint = self._group(list(range(self.size)))  # barriers around checkpoint writes

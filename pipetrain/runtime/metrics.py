@@ -62,7 +62,7 @@ class StepResult:
     prediction_error: list[float] = _per_stage(float, "distance of a sampled forward's weights from the backward's")
     # On CUDA the device allocator's peak (torch.cuda.max_memory_allocated, since the process started or
     # torch.cuda.reset_peak_memory_stats); elsewhere the peak over this step of the stage's tensors (weights,
-    # gradients, optimizer state, weight versions, held activations: pipetrain.runtime.memory).
+    # gradients, optimizer state, weight versions, held activations: pipetrain.runtime.tensor_bytes).
     peak_memory: list[int] = _per_stage(int, "measured peak bytes (mean over replicas)")
     comm_bytes: dict[str, list[int]] = field(default_factory=dict)  # payload bytes per COMM_KINDS entry, per stage
     skipped: bool = False  # no update was applied for this mini-batch (non-finite values or fp16 overflow), on any stage

@@ -3,7 +3,7 @@
 The check is the fused kernel torch's GradScaler uses (one call per device and dtype over all
 gradients of a step); with inv_scale 1.0 it only looks. The decision itself (skip or raise) must be
 the same on every stage and replica, so the runtime turns the local finding into a small code that
-the engine's agreement maximises over every device (pipetrain.comm.overflow):
+the engine's agreement maximises over every device (pipetrain.comm.skip_agreement):
 
     code[0] = devices - (first device whose gradients are not finite), 0 when none
     code[1] = devices - (first device whose losses are not finite), 0 when none

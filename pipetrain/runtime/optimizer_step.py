@@ -33,7 +33,7 @@ class TiedSync(Protocol):
 
 
 class OverflowAgreement(Protocol):
-    """Makes every device take the same skip-or-step decision (pipetrain.comm.overflow).
+    """Makes every device take the same skip-or-step decision (pipetrain.comm.skip_agreement).
 
     ``agree`` takes this device's flags (a float tensor, 1 where found: [non-finite gradients,
     non-finite losses]) and returns, per flag, the index of the first device (``where`` describes

@@ -11,7 +11,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
-from pipetrain.runtime.memory import SavedBytes, grad_bytes, resident_bytes, storage_bytes
+from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.metrics import StageReport
 from pipetrain.runtime.staleness import StalenessPolicy
 
@@ -267,7 +267,7 @@ class StageRuntime:
 
     def _take_peak_memory(self) -> int:
         """Measured peak bytes since the last call: the allocator's on CUDA, else the stage's tensors (see
-        pipetrain.runtime.memory); starts the next period."""
+        pipetrain.runtime.tensor_bytes); starts the next period."""
         peak = resident_bytes(self._params, self.optimizer, self.policy.extra_weight_bytes()) + self.peak_working_bytes
         self.peak_working_bytes = self.activation_bytes() + grad_bytes(self._params)
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak

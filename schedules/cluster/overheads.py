@@ -2,12 +2,13 @@
 
 On a fast device with a Python runtime these terms dominate small stages, so a
 step-time prediction that ignores them is far too low (examples/benchmarks/
-bench_calibration.py measures them on this machine):
+bench_calibration.py measures them; README, "Cost-model calibration"):
 
 * action: seconds of runtime work around every F and every B (executor dispatch,
   autograd leaves, RNG forking, loss bookkeeping, posting sends), on top of the
-  module's own forward or backward. Measure it on the engine being modelled: on this
-  machine the distributed engine's is ~5x the local engine's (bench_calibration). It is work on the device, so it delays the
+  module's own forward or backward. Measure it on the engine being modelled: the
+  distributed engine's, which posts its sends to other processes, is several times the
+  local engine's (bench_calibration). It is work on the device, so it delays the
   device's next action like compute does.
 * step: fixed seconds per training step (building the executors, draining sends,
   collecting the loss), paid once after the last stage finishes.

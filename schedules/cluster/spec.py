@@ -174,10 +174,10 @@ PRESETS: dict[str, Cluster] = {
     "pipedream-b": Cluster(nodes=4, devices_per_node=8, intra_bandwidth=100e9, intra_latency=5e-6,
                            inter_bandwidth=25 * GBIT, inter_latency=20e-6, speed=157.0, memory=16e9,
                            name="pipedream-b"),
-    # This kind of machine: 4 CPU processes sharing 2 cores, gloo over loopback; the model fitted by
-    # `examples/benchmarks/bench_calibration.py --save-cluster` (2026-11-22, rounded; that run
-    # predicted its 2-stage, 4-stage and 2 x 2 validation steps within -7.8%, -1.4%, +0.6%).
-    # speed 1: plan with costs measured here (`pipetrain plan --profile`).
+    # 4 CPU processes sharing 2 cores, gloo over loopback: the model fitted (rounded) by
+    # `examples/benchmarks/bench_calibration.py --save-cluster` on the machine of the README's
+    # "Cost-model calibration", which gives how well it predicts that machine's validation steps.
+    # speed 1: plan with costs measured there (`pipetrain plan --profile`).
     "gloo-local4": Cluster(nodes=1, devices_per_node=4, intra_bandwidth=3.4e9, intra_latency=0.0,
                            inter_bandwidth=3.4e9, inter_latency=0.0, speed=1.0, name="gloo-local4",
                            overheads=RuntimeOverheads(action=6.5e-4, step=1.9e-3, report_bytes=272,

@@ -33,8 +33,8 @@ DEFAULT_SIZE = {
     "transformer-lm": (64, 2), "lstm-lm": (64, 2),
 }
 
-# Plain single-process SGD (momentum 0.9) settings that reach good validation accuracy in a
-# few seconds per epoch at DEFAULT_SIZE (measured by examples/benchmarks/bench_models.py).
+# Plain single-process SGD (momentum 0.9) settings that reach good validation accuracy in a few
+# epochs at DEFAULT_SIZE, small enough for a CPU (examples/benchmarks/bench_models.py measures both).
 DEFAULT_HPARAMS = {
     "vgg": {"lr": 0.05, "batch_size": 64, "epochs": 3},
     "resnet": {"lr": 0.02, "batch_size": 32, "epochs": 4},

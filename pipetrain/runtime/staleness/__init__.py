@@ -13,7 +13,7 @@ runs:
   from the schedule's real lag per micro-batch;
 - nesterov: the Nesterov look-ahead point of the update the gradient enters, stashed.
 """
-from pipetrain.runtime.staleness.base import StalenessPolicy, StashPolicy, VanillaPolicy, WeightSet
+from pipetrain.runtime.staleness.base import StalenessPolicy, StashPolicy, VanillaPolicy, VersionStore, WeightSet
 from pipetrain.runtime.staleness.extrapolation import Extrapolation, require_smoothed_update
 from pipetrain.runtime.staleness.nesterov import NesterovPolicy, look_ahead_steps
 from pipetrain.runtime.staleness.spectrain import SpecTrainForwardOnlyPolicy, SpecTrainPolicy
@@ -30,5 +30,5 @@ POLICIES = {
 }
 
 __all__ = ["POLICIES", "Extrapolation", "NesterovPolicy", "SpecTrainForwardOnlyPolicy", "SpecTrainPolicy",
-           "StalenessPolicy", "StashPolicy", "TwoBufferedPolicy", "VanillaPolicy", "WeightSet",
+           "StalenessPolicy", "StashPolicy", "TwoBufferedPolicy", "VanillaPolicy", "VersionStore", "WeightSet",
            "check_two_buffered", "look_ahead_steps", "require_smoothed_update"]

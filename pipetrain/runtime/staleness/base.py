@@ -7,7 +7,8 @@ version counter, because the point is that the backward reads new values.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Iterator, Mapping
+from typing import Callable, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from torch import nn
 from pipetrain.runtime.staleness.extrapolation import Extrapolation
 
 WeightSet = dict[str, torch.Tensor]
+V = TypeVar("V")
 
 
 def _named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -34,6 +36,64 @@ def accumulate(params: list[tuple[str, nn.Parameter]], weights: WeightSet) -> No
         weights[name].grad = None
 
 
+class VersionStore(Mapping, Generic[V]):
+    """Weight versions shared by the micro-batches that use them, reference-counted: a version is made
+    by the first micro-batch that asks for its key and dropped when the last user releases it (unless
+    the caller says to keep it unused). As a mapping: key -> version."""
+
+    def __init__(self):
+        self._entries: dict[object, tuple[V, int]] = {}  # key -> (version, micro-batches using it)
+        self.key_of: dict[int, object] = {}  # micro-batch -> the key of the version it uses
+        self.peak = 0  # the most versions held at once
+
+    def __getitem__(self, key: object) -> V:
+        return self._entries[key][0]
+
+    def __iter__(self) -> Iterator[object]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def acquire(self, micro_batch: int, key: object, make: Callable[[], V]) -> V:
+        """The version under ``key`` (made now if absent), used by ``micro_batch`` until it releases it."""
+        version, users = self._entries.get(key, (None, 0))
+        if version is None:
+            version = make()
+        self._entries[key] = (version, users + 1)
+        self.key_of[micro_batch] = key
+        self.peak = max(self.peak, len(self._entries))
+        return version
+
+    def add_unused(self, key: object, version: V) -> None:
+        """Hold ``version`` under ``key`` with no user yet."""
+        self._entries[key] = (version, 0)
+        self.peak = max(self.peak, len(self._entries))
+
+    def of(self, micro_batch: int) -> V:
+        return self._entries[self.key_of[micro_batch]][0]
+
+    def release(self, micro_batch: int, drop: Callable[[object], bool] = lambda key: True) -> V:
+        """``micro_batch`` is done with its version; the version goes when nobody uses it and ``drop(key)``."""
+        key = self.key_of.pop(micro_batch)
+        version, users = self._entries[key]
+        if users == 1 and drop(key):
+            del self._entries[key]
+        else:
+            self._entries[key] = (version, users - 1)
+        return version
+
+    def drop_unused(self, where: Callable[[object], bool] = lambda key: True) -> None:
+        """Drop the versions no micro-batch uses whose key satisfies ``where``."""
+        for key, (_, users) in list(self._entries.items()):
+            if users == 0 and where(key):
+                del self._entries[key]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.key_of.clear()
+
+
 class StalenessPolicy:
     """Synchronous schedules: forward and backward both use the live parameters.
 
@@ -47,6 +107,15 @@ class StalenessPolicy:
 
     name = "none"
     keeps_forward_weights = True  # the forward's weight set is not overwritten before its backward
+    # Recomputation keeps, beside the versions above, the forward's weights of every micro-batch in
+    # flight (stage k of N: N - k), which nothing else would keep until the forward runs again.
+    recompute_keeps_forward_weights = False
+
+    @classmethod
+    def weight_versions(cls, stage: int, stages: int) -> int:
+        """The most weight copies beyond the live parameters that stage ``stage`` of ``stages`` holds
+        (without recomputation): the memory model's count."""
+        return 0
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, stage: int, stages: int,
                  micro_batches: int = 1, lookahead: float = 1.0):
@@ -129,7 +198,8 @@ class StalenessPolicy:
 
     def extra_weight_bytes(self) -> int:
         """Bytes held in weight copies beyond the live parameters."""
-        return 0
+        per_version = sum(p.numel() * p.element_size() for _, p in self.params)
+        return per_version * self.versions_held()
 
     def versions_held(self) -> int:
         return 0
@@ -198,11 +268,18 @@ class StashPolicy(StalenessPolicy):
 
     name = "stash"
 
+    @classmethod
+    def weight_versions(cls, stage: int, stages: int) -> int:
+        # One per micro-batch in flight (N - k), each forwarded after a different update.
+        return stages - stage
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.versions: dict = {}  # key -> (weights, micro-batches using them)
-        self.of_micro_batch: dict[int, object] = {}
-        self.peak_versions = 0
+        self.versions: VersionStore[WeightSet] = VersionStore()
+
+    @property
+    def peak_versions(self) -> int:
+        return self.versions.peak
 
     def _key(self, micro_batch: int) -> object:
         return self.updates
@@ -211,26 +288,13 @@ class StashPolicy(StalenessPolicy):
         return {n: p.detach().clone().requires_grad_() for n, p in self.params}
 
     def _forward_weights(self, micro_batch: int) -> WeightSet:
-        key = self._key(micro_batch)
-        weights, users = self.versions.get(key, (None, 0))
-        if weights is None:
-            weights = self._make_version(micro_batch)
-        self.versions[key] = (weights, users + 1)
-        self.of_micro_batch[micro_batch] = key
-        self.peak_versions = max(self.peak_versions, len(self.versions))
-        return weights
+        return self.versions.acquire(micro_batch, self._key(micro_batch), lambda: self._make_version(micro_batch))
 
     def recompute_weights(self, micro_batch: int) -> WeightSet:
-        return self.versions[self.of_micro_batch[micro_batch]][0]
+        return self.versions.of(micro_batch)
 
     def after_backward(self, micro_batch: int) -> None:
-        key = self.of_micro_batch.pop(micro_batch)
-        weights, users = self.versions[key]
-        accumulate(self.params, weights)
-        if users == 1 and self._release_when_unused(key):
-            del self.versions[key]
-        else:
-            self.versions[key] = (weights, users - 1)
+        accumulate(self.params, self.versions.release(micro_batch, self._release_when_unused))
 
     def _release_when_unused(self, key: object) -> bool:
         return True
@@ -242,10 +306,6 @@ class StashPolicy(StalenessPolicy):
         weights = {n: torch.empty_like(p).requires_grad_() for n, p in self.params}
         self._update_size.write(list(weights.values()), steps)
         return weights
-
-    def extra_weight_bytes(self) -> int:
-        per_version = sum(p.numel() * p.element_size() for _, p in self.params)
-        return per_version * len(self.versions)
 
     def versions_held(self) -> int:
         return len(self.versions)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pipetrain.runtime.staleness.base import StalenessPolicy, StashPolicy, WeightSet, accumulate
+from pipetrain.runtime.staleness.base import StalenessPolicy, StashPolicy, VersionStore, WeightSet, accumulate
 from pipetrain.runtime.staleness.extrapolation import require_smoothed_update
 from schedules import StreamLags
 
@@ -26,6 +26,11 @@ class SpecTrainPolicy(StalenessPolicy):
 
     name = "spectrain"
     keeps_forward_weights = False
+    recompute_keeps_forward_weights = True  # the scratch copy is rewritten: a recomputed forward needs its own
+
+    @classmethod
+    def weight_versions(cls, stage: int, stages: int) -> int:
+        return 1  # the scratch copy
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -40,9 +45,8 @@ class SpecTrainPolicy(StalenessPolicy):
         self.scratch = ({n: torch.empty_like(p).requires_grad_() for n, p in self.params} if self.predicts
                         else {n: p.data.requires_grad_() for n, p in self.params})
         self._outs = list(self.scratch.values())
-        # Forward predictions kept for recomputation: (updates, distance) -> (weights, micro-batches using them).
-        self.kept: dict[tuple[int, float], tuple[list[torch.Tensor], int]] = {}
-        self.kept_of: dict[int, tuple[int, float]] = {}
+        # Forward predictions kept for recomputation, keyed by (updates, distance).
+        self.kept: VersionStore[list[torch.Tensor]] = VersionStore()
 
     def distance(self, micro_batch: int) -> float:
         return self.lookahead * (self.lags(micro_batch) + self.offset)
@@ -57,24 +61,15 @@ class SpecTrainPolicy(StalenessPolicy):
         if not self.predicts:  # no prediction: the forward ran on the weights in force, as vanilla's does
             return
         key = (self.updates, self.distance(micro_batch))
-        copies, users = self.kept.get(key, (None, 0))
-        if copies is None:
-            copies = [w.detach().clone() for w in self._outs]
-        self.kept[key] = (copies, users + 1)
-        self.kept_of[micro_batch] = key
+        self.kept.acquire(micro_batch, key, lambda: [w.detach().clone() for w in self._outs])
 
     def recompute_weights(self, micro_batch: int) -> WeightSet:
         """The scratch copy holding the forward's prediction again (``_before_backward`` then writes the
         backward's prediction into it, so the backward sees what it would have without recomputation)."""
-        key = self.kept_of.pop(micro_batch, None)
-        if key is not None:
-            copies, users = self.kept[key]
+        if micro_batch in self.kept.key_of:
+            copies = self.kept.release(micro_batch)
             with torch.no_grad():
                 torch._foreach_copy_([o.data for o in self._outs], copies)
-            if users == 1:
-                del self.kept[key]
-            else:
-                self.kept[key] = (copies, users - 1)
         return self.scratch
 
     def _before_backward(self, micro_batch: int) -> None:
@@ -84,17 +79,12 @@ class SpecTrainPolicy(StalenessPolicy):
     def after_backward(self, micro_batch: int) -> None:
         accumulate(self.params, self.scratch)
 
-    def extra_weight_bytes(self) -> int:
-        per_version = sum(p.numel() * p.element_size() for _, p in self.params)
-        return per_version * self.versions_held()
-
     def versions_held(self) -> int:
         return (1 + len(self.kept)) if self.predicts else 0
 
     def end_stream(self) -> None:
         super().end_stream()
         self.kept.clear()
-        self.kept_of.clear()
 
 
 class SpecTrainForwardOnlyPolicy(StashPolicy):

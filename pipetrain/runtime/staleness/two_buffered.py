@@ -31,6 +31,10 @@ class TwoBufferedPolicy(StashPolicy):
 
     name = "2bw"
 
+    @classmethod
+    def weight_versions(cls, stage: int, stages: int) -> int:
+        return 2
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_two_buffered(self.stages, self.micro_batches)
@@ -52,9 +56,7 @@ class TwoBufferedPolicy(StashPolicy):
     def _forward_weights(self, micro_batch: int) -> WeightSet:
         weights = super()._forward_weights(micro_batch)
         self.newest = self._key(micro_batch)
-        for key, (_, users) in list(self.versions.items()):
-            if users == 0 and key < self.newest:
-                del self.versions[key]
+        self.versions.drop_unused(lambda key: key < self.newest)
         return weights
 
     def _release_when_unused(self, key: object) -> bool:
@@ -64,8 +66,7 @@ class TwoBufferedPolicy(StashPolicy):
         # The next mini-batch's micro-batches run on the version in force now; keep it before the
         # optimizer overwrites it (a no-op where a forward already stashed it).
         if self.steps not in self.versions:
-            self.versions[self.steps] = (super()._make_version(-1), 0)
-            self.peak_versions = max(self.peak_versions, len(self.versions))
+            self.versions.add_unused(self.steps, super()._make_version(-1))
 
     def on_step(self) -> None:
         super().on_step()
@@ -78,12 +79,9 @@ class TwoBufferedPolicy(StashPolicy):
     def start_stream(self) -> None:
         super().start_stream()
         self.versions.clear()
-        self.of_micro_batch.clear()
         self.steps = 0
         self.newest = None
 
     def end_stream(self) -> None:
         super().end_stream()
-        for key, (_, users) in list(self.versions.items()):
-            if users == 0:
-                del self.versions[key]
+        self.versions.drop_unused()

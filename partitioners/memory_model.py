@@ -5,7 +5,7 @@ A stage of P parameter bytes holds its weights, their optimizer state (``state_p
 stashing, 2BW, SpecTrain), and on top of that, at the moments the schedule makes its held bytes
 peak, its gradients (P, absent until the step's first backward) and the activations it holds: a
 micro-batch kept whole costs its activation bytes, one that will be recomputed its boundary bytes
-(chain.py). The moments come from the action lists (``schedules.memory.held_activations``), as
+(chain.py). The moments come from the action lists (``schedules.held_activations.held_activations``), as
 (whole, boundary-only, gradients present) counts per recomputation setting.
 """
 from __future__ import annotations

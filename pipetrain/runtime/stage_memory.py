@@ -8,18 +8,17 @@ import torch
 
 import partitioners
 import schedules
-from pipetrain.runtime.memory import storage_bytes
-from partitioners.memory import Moments
-from schedules.memory import held_activations
-
-STASHING = ("stash", "nesterov", "spectrain-forward")  # a weight version per update in flight
+from pipetrain.runtime.staleness import POLICIES
+from pipetrain.runtime.tensor_bytes import storage_bytes
+from partitioners.memory_model import SETTINGS, Moments
+from schedules.held_activations import held_activations
 
 
 def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict[str, list[Moments]]:
     """Per recomputation setting and virtual stage (chunk * stages + device), the moments its held bytes may peak."""
     chunks = 1 + max((a.chunk for device in actions for a in device), default=0)
     out: dict[str, list] = {}
-    for setting in partitioners.memory.SETTINGS:
+    for setting in SETTINGS:
         per_stage: list = [[] for _ in range(stages * chunks)]
         for d, device in enumerate(actions):
             for c, moments in held_activations(device, setting).items():
@@ -29,19 +28,11 @@ def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict
 
 
 def weight_versions(policy: str, stages: int, recompute: str) -> tuple[float, ...]:
-    """Extra weight copies per stage: stashing N-k, 2BW 2, SpecTrain 1 (plus, when recomputing, one
-    kept forward prediction per micro-batch in flight, N-k)."""
-    out = []
-    for k in range(stages):
-        if policy in STASHING:
-            out.append(stages - k)
-        elif policy == "2bw":
-            out.append(2)
-        elif policy == "spectrain":
-            out.append(1 + (stages - k if recompute in ("except-last", "always") else 0))
-        else:
-            out.append(0)
-    return tuple(out)
+    """Extra weight copies per stage, as the policy declares them (``StalenessPolicy.weight_versions``),
+    plus, when recomputing a policy that keeps the forward's weights for it, one per micro-batch in flight (N-k)."""
+    kind = POLICIES[policy]
+    keeps = kind.recompute_keeps_forward_weights and recompute in ("except-last", "always")
+    return tuple(kind.weight_versions(k, stages) + (stages - k if keeps else 0) for k in range(stages))
 
 
 def optimizer_state_factor(optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> float:
