@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import pipetrain
+import pipetrain.runner  # the tests patch Runner._finish to watch each step
 
 from _example_runs import CASES, COMMON, decreased, run_example, scalars
 from pipetrain.apps.training import RunConfig, add_arguments, config_from_args, evaluate, optimizer_factory, run
@@ -258,13 +259,13 @@ def test_request_stop_is_reported_from_the_next_step_on():
 
 def test_sigterm_handler_only_with_a_checkpoint_dir_and_restored_after(tmp_path, monkeypatch):
     seen = []
-    real_finish = pipetrain.Pipeline._finish
+    real_finish = pipetrain.runner.Runner._finish
 
     def finish(self, result):
         seen.append(signal.getsignal(signal.SIGTERM))
         return real_finish(self, result)
 
-    monkeypatch.setattr(pipetrain.Pipeline, "_finish", finish)
+    monkeypatch.setattr(pipetrain.runner.Runner, "_finish", finish)
     before = signal.getsignal(signal.SIGTERM)
     run(tiny(epochs=1, schedule="1f1b", staleness="none"))
     assert set(seen) == {before}  # without a checkpoint directory SIGTERM keeps its meaning
@@ -300,7 +301,7 @@ def sigterm_on_rank0_only(rank, world, root):
 
     collectives = [count_collectives(lambda: run(config("1f1b", "distributed", epochs=2, **kw)))
                    for kw in ({}, {"checkpoint_dir": f"{root}/counted"})]
-    real_finish = pipetrain.Pipeline._finish
+    real_finish = pipetrain.runner.Runner._finish
 
     def finish(self, result):
         result = real_finish(self, result)
@@ -308,7 +309,7 @@ def sigterm_on_rank0_only(rank, world, root):
             os.kill(os.getpid(), signal.SIGTERM)
         return result
 
-    pipetrain.Pipeline._finish = finish
+    pipetrain.runner.Runner._finish = finish
     out = {}
     for schedule in ("1f1b", "async-1f1b"):
         summary = run(config(schedule, "distributed", checkpoint_dir=f"{root}/{schedule}"))
