@@ -22,7 +22,7 @@ from test_nonfinite import poison
 PACKAGE = str(Path(pipetrain.__file__).resolve().parent)
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 # The functions allowed to read device values on the host during training, each a point README lists.
-ALLOWED = {("pipeline.py", "_loss_sum"), ("overflow.py", "agree"), ("overflow.py", "result"),
+ALLOWED = {("runner.py", "_loss_sum"), ("skip_agreement.py", "agree"), ("skip_agreement.py", "result"),
            ("reporting.py", "collect"), ("reporting.py", "_read_on_host"), ("transport.py", "exchange"),
            ("transport.py", "_decode_header")}
 
@@ -68,7 +68,7 @@ def test_training_reads_the_device_only_at_the_known_points(one_thread, host_rea
     assert marked == expected
     unexpected = {where: n for where, n in host_reads.items() if where not in ALLOWED}
     assert not unexpected, f"new host reads on the hot path: {unexpected}"
-    assert host_reads[("pipeline.py", "_loss_sum")] == steps
+    assert host_reads[("runner.py", "_loss_sum")] == steps
 
 
 def test_the_watch_sees_a_read_outside_the_known_points(one_thread, host_reads):

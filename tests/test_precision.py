@@ -93,7 +93,7 @@ def test_stages_compute_under_the_policy_s_autocast(precision, dtype):
     pipe = pipetrain.wrap(make("mlp"), x[:2], stages=2, micro_batches=2, precision=precision,
                           partitioner="uniform", profile=False, engine="local")
     seen = []
-    for rt in pipe._runtimes.values():
+    for rt in pipe.held_stages.values():
         for layer in rt.module.modules():
             if isinstance(layer, torch.nn.Linear):
                 layer.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
