@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from schedules.held_activations import RECOMPUTE
 
-SETTINGS = ("none", "except-last", "always")  # cheapest (no recomputation) first
+SETTINGS = RECOMPUTE  # cheapest (no recomputation) first
 
 Moments = list[tuple[int, int, int]]
 

@@ -6,20 +6,21 @@ from typing import Any, Callable
 
 import torch
 
+from partitioners.memory_model import SETTINGS
+from partitioners.partition import METHODS as PARTITIONERS
+from pipetrain.allreduce.reducer import ALGORITHMS as ALLREDUCE
+from pipetrain.comm.engine import ENGINES
+from pipetrain.runtime.nonfinite import NONFINITE
+from pipetrain.runtime.precision import PRECISIONS
+from pipetrain.runtime.staleness import PREDICTING, SPECTRAIN_VARIANTS, STALENESS
 from pipetrain.runtime.staleness.two_buffered import check_two_buffered
+from schedules import BUILDERS
 from schedules.cluster import load_cluster
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b")
-SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-STALENESS = ("none", "vanilla", "stash", "2bw", "spectrain", "nesterov")
-PREDICTING = ("spectrain", "nesterov")  # the policies `lookahead` scales
-PARTITIONERS = ("graph", "time", "params", "uniform")
-PRECISIONS = ("fp32", "bf16", "fp16")
-ALLREDUCE = ("hybrid", "flat", "hierarchical", "per-tensor")
-ENGINES = ("auto", "local", "distributed")
-SPECTRAIN_VARIANTS = ("paper", "forward-only")
-NONFINITE = ("raise", "skip")
-RECOMPUTE = ("none", "except-last", "always", "auto")
+# Each vocabulary is defined where the thing is implemented; these are the names wrap's options use.
+SCHEDULES = tuple(BUILDERS)
+SYNC_SCHEDULES = tuple(k for k in SCHEDULES if k != "async-1f1b")
+RECOMPUTE = SETTINGS + ("auto",)  # "auto": per stage, the cheapest setting that fits memory_limit
 
 
 def _default_optimizer(params):
@@ -138,6 +139,6 @@ class PipelineOptions:
 
     @property
     def policy_name(self) -> str:
-        if self.staleness == "spectrain" and self.spectrain_variant == "forward-only":
-            return "spectrain-forward"
+        if self.staleness == "spectrain":
+            return SPECTRAIN_VARIANTS[self.spectrain_variant]
         return self.staleness

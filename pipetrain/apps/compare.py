@@ -30,10 +30,10 @@ from pipetrain import NonFiniteError
 from pipetrain.apps.models import MODELS
 from pipetrain.apps.training import (RunConfig, RunSummary, add_arguments, config_from_args, human_bytes,
                                       is_rank_zero, run)
+from pipetrain.options import PREDICTING, STALENESS
 
-METHODS = ["data-parallel", "1f1b", "vanilla", "stash", "2bw", "spectrain", "nesterov"]
-ASYNC = ("vanilla", "stash", "2bw", "spectrain", "nesterov")
-PREDICTING = ("spectrain", "nesterov")
+ASYNC = tuple(s for s in STALENESS if s != "none")
+METHODS = ["data-parallel", "1f1b", *ASYNC]
 
 
 def parse_method(method: str) -> tuple[str, float]:

@@ -15,7 +15,7 @@ engine needs right here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,10 +35,22 @@ from pipetrain.runtime.optimizer_step import OverflowAgreement, TiedSync
 from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.topology import Topology
 
-if TYPE_CHECKING:
-    from pipetrain.options import PipelineOptions
-
+ENGINES = ("auto", "local", "distributed")  # wrap's engine= choices (select_engine)
 Tied = list[list[tuple[int, str]]]  # per tied parameter: its (stage, name) copies
+
+
+class EngineOptions(Protocol):
+    """What the engines read of wrap's options (pipetrain.options.PipelineOptions; ReductionSettings.of
+    reads the hybrid-mode ones)."""
+
+    engine: str
+    stages: int
+    data_parallel: int
+    devices: list[torch.device] | None
+    allreduce: str
+    hierarchy: tuple[int, int] | None
+    timeout: float
+    dynamic_shapes: bool
 
 
 @dataclass
@@ -98,7 +110,7 @@ class DistributedEngine:
     distributed = True
     world: World
 
-    def __init__(self, options: PipelineOptions):
+    def __init__(self, options: EngineOptions):
         ensure_process_group(options.timeout)
         with peers_answer(SETTING_UP):
             self.world = World(options.stages, options.data_parallel, options.allreduce, options.hierarchy,
@@ -172,7 +184,7 @@ class DistributedEngine:
 Engine = LocalEngine | DistributedEngine
 
 
-def select_engine(options: PipelineOptions) -> Engine:
+def select_engine(options: EngineOptions) -> Engine:
     """The engine ``options.engine`` asks for ("auto": distributed under torchrun or an initialised
     process group, else local)."""
     distributed = options.engine == "distributed" or (

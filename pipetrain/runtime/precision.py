@@ -40,6 +40,9 @@ _POLICIES = {
 }
 
 
+PRECISIONS = tuple(_POLICIES)
+
+
 def precision_policy(name: str) -> PrecisionPolicy:
     """The policy for "fp32" | "bf16" | "fp16"."""
     if name not in _POLICIES:

@@ -18,8 +18,8 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
-    "async-1f1b": async_1f1b,
     "zb-h1": zb_h1,
+    "async-1f1b": async_1f1b,
 }
 
 
@@ -39,7 +39,7 @@ def build(kind: str, stages: int, micro_batches: int, **options: object) -> Sche
                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        # data_parallel was an option of every kind before the reduction pass replaced it
+        # REDUCE actions come from a pass over any kind, not from a builder option
         hint = "; for REDUCE before each STEP use with_reductions(build(...))" if "data_parallel" in unknown else ""
         raise TypeError(f"schedule {kind!r} does not take option(s) {unknown}; it accepts {accepted}{hint}")
     return builder(stages, micro_batches, **options)

@@ -28,7 +28,10 @@ POLICIES = {
     "spectrain-forward": SpecTrainForwardOnlyPolicy,
     "nesterov": NesterovPolicy,
 }
+STALENESS = ("none", "vanilla", "stash", "2bw", "spectrain", "nesterov")  # wrap's staleness= choices
+SPECTRAIN_VARIANTS = {"paper": "spectrain", "forward-only": "spectrain-forward"}  # spectrain_variant= -> policy
+PREDICTING = ("spectrain", "nesterov")  # the policies whose prediction distance `lookahead` scales
 
-__all__ = ["POLICIES", "Extrapolation", "NesterovPolicy", "SpecTrainForwardOnlyPolicy", "SpecTrainPolicy",
+__all__ = ["POLICIES", "PREDICTING", "SPECTRAIN_VARIANTS", "STALENESS", "Extrapolation", "NesterovPolicy", "SpecTrainForwardOnlyPolicy", "SpecTrainPolicy",
            "StalenessPolicy", "StashPolicy", "TwoBufferedPolicy", "VanillaPolicy", "VersionStore", "WeightSet",
            "check_two_buffered", "look_ahead_steps", "require_smoothed_update"]
