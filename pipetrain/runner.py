@@ -32,12 +32,13 @@ class Runner:
         self.last_result: StepResult | None = None
         self.in_stream = False
         self.stop_requested = False
+        self._input_names = list(parts.plan.stage_inputs(0))  # what the feed turns keyword inputs into, in order
         self._log = TensorBoardLog(o.logdir) if o.logdir and parts.engine.is_rank_zero else None
 
     def step(self, x: Any, y: Any) -> StepResult:
         """One mini-batch of a synchronous schedule."""
         p = self.parts
-        feed = Feed(p.options.micro_batches, self._input_names())
+        feed = Feed(p.options.micro_batches, self._input_names)
         feed.add(0, *p.engine.shard(x, y))
         start = time.perf_counter()
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
@@ -62,7 +63,7 @@ class Runner:
 
     def _run_stream(self, batches: Iterable) -> Iterator[StepResult]:
         p = self.parts
-        feed = StreamFeed(batches, p.options.micro_batches, self._input_names(), prepare=p.engine.shard)
+        feed = StreamFeed(batches, p.options.micro_batches, self._input_names, prepare=p.engine.shard)
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
         runs = {d: ex.run(p.schedules.stream(d, feed.has)) for d, ex in executors.items()}
         self._start(stream=True)
@@ -94,7 +95,7 @@ class Runner:
         """Forward only in eval mode; the full output on every rank, on the device of ``x``."""
         p = self.parts
         m = min(p.options.micro_batches, batch_size(x))
-        feed = Feed(m, self._input_names())
+        feed = Feed(m, self._input_names)
         feed.add(0, x)
         actions = p.schedules.forward_only(m)
         for rt in p.stages.values():
@@ -110,9 +111,6 @@ class Runner:
         outputs = sorted((g, out) for ex in executors.values() for g, out in ex.predictions.items())
         merged = merge_micro_batches([out for _, out in outputs]) if outputs else None
         return to_device(p.engine.share_prediction(merged, p.topology), caller_device(x))
-
-    def _input_names(self) -> list[str]:
-        return list(self.parts.plan.stage_inputs(0))
 
     def _start(self, stream: bool) -> None:
         for stepper in self.parts.steppers.values():
