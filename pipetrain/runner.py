@@ -7,6 +7,7 @@ under torchrun) and to the counters and TensorBoard (`_finish`).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Iterable, Iterator
 
@@ -18,6 +19,7 @@ from pipetrain.runtime.batching import batch_size, merge_micro_batches
 from pipetrain.runtime.devices import caller_device, to_device
 from pipetrain.runtime.executor import DeviceExecutor, Recompute, drive
 from pipetrain.runtime.feed import Feed, StreamFeed
+from pipetrain.runtime.interrupts import interrupts_after_commit
 from pipetrain.runtime.metrics import StepResult, TensorBoardLog
 
 
@@ -36,18 +38,44 @@ class Runner:
         self._log = TensorBoardLog(o.logdir) if o.logdir and parts.engine.is_rank_zero else None
 
     def step(self, x: Any, y: Any) -> StepResult:
-        """One mini-batch of a synchronous schedule."""
+        """One mini-batch of a synchronous schedule. A step that raises before any stage applied its update
+        (bad data, a failing loss, a non-finite value, Ctrl-C) leaves no trace: gradients, buffers, in-flight
+        micro-batches and counters are as before it. Ctrl-C once a stage applied its update lets the step
+        finish everywhere, then raises."""
         p = self.parts
         feed = Feed(p.options.micro_batches, self._input_names)
         feed.add(0, *p.engine.shard(x, y))
         start = time.perf_counter()
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
         self._start(stream=False)
-        for _ in drive({d: ex.run(p.schedules.training.actions[d]) for d, ex in executors.items()}):
-            pass
-        p.links.transport.flush()
-        report, pending = self._report(feed, executors, 0, time.perf_counter() - start)
-        return self._finish(report if pending is None else p.links.reporter.collect(*pending))
+        for rt in p.stages.values():
+            rt.begin_step()
+        with interrupts_after_commit(self._committed), self._abandoned_on_error():
+            for _ in drive({d: ex.run(p.schedules.training.actions[d]) for d, ex in executors.items()}):
+                pass
+            p.links.transport.flush()
+            for rt in p.stages.values():
+                rt.end_step()
+            report, pending = self._report(feed, executors, 0, time.perf_counter() - start)
+            return self._finish(report if pending is None else p.links.reporter.collect(*pending))
+
+    def _committed(self) -> bool:
+        return any(stepper.applied for stepper in self.parts.steppers.values())
+
+    @contextlib.contextmanager
+    def _abandoned_on_error(self) -> Iterator[None]:
+        """Whatever raises inside (the caller stopping a stream too) abandons the work in flight on every
+        stage this process holds; the stages put their buffers back unless an update was applied."""
+        try:
+            yield
+        except BaseException:
+            committed = self._committed()
+            for rt in self.parts.stages.values():
+                if committed:
+                    rt.end_step()  # the buffers belong to the update that was applied
+                rt.abandon()
+            self.parts.links.abandon()
+            raise
 
     def stream(self, batches: Iterable) -> Iterator[StepResult]:
         """async-1f1b: keep the pipeline full for the whole stream; one result per mini-batch, in order."""
@@ -55,7 +83,8 @@ class Runner:
         for rt in self.parts.stages.values():
             rt.policy.start_stream()
         try:
-            yield from self._run_stream(batches)
+            with self._abandoned_on_error():
+                yield from self._run_stream(batches)
         finally:
             self.in_stream = False
             for rt in self.parts.stages.values():
@@ -102,9 +131,10 @@ class Runner:
             rt.module.eval()
         try:
             executors = self._executors(feed, Recompute(), train=False)
-            for _ in drive({d: ex.run(actions[d]) for d, ex in executors.items()}):
-                pass
-            p.links.transport.flush()
+            with self._abandoned_on_error():
+                for _ in drive({d: ex.run(actions[d]) for d, ex in executors.items()}):
+                    pass
+                p.links.transport.flush()
         finally:
             for rt in p.stages.values():
                 rt.module.train()

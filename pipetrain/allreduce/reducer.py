@@ -317,6 +317,11 @@ class GradientReducer:
                     p.grad.copy_(reduced)
         self._reset_round()
 
+    def abandon(self) -> None:
+        """Forget the round in progress (the backward that filled it raised). A reduction already on the wire
+        is not waited for: the replicas that did not raise may never join it."""
+        self._reset_round()
+
     def reduce_now(self, weight: float | None = None) -> None:
         """Reduce after the backward without overlap (the comparison baseline)."""
         if self._hooks:

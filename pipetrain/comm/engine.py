@@ -64,6 +64,14 @@ class Connections:
     reducers: dict[int, StageReducer]  # hybrid mode: pipeline position -> its gradient reducer
     counter: CommCounter
 
+    def abandon(self) -> None:
+        """A step raised: drop what each piece kept for it, so the next step starts clean."""
+        self.transport.abandon()
+        self.tied.abandon()
+        self.agreement.abandon()
+        for reducer in self.reducers.values():
+            reducer.abandon()
+
 
 class LocalEngine:
     """Every stage in this process; ``devices`` gives each pipeline position its torch device."""

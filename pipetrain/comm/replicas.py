@@ -100,3 +100,8 @@ class StageReducer:
         else:
             self.reducer.reduce_now()
         self.counter.add("data_parallel", self.stage, self.payload)
+
+    def abandon(self) -> None:
+        """A step raised: forget the buckets filled for it (all ranks abandon the same step)."""
+        if self.reducer is not None:
+            self.reducer.abandon()

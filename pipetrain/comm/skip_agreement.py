@@ -61,11 +61,16 @@ class LocalOverflowAgreement:
         return None
 
     def forget(self, t: int) -> None:
-        """Drop what is kept for mini-batch t (also when the step raised and the devices still waiting
-        never read the decision)."""
+        """Drop what is kept for mini-batch t once every device read it."""
         self.flags.pop(t, None)
         self.codes.pop(t, None)
         self.read.pop(t, None)
+
+    def abandon(self) -> None:
+        """A step raised: drop every flag reported for it (some devices never reached its STEP)."""
+        self.flags.clear()
+        self.codes.clear()
+        self.read.clear()
 
 
 class DistributedOverflowAgreement:
@@ -111,5 +116,5 @@ class DistributedOverflowAgreement:
         return peers_answer(f"the skip-or-step agreement of mini-batch {t} (every rank, each optimizer step)",
                             "raise wrap(..., timeout=...) for very slow steps")
 
-    def forget(self, t: int) -> None:
+    def abandon(self) -> None:
         """Nothing is kept between steps."""

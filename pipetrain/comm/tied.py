@@ -60,6 +60,11 @@ class LocalTiedSync:
             if entry[1] == 0:
                 del self.totals[key]
 
+    def abandon(self) -> None:
+        """A step raised: drop the gradients deposited for it."""
+        self.deposits.clear()
+        self.totals.clear()
+
 
 class DistributedTiedSync:
     """Copies on several ranks: one all_reduce (sum) per tied parameter over its owners."""
@@ -71,6 +76,9 @@ class DistributedTiedSync:
         self.groups = groups
         self.counter = counter
         self.recorder = recording.active()  # None unless a test records what is posted
+
+    def abandon(self) -> None:
+        """Nothing is kept between steps."""
 
     def sync(self, stages: list[int], t: int) -> Iterator[str]:
         for i, copies in enumerate(self.tied):

@@ -62,6 +62,10 @@ class LocalTransport:
     def flush(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        """A step raised: drop the messages nobody will take (their micro-batch numbers come again)."""
+        self.messages.clear()
+
 
 def payload_bytes(values: Any) -> int:
     return sum(v.numel() * v.element_size() for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor))
@@ -280,6 +284,13 @@ class DistributedTransport:
         if self.dynamic_shapes:  # per-micro-batch metadata is only needed within a step
             self.meta_sent.clear()
             self.meta_received.clear()
+
+
+    def abandon(self) -> None:
+        """A step raised: drop the messages between this rank's own stages. Sends and receives posted to
+        other ranks stay: a peer may still take what was sent (an async stream's ranks raise one after the
+        other), and a send dropped unfinished would never reach it."""
+        self.local.abandon()
 
 
 class _Posted:

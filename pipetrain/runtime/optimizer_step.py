@@ -31,13 +31,16 @@ class TiedSync(Protocol):
 
     def sync(self, stages: list[int], t: int) -> Iterator[str]: ...
 
+    def abandon(self) -> None:
+        """Drop what was deposited for a step that raised."""
+
 
 class OverflowAgreement(Protocol):
     """Makes every device take the same skip-or-step decision (pipetrain.comm.skip_agreement).
 
     ``agree`` takes this device's flags (a float tensor, 1 where found: [non-finite gradients,
     non-finite losses]) and returns, per flag, the index of the first device (``where`` describes
-    it) that raised it anywhere, or None where no device did. ``forget`` drops what is kept for a
+    it) that raised it anywhere, or None where no device did. ``abandon`` drops what is kept for a
     step that raised before every device read the decision.
     """
 
@@ -45,7 +48,7 @@ class OverflowAgreement(Protocol):
 
     def where(self, index: int) -> str: ...
 
-    def forget(self, t: int) -> None: ...
+    def abandon(self) -> None: ...
 
     def post(self, t: int, position: int, flags: torch.Tensor) -> Callable[[], list[int | None]] | None:
         """Start the agreement without waiting and return what waits for its result; None where the
@@ -81,6 +84,7 @@ class OptimizerStep:
         self.in_flight: tuple[int, Callable[[], list[int | None]], tuple[int, str] | None] | None = None
         self.first_update = 1  # the pipeline's update number of mini-batch 0 of the current call (messages)
         self.stream = False
+        self.applied = False  # whether this call changed weights or optimizer state (a step past undoing)
 
     def __call__(self, t: int, losses: list[torch.Tensor]) -> Generator[str, None, bool]:
         """STEP t, given the losses of mini-batch t's micro-batches computed on this device (if any)."""
@@ -98,22 +102,19 @@ class OptimizerStep:
         first = yield from self.agreement.agree(t, self.position, flags)
         overflow = self.scaler is not None and first[GRADS] is not None
         bad = first[LOSSES] is not None or (self.scaler is None and first[GRADS] is not None)
+        if bad and self.nonfinite == "raise":
+            # Raised before anything moves: the runner then abandons the step on every device
+            # (gradients dropped, loss scale unchanged), as for any step that raises.
+            raise NonFiniteError(self._message(t, first))
         skip = overflow or bad
         if self.scaler is not None:
             self.scaler.update(overflow)
-        error = self._message(t, first) if bad and self.nonfinite == "raise" else None  # before grads go
         self._apply(skip)
-        if error is not None:
-            # In one process the other devices never resume this step: clear what they hold too, so a
-            # caller that catches the error and goes on starts from clean gradients.
-            for _, module in self.process_stages:
-                module.zero_grad(set_to_none=True)
-            self.agreement.forget(t)
-            raise NonFiniteError(error)
         return skip
 
     def _apply(self, skip: bool) -> None:
         """Step every stage of this device (or skip the step), then clear the gradients."""
+        self.applied = True
         for s in self.stages:
             if s.optimizer is not None:
                 if not skip:
@@ -150,8 +151,6 @@ class OptimizerStep:
         self.in_flight = None
         first = result()
         if first[LOSSES] is not None or first[GRADS] is not None:
-            for _, module in self.process_stages:
-                module.zero_grad(set_to_none=True)
             raise NonFiniteError(self._message(t, first, found).replace(
                 "the update was not applied on any stage",
                 "stages whose gradients were finite applied it (an async stream learns of it one step later)"))
@@ -161,6 +160,7 @@ class OptimizerStep:
         mini-batch 0, for messages."""
         self.first_update = first_update
         self.stream = stream
+        self.applied = False
 
     def _message(self, t: int, first: list[int | None], found: tuple[int, str] | None = None) -> str:
         """Every rank raises; the one holding the first bad parameter names it, the others name that rank."""

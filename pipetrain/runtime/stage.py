@@ -84,6 +84,7 @@ class StageRuntime:
         self.weight_pending: dict[int, tuple[list, int]] = {}
         self._split_ok: bool | None = None  # whether this stage's graph splits into B and W (checked once)
         self._params = list(self.module.parameters())  # for grad_bytes on every action
+        self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value) at step start
 
     @property
     def is_last(self) -> bool:
@@ -242,6 +243,29 @@ class StageRuntime:
             split_backward.backward_weight(self._weights(), pending[0])
             self._note_peak(self.activation_bytes())
             del self.weight_pending[micro_batch]
+
+    def begin_step(self) -> None:
+        """Remember the buffers a forward may update (batch-norm statistics), so that a step that raises
+        can put them back (``abandon``). Buffers are small beside the parameters; copying them once per
+        step costs little."""
+        self._buffers_before = [(b, b.detach().clone()) for b in self.module.buffers()]
+
+    def end_step(self) -> None:
+        self._buffers_before = []
+
+    def abandon(self) -> None:
+        """A step or stream raised: forget every micro-batch in flight (activations, pending weight
+        gradients, the policy's versions), drop the gradients accumulated so far and put back the
+        buffers of ``begin_step``: the stage is as it was before the step."""
+        self.in_flight.clear()
+        self.weight_pending.clear()
+        self.version_lags.clear()
+        self.module.zero_grad(set_to_none=True)
+        self.policy.abandon()
+        with torch.no_grad():
+            for b, before in self._buffers_before:
+                b.copy_(before)
+        self._buffers_before = []
 
     def _weights(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]

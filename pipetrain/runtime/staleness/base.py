@@ -190,6 +190,13 @@ class StalenessPolicy:
         """The stream has drained (or was abandoned): drop what only later micro-batches would read."""
         self._probe = None
 
+    def abandon(self) -> None:
+        """A step or stream raised: forget the micro-batches in flight, their diagnostics and the gradients
+        held outside the parameters, as if they had never run."""
+        self.end_stream()
+        self.distances.clear()
+        self.errors.clear()
+
     def take_diagnostics(self, micro_batches: range) -> tuple[float, torch.Tensor | float]:
         """The mean prediction distance and error over ``micro_batches`` (forgotten afterwards); the error is
         NaN where no micro-batch of them was sampled (0.0 for synchronous schedules: nothing ever differs)."""
@@ -258,6 +265,11 @@ class VanillaPolicy(StalenessPolicy):
         # Vanilla keeps no old weights: the recomputed forward runs on the weights in force.
         return self.alias
 
+    def abandon(self) -> None:
+        super().abandon()
+        for w in self.alias.values():
+            w.grad = None
+
 
 class StashPolicy(StalenessPolicy):
     """PipeDream weight stashing: the backward uses exactly the forward's weight version.
@@ -298,6 +310,10 @@ class StashPolicy(StalenessPolicy):
 
     def _release_when_unused(self, key: object) -> bool:
         return True
+
+    def abandon(self) -> None:
+        super().abandon()
+        self.versions.clear()  # with the micro-batches that used them, and the gradients they held
 
     def _predicted_version(self, steps: Callable[[dict], float]) -> WeightSet:
         """A new version holding W - steps(group) * lr * v (the stage's own weights before any step)."""

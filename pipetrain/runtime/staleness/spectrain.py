@@ -86,6 +86,11 @@ class SpecTrainPolicy(StalenessPolicy):
         super().end_stream()
         self.kept.clear()
 
+    def abandon(self) -> None:
+        super().abandon()
+        for w in self._outs:
+            w.grad = None
+
 
 class SpecTrainForwardOnlyPolicy(StashPolicy):
     """SpecTrain's forward-only variant: predict lag(u) updates ahead in the forward and keep that
