@@ -1,7 +1,10 @@
 """Pretrain a small GPT-2- or Llama-style language model (Hugging Face transformers, from its config) on the offline text data.
 
-The model is passed to pipetrain.wrap as it is: torch.export captures it (its forward takes **kwargs,
-which torch.fx cannot), and its ModelOutput reaches the loss function.
+Trained as language models are trained: in bf16 (``--precision`` changes it), on documents of different
+lengths, each batch padded to its longest one with an attention mask, and with the loss the model computes
+itself from ``labels`` (``pipetrain.model_loss``; padding is labelled -100, so it does not count). The model
+is passed to pipetrain.wrap as it is: torch.export captures it (its forward takes **kwargs, which torch.fx
+cannot), with the batch and sequence dimensions dynamic, so every batch length runs on the same stages.
 
     python examples/huggingface.py --model gpt2 --stages 2
     python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness spectrain
@@ -14,9 +17,8 @@ import time
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 import transformers
-from torch.utils.data import Dataset, Subset, default_collate
+from torch.utils.data import Dataset, Subset
 
 import pipetrain
 from pipetrain.apps.datasets import dataset_info, load_dataset, make_loader
@@ -37,31 +39,52 @@ def build(name: str, vocab: int, width: int, depth: int, length: int) -> torch.n
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=length))
 
 
-def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
-    """Next-character cross-entropy; the text data's targets are the inputs shifted by one already."""
-    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+PAD = 0  # the token padding is filled with; its label is -100 and its mask 0, so it never counts
 
 
-def batches(dataset: Dataset, order: list[int], size: int) -> Iterator[tuple[Any, Any]]:
+def document_length(index: int, longest: int) -> int:
+    """Each sample is cut to a length of its own (a document), the same on every rank and every epoch."""
+    return longest // 2 + (index * 7919) % (longest - longest // 2 + 1)
+
+
+def padded_batch(dataset: Dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """Samples cut to their document lengths and padded to the longest of this batch: the model's inputs,
+    labels included (the model shifts them by one itself)."""
+    texts = [dataset[i][0] for i in indices]
+    lengths = [document_length(i, len(t)) for i, t in zip(indices, texts)]
+    longest = max(lengths)
+    ids = torch.full((len(texts), longest), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (text, n) in enumerate(zip(texts, lengths)):
+        ids[row, :n], mask[row, :n] = text[:n], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def batches(dataset: Dataset, order: list[int], size: int) -> Iterator[tuple[dict, None]]:
+    """(inputs, None) pairs: the labels are among the inputs."""
     for start in range(0, len(order) - size + 1, size):
-        yield default_collate([dataset[i] for i in order[start:start + size]])
+        yield padded_batch(dataset, order[start:start + size]), None
 
 
 @torch.no_grad()
 def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, size: int) -> tuple[float, float]:
-    """Per-token validation loss and accuracy (predict runs the model in eval mode: no dropout)."""
+    """Per-token validation loss and next-token accuracy over the real tokens (predict runs the model in
+    eval mode: no dropout; its loss is the whole batch's)."""
     loss, correct, tokens = 0.0, 0, 0
-    for x, y in batches(dataset, list(range(len(dataset))), size):
-        logits = pipe.predict(x).logits
-        loss += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
-        correct += int((logits.argmax(-1) == y).sum())
-        tokens += y.numel()
+    for x, _ in batches(dataset, list(range(len(dataset))), size):
+        out = pipe.predict(x)
+        counted = x["labels"][:, 1:] != -100
+        n = int(counted.sum())
+        loss += float(out.loss) * n
+        correct += int(((out.logits[:, :-1].argmax(-1) == x["labels"][:, 1:]) & counted).sum())
+        tokens += n
     return loss / tokens, correct / tokens
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, ["gpt2", "llama"])
+    parser.set_defaults(precision="bf16")
     c = config_from_args(parser.parse_args(argv))
     width, depth = c.width or DEFAULTS["width"], c.depth or DEFAULTS["depth"]
     size, epochs = c.batch_size or DEFAULTS["batch_size"], c.epochs or DEFAULTS["epochs"]
@@ -72,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     info = dataset_info("text")
     torch.manual_seed(c.seed)  # the same initial weights on every rank and engine
     model = build(c.model, info.num_classes, width, depth, info.input_shape[0])
-    example = default_collate([train[i] for i in range(size)])[0][:max(1, size // (c.micro_batches * c.data_parallel))]
+    example = padded_batch(train, list(range(max(1, size // (c.micro_batches * c.data_parallel)))))
     pipe = pipetrain.wrap(model, example, stages=c.stages, micro_batches=c.micro_batches, schedule=c.schedule,
-                          staleness=c.staleness, partitioner=c.partitioner, loss_fn=lm_loss, precision=c.precision,
+                          staleness=c.staleness, partitioner=c.partitioner, loss_fn=pipetrain.model_loss, precision=c.precision,
                           data_parallel=c.data_parallel, logdir=c.logdir, seed=c.seed,
                           profile=c.partitioner in ("graph", "time"),
                           optimizer=optimizer_factory(c.optimizer, lr, c.momentum))
