@@ -68,14 +68,17 @@ class Runner:
         stage this process holds; the stages put their buffers back unless an update was applied."""
         try:
             yield
-        except BaseException:
+        except BaseException as error:
             committed = self._committed()
             for rt in self.parts.stages.values():
                 if committed:
                     rt.end_step()  # the buffers belong to the update that was applied
                 rt.abandon()
             self.parts.links.abandon()
-            raise
+            explained = self.parts.engine.explain_failure(error)
+            if explained is error:
+                raise
+            raise explained from error
 
     def stream(self, batches: Iterable) -> Iterator[StepResult]:
         """async-1f1b: keep the pipeline full for the whole stream; one result per mini-batch, in order."""

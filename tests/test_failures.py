@@ -68,7 +68,7 @@ def _rank(rank, port, out, mode, world, victim):
             time.sleep(120)
             return _unscale(*args)
         scaler.unscale_local_ = unscale_then_hang
-    elif rank == VICTIM:
+    elif rank == VICTIM and mode in ("die", "hang"):
         def fail(module, inputs):  # mid-step: after the first micro-batch's forward on this stage
             if fail.calls == 1:
                 Path(out, "t0").write_text(str(time.time()))
@@ -78,6 +78,10 @@ def _rank(rank, port, out, mode, world, victim):
             fail.calls += 1
         fail.calls = 0
         pipe.held_stages[VICTIM].module.register_forward_pre_hook(fail)
+    if mode == "bad-label":  # every rank steps on a label out of range: the last stage's loss raises
+        y = y.clone()
+        y[-1] = 99
+        Path(out, "t0").write_text(str(time.time()))
     try:
         pipe.step(x, y)
         Path(out, f"rank{rank}").write_text("finished")
@@ -150,3 +154,15 @@ def test_a_rank_hung_outside_the_step_stops_the_others_within_the_timeout(tmp_pa
         print(f"{mode}: rank {r} stopped {float(stamp) - t0:.1f} s after rank {victim} hung (timeout {TIMEOUT:g} s)")
         assert float(stamp) - t0 < 3 * TIMEOUT, f"rank {r} took {float(stamp) - t0:.1f} s: {message}"
         assert "PeerFailure" in message and waits_in in message and "timeout=" in message, message
+
+
+def test_a_step_that_raises_on_one_rank_is_named_by_the_others(tmp_path):
+    # The last stage's loss raises (a label out of range); rank 0 waits for gradients that never come and
+    # stops after the timeout with a PeerFailure that names rank 1's own error, read from the store.
+    codes = _run(tmp_path, "bad-label", victim=1, world=2)
+    assert codes == [1, 1]
+    victim = (tmp_path / "rank1").read_text().split("\n", 1)[1]
+    assert victim.startswith("IndexError"), victim
+    stamp, message = (tmp_path / "rank0").read_text().split("\n", 1)
+    assert message.startswith("PeerFailure") and "rank 1 raised IndexError" in message, message
+    assert float(stamp) - float((tmp_path / "t0").read_text()) < 3 * TIMEOUT

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import partitioners
+from pipetrain.comm.failures import FailureBoard
 from pipetrain.comm.skip_agreement import DistributedOverflowAgreement, LocalOverflowAgreement
 from pipetrain.comm.peers import peers_answer
 from pipetrain.comm.replicas import ReductionSettings, StageReducer, replica_shard, shard_weight
@@ -104,6 +105,10 @@ class LocalEngine:
                            LocalOverflowAgreement(len(self.devices), describe),
                            Reporter(topology.num_stages, counter, has_last_stage=True), {}, counter)
 
+    def explain_failure(self, error: BaseException) -> BaseException:
+        """One process: the error is the whole story."""
+        return error
+
     def shard(self, x: Any, y: Any) -> tuple[Any, Any, float]:
         """One process holds the whole mini-batch."""
         return x, y, 1.0
@@ -126,6 +131,7 @@ class DistributedEngine:
         self.data_parallel = options.data_parallel
         self.dynamic_shapes, self.timeout = options.dynamic_shapes, options.timeout
         self.reduction = ReductionSettings.of(options) if options.data_parallel > 1 else None
+        self.failures = FailureBoard(self.world.rank)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -169,6 +175,10 @@ class DistributedEngine:
             reducers[world.position] = StageReducer(held, world.data_parallel_group, world.hierarchy,
                                                     self.reduction, counter)
         return Connections(transport, tied_sync, agreement, reporter, reducers, counter)
+
+    def explain_failure(self, error: BaseException) -> BaseException:
+        """The error to raise for a step that raised here (see pipetrain.comm.failures)."""
+        return self.failures.explain(error)
 
     def shard(self, x: Any, y: Any) -> tuple[Any, Any, float]:
         """This replica's share of a global mini-batch and the factor that keeps the mean exact."""

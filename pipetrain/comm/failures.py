@@ -1,0 +1,43 @@
+"""The first error of a failed step, posted where every rank can read it: the rendezvous store of the
+process group. A rank whose step raises posts its error; the others stop waiting for it after ``timeout``
+(gloo cannot be woken earlier: a point-to-point wait that times out closes the connection) with a
+PeerFailure, which then names the rank that raised first and its error instead of only the wait."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from pipetrain.comm.transport import PeerFailure
+
+_KEY = "pipetrain/failed-step/{}"
+
+
+class FailureBoard:
+    """Posts and reads the first error of each failed step; ``failures`` counts them alike on every rank
+    (each failure makes every rank raise once), so that all ranks use the same key."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.failures = 0
+        # torch.distributed offers the process group's store only through this accessor; without one
+        # (a process group made without a store) the peers' errors just name what they waited for.
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):
+            self.store = None
+
+    def explain(self, error: BaseException) -> BaseException:
+        """What to raise for ``error``: a PeerFailure gains the first error posted for this failure;
+        any other error is posted (first writer wins) and raised as it is."""
+        key = _KEY.format(self.failures)
+        self.failures += 1
+        if self.store is None or isinstance(error, GeneratorExit):
+            return error
+        try:
+            if isinstance(error, PeerFailure):
+                if self.store.check([key]):
+                    return PeerFailure(f"{self.store.get(key).decode()} (raised first); here: {error}")
+                return error
+            self.store.compare_set(key, "", f"rank {self.rank} raised {type(error).__name__}: {error}")
+        except RuntimeError:  # the store is gone with the rank that hosted it: keep the error we have
+            pass
+        return error
