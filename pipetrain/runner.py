@@ -33,12 +33,13 @@ class Runner:
         self.in_stream = False
         self.stop_requested = False
         self._input_names = list(parts.plan.stage_inputs(0))  # what the feed turns keyword inputs into, in order
+        self._input_limits = parts.plan.graph.input_limits  # sizes the capture runs with, checked per micro-batch
         self._log = TensorBoardLog(o.logdir) if o.logdir and parts.engine.is_rank_zero else None
 
     def step(self, x: Any, y: Any) -> StepResult:
         """One mini-batch of a synchronous schedule."""
         p = self.parts
-        feed = Feed(p.options.micro_batches, self._input_names)
+        feed = Feed(p.options.micro_batches, self._input_names, self._input_limits)
         feed.add(0, *p.engine.shard(x, y))
         start = time.perf_counter()
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
@@ -63,7 +64,8 @@ class Runner:
 
     def _run_stream(self, batches: Iterable) -> Iterator[StepResult]:
         p = self.parts
-        feed = StreamFeed(batches, p.options.micro_batches, self._input_names, prepare=p.engine.shard)
+        feed = StreamFeed(batches, p.options.micro_batches, self._input_names, prepare=p.engine.shard,
+                          limits=self._input_limits)
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
         runs = {d: ex.run(p.schedules.stream(d, feed.has)) for d, ex in executors.items()}
         self._start(stream=True)
@@ -95,7 +97,7 @@ class Runner:
         """Forward only in eval mode; the full output on every rank, on the device of ``x``."""
         p = self.parts
         m = min(p.options.micro_batches, batch_size(x))
-        feed = Feed(m, self._input_names)
+        feed = Feed(m, self._input_names, self._input_limits)
         feed.add(0, x)
         actions = p.schedules.forward_only(m)
         for rt in p.stages.values():
