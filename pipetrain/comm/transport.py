@@ -308,6 +308,7 @@ class AgreedShapes:
         return known[key]
 
     def add(self, link: int, key: Hashable, meta: tuple) -> None:
+        """Remember ``meta`` for ``key`` on ``link``, forgetting the link's least recently used key past ``kept``."""
         known = self.links.setdefault(link, OrderedDict())
         known[key] = meta
         if len(known) > self.kept:
