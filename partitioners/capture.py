@@ -8,19 +8,24 @@ already consume:
 
 - parameters and buffers keep their original qualified names and are the model's own tensors
   (``get_attr`` nodes, each moved just before its first user so a stage holds what it reads);
-- placeholders are the forward arguments by name (tensors; the batch dimension is dynamic);
+- placeholders are the forward arguments by name (tensors; every dimension dynamic that the model
+  allows, the rest fixed to the example's size and recorded in ``input_sizes.META_KEY``);
 - the output is the model's own structure (``ModelOutput``, dict, tuple), rebuilt by the last node;
 - export's input guards and pytree codegen are removed (the runtime feeds flat arguments).
 """
 from __future__ import annotations
 
+import builtins
+import contextlib
 import inspect
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
+
+from . import input_sizes
 
 # Keyword arguments a capture for training sets when forward() takes them and the inputs do not:
 # a Hugging Face decoder would otherwise return its key/value cache, an inference-only object.
@@ -67,9 +72,13 @@ def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> f
     only the arguments named in ``given`` (the user's) stay inputs, the others are constants.
 
     Raises what torch.export raises when it cannot capture the model."""
-    dynamic = {k: ({0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() > 0 else None)
-               for k, v in call.items()}
-    program = torch.export.export(model, (), call, strict=False, dynamic_shapes=dynamic)
+    # Every dimension may vary (the batch, a sequence length): export keeps dynamic what the model
+    # allows and fixes the rest to the example's size; input_sizes records which, for a clear error.
+    dynamic = {k: ({d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) and v.dim() > 0
+                   else None) for k, v in call.items()}
+    with _symbolic_len():
+        program = torch.export.export(model, (), call, strict=False, dynamic_shapes=dynamic)
+    limits = input_sizes.from_export(program)
     out_spec = program.call_spec.out_spec
     gm = program.module()
     graph = gm.graph
@@ -95,9 +104,32 @@ def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> f
     _move_get_attrs_to_first_use(graph)
     for node in graph.nodes:
         node.meta = {k: v for k, v in node.meta.items() if k in _KEPT_META}  # fake tensors are not needed
+        if node.op == "placeholder" and node.name in limits:
+            node.meta[input_sizes.META_KEY] = limits[node.name]
     graph._codegen = fx.graph.CodeGen()  # plain positional placeholders, no pytree flattening
     # A plain GraphModule over the same tensors: export's module refuses train()/eval().
     return fx.GraphModule(gm, graph, type(model).__name__)
+
+
+@contextlib.contextmanager
+def _symbolic_len() -> Iterator[None]:
+    """``len(tensor)`` as the symbolic size of its dimension 0 while export traces.
+
+    Python's len() must return an int, so ``Tensor.__len__`` fixes the batch size of the example
+    (CLIP's contrastive loss builds its labels as ``arange(len(logits))``); torch.export replaces
+    ``max``/``min`` the same way for tensors."""
+    original = builtins.len
+
+    def symbolic_len(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and type(obj).__len__ is torch.Tensor.__len__ and obj.dim() > 0:
+            return obj.shape[0]
+        return original(obj)
+
+    builtins.len = symbolic_len
+    try:
+        yield
+    finally:
+        builtins.len = original
 
 
 def _move_get_attrs_to_first_use(graph: fx.Graph) -> None:

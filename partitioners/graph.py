@@ -8,6 +8,7 @@ import networkx as nx
 import torch.fx as fx
 import torch.nn as nn
 
+from . import input_sizes
 from .state_names import StateNames
 
 
@@ -38,6 +39,12 @@ class CostGraph:
     def state_names(self) -> StateNames:
         """The original model's alias groups and state-dict keys (for stage modules)."""
         return StateNames(self.model)
+
+    @cached_property
+    def input_limits(self) -> dict[str, dict[int, input_sizes.SizeLimit]]:
+        """Per model input, the dimensions the capture fixed to the example's size or bounded (input_sizes.py);
+        an input or dimension not named takes any size."""
+        return input_sizes.of_graph(self.module)
 
     def total_time(self) -> float:
         """Sum of forward and backward seconds over all nodes."""

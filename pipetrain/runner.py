@@ -35,6 +35,7 @@ class Runner:
         self.in_stream = False
         self.stop_requested = False
         self._input_names = list(parts.plan.stage_inputs(0))  # what the feed turns keyword inputs into, in order
+        self._input_limits = parts.plan.graph.input_limits  # sizes the capture runs with, checked per micro-batch
         self._log = TensorBoardLog(o.logdir) if o.logdir and parts.engine.is_rank_zero else None
 
     def step(self, x: Any, y: Any) -> StepResult:
@@ -43,7 +44,7 @@ class Runner:
         micro-batches and counters are as before it. Ctrl-C once a stage applied its update lets the step
         finish everywhere, then raises."""
         p = self.parts
-        feed = Feed(p.options.micro_batches, self._input_names)
+        feed = Feed(p.options.micro_batches, self._input_names, self._input_limits)
         feed.add(0, *p.engine.shard(x, y))
         start = time.perf_counter()
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
@@ -95,7 +96,8 @@ class Runner:
 
     def _run_stream(self, batches: Iterable) -> Iterator[StepResult]:
         p = self.parts
-        feed = StreamFeed(batches, p.options.micro_batches, self._input_names, prepare=p.engine.shard)
+        feed = StreamFeed(batches, p.options.micro_batches, self._input_names, prepare=p.engine.shard,
+                          limits=self._input_limits)
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
         runs = {d: ex.run(p.schedules.stream(d, feed.has)) for d, ex in executors.items()}
         self._start(stream=True)
@@ -127,7 +129,7 @@ class Runner:
         """Forward only in eval mode; the full output on every rank, on the device of ``x``."""
         p = self.parts
         m = min(p.options.micro_batches, batch_size(x))
-        feed = Feed(m, self._input_names)
+        feed = Feed(m, self._input_names, self._input_limits)
         feed.add(0, x)
         actions = p.schedules.forward_only(m)
         for rt in p.stages.values():

@@ -8,6 +8,7 @@ on one link for one micro-batch: activations src -> dst, gradients dst -> src.
 from __future__ import annotations
 
 import pickle
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Callable, Hashable
 
@@ -30,6 +31,7 @@ class PeerFailure(RuntimeError):
 COMM_KIND = {ACT: "activations", GRAD: "activation_grads"}
 HEADER_BYTES = 1 << 16
 SEND_WINDOW = 64  # sends kept before the oldest are waited on (DistributedTransport._prune)
+KEPT_SHAPES = 64  # shape keys remembered per link (AgreedShapes); a forgotten one costs one header again
 
 
 class LocalTransport:
@@ -86,11 +88,13 @@ class DistributedTransport:
     connection or an interleaved pipeline's link one per direction (``link_comm``). Messages on
     different communicators never match each other's receives (NCCL ignores tags; FIFO holds per group).
 
-    Shapes and dtypes are agreed once per (link, micro-batch size) with a header message and
-    re-agreed when the size changes (a shorter last batch); ``dynamic_shapes`` sends a header
-    with every activation for models whose boundary shapes depend on the data. A header travels
-    in a group of its own just before its payload's group, and the receiver reads it at once (a
-    host synchronisation, once per shape) to allocate the payload's buffers.
+    Shapes and dtypes are agreed once per (link, shape key) with a header message: the key is the
+    shapes of the micro-batch's inputs, which every rank of the pipeline computes from the same
+    mini-batch, so a new sequence length or micro-batch size costs one header per link and nothing is
+    re-planned. ``dynamic_shapes`` sends a header with every activation for models whose boundary shapes
+    depend on the data's values. A header travels in a group of its own just before its payload's
+    group, and the receiver reads it at once (a host synchronisation, once per shape) to allocate the
+    payload's buffers.
     """
 
     def __init__(self, topology: Topology, rank_of: Callable[[int], int], groups: dict[Hashable, Any],
@@ -107,17 +111,15 @@ class DistributedTransport:
         self.rank = dist.get_rank()
         self.local = LocalTransport([device] * topology.num_stages, counter)
         self.counter = counter
-        self.meta_sent: dict[tuple, tuple] = {}
-        self.meta_received: dict[tuple, tuple] = {}
+        self.agreed_sent = AgreedShapes(KEPT_SHAPES)
+        self.agreed_received = AgreedShapes(KEPT_SHAPES)
+        self.sent_meta: dict[tuple[int, int], tuple] = {}  # (link, micro-batch) -> activation meta, for its gradient
         self.pending_sends: list[tuple[_Posted, list, list]] = []  # (its group, tensors kept alive, recorded ids)
         self.posted: dict[tuple, tuple] = {}  # (link, kind, micro-batch) -> (its group, buffers, meta, recorded ids)
         self.recorder = recording.active()  # None unless a test records what is posted
 
     def _is_local(self, link: Link) -> bool:
         return self.rank_of(link.src) == self.rank_of(link.dst)
-
-    def _shape_key(self, micro_batch: int, shape_key: Any) -> Any:
-        return ("micro-batch", micro_batch) if self.dynamic_shapes else shape_key
 
     def exchange(self, messages: list[Message]) -> None:
         """Post the sends and receives of one comm batch: per communicator a group of the headers
@@ -136,11 +138,13 @@ class DistributedTransport:
                 self._add_receive(m, batch, reads)
         for comm, group in batch.headers.items():
             self._post(comm, group)
-        for m, meta_key, header, works, recorded in reads:
+        for m, header, works, recorded in reads:
             self._wait(works, m.link, m.kind, m.micro_batch, recorded)
             host_sync.note("shape header")
-            self.meta_received[meta_key] = _decode_header(header.cpu())
-            self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta_key, batch)
+            meta = _decode_header(header.cpu())
+            if not self.dynamic_shapes:
+                self.agreed_received.add(m.link.index, m.shape_key, meta)
+            self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch)
         for comm, group in batch.payloads.items():
             self._post(comm, group)
 
@@ -161,18 +165,20 @@ class DistributedTransport:
         if kind == ACT:
             leaves, spec = pytree.tree_flatten(m.values)
             meta = (_describe(leaves), spec)  # the spec is serialised only for a header
-            key = (link.index, self._shape_key(m.micro_batch, m.shape_key))
-            if self.dynamic_shapes or key not in self.meta_sent:
-                self.meta_sent[key] = meta
+            self.sent_meta[(link.index, m.micro_batch)] = meta
+            agreed = None if self.dynamic_shapes else self.agreed_sent.get(link.index, m.shape_key)
+            if agreed is None:
+                if not self.dynamic_shapes:
+                    self.agreed_sent.add(link.index, m.shape_key, meta)
                 header = _encode_header(meta).to(self.device)
                 message = self._message("header", link, m.micro_batch)
                 works = batch.add(batch.headers, comm, dist.P2POp(dist.isend, header, peer, group), Op(True, peer, message))
                 self.pending_sends.append((works, [header], [message]))
-            elif self.meta_sent[key] != meta:
+            elif agreed != meta:
                 raise RuntimeError(
                     f"boundary values {link.names} from stage {link.src} to {link.dst} changed shape or "
-                    f"value for the same micro-batch size ({self.meta_sent[key][0]} -> {meta[0]}); "
-                    "models whose boundary shapes depend on the data need wrap(..., dynamic_shapes=True)")
+                    f"value for the same input shapes ({agreed[0]} -> {meta[0]}): they depend on the data's "
+                    "values; fix: wrap(..., dynamic_shapes=True)")
             tensors = [v.contiguous() for v in leaves if isinstance(v, torch.Tensor)]
         else:
             tensors = [g.contiguous() for g in m.values]
@@ -186,23 +192,25 @@ class DistributedTransport:
         self._prune()
 
     def _add_receive(self, m: Message, batch: _Batch, reads: list) -> None:
-        meta_key = (m.link.index, self._shape_key(m.micro_batch, m.shape_key))
-        if m.kind == ACT and (self.dynamic_shapes or meta_key not in self.meta_received):
+        if m.kind == GRAD:  # gradients flow back along the link: the receiver of a gradient sent the activation
+            meta = self.sent_meta.pop((m.link.index, m.micro_batch))
+        else:
+            meta = None if self.dynamic_shapes else self.agreed_received.get(m.link.index, m.shape_key)
+        if meta is None:
             comm = link_comm(m.link.index, m.link.src, m.link.dst, m.kind, self.chunks)
             peer = self._peer(m.link, m.kind, sending=False)
             header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
             message = self._message("header", m.link, m.micro_batch)
             works = batch.add(batch.headers, comm, dist.P2POp(dist.irecv, header, peer, self.groups[comm]),
                               Op(False, peer, message))
-            reads.append((m, meta_key, header, works, [message]))
+            reads.append((m, header, works, [message]))
             return
-        self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta_key, batch)
+        self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch)
 
-    def _add_payload_receive(self, m: Message, meta_key: tuple, batch: _Batch) -> tuple:
+    def _add_payload_receive(self, m: Message, meta: tuple, batch: _Batch) -> tuple:
         """Buffers for one message and their receives in ``batch``: (works, buffers, meta, recorded ids)."""
         link, kind = m.link, m.kind
-        # Gradients flow back along the link: the receiver of a gradient sent the activation.
-        described, spec = (self.meta_received if kind == ACT else self.meta_sent)[meta_key]
+        described, spec = meta
         wanted = (lambda d: d[0] == "t") if kind == ACT else (lambda d: d[0] == "t" and d[2].is_floating_point)
         buffers = [torch.empty(d[1], dtype=d[2], device=self.device) for d in described if wanted(d)]
         comm = link_comm(link.index, link.src, link.dst, kind, self.chunks)
@@ -281,9 +289,34 @@ class DistributedTransport:
         for entry in self.pending_sends:
             self._wait_sent(entry)
         self.pending_sends.clear()
-        if self.dynamic_shapes:  # per-micro-batch metadata is only needed within a step
-            self.meta_sent.clear()
-            self.meta_received.clear()
+        self.sent_meta.clear()  # a predict's activations get no gradient
+
+
+class AgreedShapes:
+    """Boundary metadata agreed per link and shape key: the ``kept`` most recently used keys of each link.
+
+    Both ends of a link see the same keys in the same order (activations are sent and received in
+    one order), so they keep and forget the same ones and agree on when a header is due without a
+    message; the bound keeps many sequence lengths from growing it without limit."""
+
+    def __init__(self, kept: int):
+        self.kept = kept
+        self.links: dict[int, OrderedDict] = {}
+
+    def get(self, link: int, key: Hashable) -> tuple | None:
+        """The metadata agreed for ``key`` on ``link`` (now the most recently used), or None."""
+        known = self.links.get(link)
+        if known is None or key not in known:
+            return None
+        known.move_to_end(key)
+        return known[key]
+
+    def add(self, link: int, key: Hashable, meta: tuple) -> None:
+        """Remember ``meta`` for ``key`` on ``link``, forgetting the link's least recently used key past ``kept``."""
+        known = self.links.setdefault(link, OrderedDict())
+        known[key] = meta
+        if len(known) > self.kept:
+            known.popitem(last=False)
 
 
     def abandon(self) -> None:

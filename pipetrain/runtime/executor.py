@@ -135,22 +135,22 @@ class DeviceExecutor:
         """The messages a SEND or RECV action moves: one per link of its stage in that direction."""
         stage = self._stage(a)
         g, kind = a.micro_batch, a.kind
-        size = self.feed.size(g)
+        shapes = self.feed.shapes(g)
         if kind == ActionKind.SEND_ACT:
             values = self.outputs.pop((stage.index, g))
             for link in self.topology.out_of[stage.index]:
-                yield Message(link, ACT, g, self._cast([values[n] for n in link.names]), size)
+                yield Message(link, ACT, g, self._cast([values[n] for n in link.names]), shapes)
         elif kind == ActionKind.RECV_ACT:
             for link in self.topology.into[stage.index]:
-                yield Message(link, ACT, g, None, size)
+                yield Message(link, ACT, g, None, shapes)
         elif kind == ActionKind.SEND_GRAD:
             grads = self.input_grads.pop((stage.index, g))
             position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
             for link in self.topology.into[stage.index]:
-                yield Message(link, GRAD, g, self._cast([t for n in link.names for t in grads[position[n]]]), size)
+                yield Message(link, GRAD, g, self._cast([t for n in link.names for t in grads[position[n]]]), shapes)
         else:
             for link in self.topology.out_of[stage.index]:
-                yield Message(link, GRAD, g, None, size)
+                yield Message(link, GRAD, g, None, shapes)
 
     def _backward(self, a: Action) -> Iterator[str]:
         stage = self._stage(a)

@@ -6,18 +6,28 @@ for them, so async-1f1b never needs to know the stream's length up front.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
+import torch
+from torch.utils import _pytree as pytree
+
+from partitioners import input_sizes
 from pipetrain.runtime.batching import as_positional, batch_size, split_micro_batches
 
 
 class Feed:
-    """Mini-batches split into micro-batches, with the loss weight of each micro-batch."""
+    """Mini-batches split into micro-batches, with the loss weight of each micro-batch.
 
-    def __init__(self, micro_batches: int, input_names: list[str]):
+    ``limits``: the input sizes the capture runs with (partitioners.input_sizes), checked for every
+    micro-batch as it is added, before anything runs."""
+
+    def __init__(self, micro_batches: int, input_names: list[str],
+                 limits: dict[str, dict[int, input_sizes.SizeLimit]] | None = None):
         self.micro_batches = micro_batches
         self.input_names = input_names
+        self.limits = limits or {}
         self._inputs: dict[int, list] = {}
+        self._shapes: dict[int, list[tuple]] = {}
         self._targets: dict[int, list] = {}
         self._sizes: dict[int, list[int]] = {}
         self._grad_scale: dict[int, float] = {}
@@ -27,12 +37,18 @@ class Feed:
         (hybrid mode: this replica's share of the global batch)."""
         self._grad_scale[t] = grad_scale
         xs = split_micro_batches(x, self.micro_batches)
-        self._inputs[t] = [as_positional(v, self.input_names) for v in xs]
+        inputs = [as_positional(v, self.input_names) for v in xs]
+        for values in inputs:
+            for name, value in zip(self.input_names, values):
+                if name in self.limits:
+                    input_sizes.check(name, value, self.limits[name])
+        self._inputs[t] = inputs
+        self._shapes[t] = [_shapes(v) for v in inputs]
         self._sizes[t] = [batch_size(v) for v in xs]
         self._targets[t] = split_micro_batches(y, self.micro_batches) if y is not None else [None] * self.micro_batches
 
     def release(self, t: int) -> None:
-        for d in (self._inputs, self._targets, self._sizes, self._grad_scale):
+        for d in (self._inputs, self._shapes, self._targets, self._sizes, self._grad_scale):
             d.pop(t, None)
 
     def _at(self, g: int) -> tuple[int, int]:
@@ -50,6 +66,12 @@ class Feed:
         t, j = self._at(g)
         return self._sizes[t][j]
 
+    def shapes(self, g: int) -> tuple:
+        """Shape and dtype of each tensor input of micro-batch ``g``: every rank of a pipeline computes the
+        same from the same mini-batch, and the boundary shapes follow from them (the transport's shape key)."""
+        t, j = self._at(g)
+        return self._shapes[t][j]
+
     def weight(self, g: int) -> float:
         """Share of micro-batch ``g`` in its mini-batch's mean loss (uneven splits weigh by size)."""
         t, j = self._at(g)
@@ -63,12 +85,17 @@ class Feed:
         return sum(self._sizes[t])
 
 
+def _shapes(inputs: tuple) -> tuple[Hashable, ...]:
+    return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(inputs))
+
+
 class StreamFeed(Feed):
     """A feed that pulls (x, y) pairs from an iterable on demand."""
 
     def __init__(self, batches: Iterable, micro_batches: int, input_names: list[str],
-                 prepare: Callable[[Any, Any], tuple[Any, Any, float]] | None = None):
-        super().__init__(micro_batches, input_names)
+                 prepare: Callable[[Any, Any], tuple[Any, Any, float]] | None = None,
+                 limits: dict[str, dict[int, input_sizes.SizeLimit]] | None = None):
+        super().__init__(micro_batches, input_names, limits)
         self._source: Iterator = iter(batches)
         self._prepare = prepare or (lambda x, y: (x, y, 1.0))
         self._next = 0

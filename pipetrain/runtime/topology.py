@@ -21,7 +21,8 @@ class Link:
 
 class Message(NamedTuple):
     """One message of a comm batch: the values to send on ``link``, or None to receive them.
-    ``shape_key`` (the micro-batch size) tells the transport when boundary shapes may change."""
+    ``shape_key`` (the shapes of the micro-batch's inputs, Feed.shapes) tells the transport when
+    boundary shapes may change."""
 
     link: Link
     kind: str
