@@ -102,8 +102,9 @@ def measure(fn: Callable[..., Any], args: tuple, kwargs: dict, params: list[torc
 def saved_activations(fn: Callable[..., Any], args: tuple, kwargs: dict, keep: set[int] = frozenset(),
                       weights: set[int] = frozenset()) -> tuple[int, list[int], bool]:
     """What autograd keeps of one call for its backward, by distinct storage (the arguments that require
-    grad are grad leaves, as in ``measure``): the bytes of tensors the call creates and saves (neither an argument nor its output), the positions (``tree_flatten``
-    order of ``(args, kwargs)``) of the tensor arguments it saves, and whether it saves its output.
+    grad are grad leaves, as in ``measure``): the bytes of tensors the call creates and saves (neither an
+    argument nor its output), the positions (``tree_flatten`` order of ``(args, kwargs)``) of the tensor
+    arguments it saves, and whether it saves its output.
     The model's own tensors (ids in ``keep``, storages in ``weights``: parameters, buffers) are not counted."""
     flat, spec = tree_flatten((args, kwargs))
     copies: list[Any] = []
