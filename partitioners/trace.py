@@ -400,9 +400,11 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
 def _saved_values(interp: fx.Interpreter, node: fx.Node, fn: Any, args: tuple, kwargs: dict,
                   keep: set[int], weights: set[int]) -> tuple[int, list[str]]:
     """What autograd saves of ``node`` for its backward: bytes it creates and saves, and the names of
-    the values (its inputs', its own) it saves."""
+    the values (its inputs', its own) it saves. A view of a parameter (an expert's weight transposed
+    for a grouped matmul) is the parameter's memory, not an activation: it is not named."""
     owner = {t.untyped_storage().data_ptr(): n.name for n in node.all_input_nodes
-             for t in tree_flatten(interp.env.get(n))[0] if isinstance(t, torch.Tensor)}
+             for t in tree_flatten(interp.env.get(n))[0]
+             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in weights}
     internal, positions, saves_output = saved_activations(fn, args, kwargs, keep, weights)
     flat = tree_flatten((args, kwargs))[0]
     names = {owner[key] for key in (flat[i].untyped_storage().data_ptr() for i in positions) if key in owner}
