@@ -57,7 +57,8 @@ def reference_training(model: nn.Module, batches: list, loss_fn) -> tuple[nn.Mod
             out = model(**xi)
             loss = loss_fn(out, yi)
             if out.aux_loss is not None:
-                router_share = max(router_share, ROUTER_LOSS["router_aux_loss_coef"] * out.aux_loss.item() / loss.item())
+                router_term = ROUTER_LOSS["router_aux_loss_coef"] * out.aux_loss.item()
+                router_share = max(router_share, router_term / loss.item())
             weighted = loss * batch_size(xi) / batch_size(x)
             weighted.backward()
             total += weighted.item()
