@@ -14,10 +14,10 @@ and must match it bit for bit.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import pytest
 import transformers as hf
 
 import pipetrain
