@@ -20,7 +20,9 @@ class CostGraph:
     param_bytes (a parameter shared by several nodes counts once, at its first user),
     act_bytes (output bytes), params (qualified names of the parameters the node uses),
     tied (the node shares a parameter with another node), kind of value it outputs
-    ("tensor", "container" holding tensors, or "other"), scope (innermost module path).
+    ("tensor", "container" holding tensors, or "other"), scope (innermost module path),
+    requires_grad (the value is a tensor autograd differentiates when the model trains: not integer
+    indices, nor floating values computed from the inputs alone, such as rotary tables or counts).
     Edge attribute: bytes (of the value the edge moves).
     """
 

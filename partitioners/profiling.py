@@ -1,7 +1,8 @@
 """Per-node cost: measured forward/backward time, or a FLOP/byte estimate.
 
 Both take the node as a callable plus the example values of its arguments, so
-they work for modules, functions and methods alike.
+they work for modules, functions and methods alike. The values come from a forward with
+autograd recording: an argument that requires grad there is differentiated here, no other.
 """
 from __future__ import annotations
 
@@ -47,15 +48,18 @@ def _sync(device: torch.device) -> None:
 
 
 def _fresh(args: Any, keep: set[int] = frozenset()) -> tuple[Any, list[torch.Tensor]]:
-    """Copies of the argument tensors; floating ones become grad leaves behind a clone
-    (the clone keeps in-place ops from touching the leaf). Tensors whose id is in ``keep``
-    (the model's parameters and buffers) are passed as they are: a buffer never requires grad."""
+    """Copies of the argument tensors; those that require grad (in the traced training run) become
+    grad leaves behind a clone (the clone keeps in-place ops from touching the leaf). The others stay
+    out of autograd as in training: integer routing indices cannot require grad, and a floating
+    value the model never differentiates (a histogram of expert counts) may feed an op that refuses
+    a grad input (``cumsum(..., dtype=torch.int32)``). Tensors whose id is in ``keep`` (the model's
+    parameters and buffers) are passed as they are: a buffer never requires grad."""
     leaves: list[torch.Tensor] = []
 
     def copy(v: Any) -> Any:
         if not isinstance(v, torch.Tensor) or id(v) in keep:
             return v
-        if v.is_floating_point():
+        if v.requires_grad:
             leaf = v.detach().requires_grad_(True)
             leaves.append(leaf)
             return leaf.clone()
@@ -97,16 +101,17 @@ def measure(fn: Callable[..., Any], args: tuple, kwargs: dict, params: list[torc
 
 def saved_activations(fn: Callable[..., Any], args: tuple, kwargs: dict, keep: set[int] = frozenset(),
                       weights: set[int] = frozenset()) -> tuple[int, list[int], bool]:
-    """What autograd keeps of one call for its backward, by distinct storage: the bytes of tensors the
-    call creates and saves (neither an argument nor its output), the positions (``tree_flatten``
-    order of ``(args, kwargs)``) of the tensor arguments it saves, and whether it saves its output.
+    """What autograd keeps of one call for its backward, by distinct storage (the arguments that require
+    grad are grad leaves, as in ``measure``): the bytes of tensors the call creates and saves (neither an
+    argument nor its output), the positions (``tree_flatten`` order of ``(args, kwargs)``) of the tensor
+    arguments it saves, and whether it saves its output.
     The model's own tensors (ids in ``keep``, storages in ``weights``: parameters, buffers) are not counted."""
     flat, spec = tree_flatten((args, kwargs))
     copies: list[Any] = []
     position: dict[int, int] = {}
     for i, v in enumerate(flat):
         if isinstance(v, torch.Tensor) and id(v) not in keep:
-            v = v.detach().requires_grad_(True).clone() if v.is_floating_point() else v.detach().clone()
+            v = v.detach().requires_grad_(True).clone() if v.requires_grad else v.detach().clone()
             position[_storage(v)] = i
         copies.append(v)
     own = set(weights)
@@ -150,5 +155,5 @@ def estimate(fn: Callable[..., Any], args: tuple, kwargs: dict, module: torch.nn
     kind = "cuda" if device.type == "cuda" else "cpu"
     fwd = flops / PEAK_FLOPS[kind] + moved / MEMORY_BANDWIDTH[kind]
     # Backward computes input and weight gradients: about twice the forward work.
-    needs_grad = any(t.requires_grad or t.is_floating_point() for t in _tensors(out))
+    needs_grad = any(t.requires_grad for t in _tensors(out))
     return fwd, (2.0 * fwd if needs_grad else 0.0)

@@ -6,7 +6,11 @@ values later stages need, as a tuple (the last stage returns the model's output 
 Values of any type (tensors, ints from x.size(0), tuples) pass through unchanged.
 Parameters read with get_attr are copied into every stage that reads them. A received
 value that the stage modifies in place (ReLU(inplace=True), `x += y`) is cloned first:
-the runtime hands stages autograd leaves, which must not be modified in place.
+the runtime hands stages autograd leaves, which must not be modified in place. A received
+tensor the model does not differentiate (node attribute ``requires_grad``) is detached first:
+the runtime makes every floating input a leaf, and some ops refuse a leaf that requires grad
+where the unsplit model passes none (``cumsum(counts, dtype=torch.int32)`` over a float
+histogram of expert choices); detached, it also costs no backward.
 """
 from __future__ import annotations
 
@@ -90,6 +94,9 @@ def stage_graph_module(cg: CostGraph, members: set[str], inputs: list[str],
         for value in inputs:
             src_node = nodes[value]
             env[src_node] = g.placeholder(value)
+            attrs = cg.graph.nodes[value]
+            if attrs["kind"] == "tensor" and not attrs["requires_grad"]:
+                env[src_node] = g.call_method("detach", (env[src_node],))
             if modified_in_place(src_node, members, cg.module):
                 env[src_node] = g.call_method("clone", (env[src_node],))
     for n in src.nodes:

@@ -305,7 +305,10 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict[str, Any], dev: torch.dev
     inputs = _placeholder_values(gm, dev_args, dev_kwargs)
     interp = fx.Interpreter(run_gm, garbage_collect_values=False)
     try:
-        with torch.no_grad():
+        # With autograd recording, as in training: which values require grad (what the profiler makes
+        # grad leaves, what stages differentiate) is then read off the values. Holding that graph
+        # costs about what one training forward of the model holds.
+        with torch.enable_grad():
             got = interp.run(*inputs)
     except Exception as exc:  # e.g. a child that takes more than its predecessor's output
         raise TraceError(f"the {capture} capture of {type(model).__name__} fails on the example inputs: "
@@ -381,7 +384,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
                    fwd_time=fwd, bwd_time=bwd, param_bytes=new_bytes,
                    act_bytes=0 if node.op in ("get_attr", "output") else value_bytes(value),
                    params=[n for n, _ in named], tied=False, kind=_kind(value),
-                   scope=_scope(node), saved_bytes=saved, saves=saves)
+                   scope=_scope(node), saved_bytes=saved, saves=saves,
+                   requires_grad=isinstance(value, torch.Tensor) and value.requires_grad)
     for node in gm.graph.nodes:
         nbytes = 0 if node.op == "get_attr" else g.nodes[node.name]["act_bytes"]
         for user in node.users:
@@ -396,9 +400,11 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
 def _saved_values(interp: fx.Interpreter, node: fx.Node, fn: Any, args: tuple, kwargs: dict,
                   keep: set[int], weights: set[int]) -> tuple[int, list[str]]:
     """What autograd saves of ``node`` for its backward: bytes it creates and saves, and the names of
-    the values (its inputs', its own) it saves."""
+    the values (its inputs', its own) it saves. A view of a parameter (an expert's weight transposed
+    for a grouped matmul) is the parameter's memory, not an activation: it is not named."""
     owner = {t.untyped_storage().data_ptr(): n.name for n in node.all_input_nodes
-             for t in tree_flatten(interp.env.get(n))[0] if isinstance(t, torch.Tensor)}
+             for t in tree_flatten(interp.env.get(n))[0]
+             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in weights}
     internal, positions, saves_output = saved_activations(fn, args, kwargs, keep, weights)
     flat = tree_flatten((args, kwargs))[0]
     names = {owner[key] for key in (flat[i].untyped_storage().data_ptr() for i in positions) if key in owner}

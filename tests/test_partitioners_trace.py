@@ -192,3 +192,32 @@ def test_example_inputs_that_do_not_fit() -> None:
         partitioners.trace(model, "not a tensor", profile=False)
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         partitioners.trace(lambda t: t, torch.randn(2, 4))
+
+
+
+class RoutedExpert(nn.Module):
+    """A router picks each row's expert and counts the picks; the expert's weight is read transposed
+    (a view of the parameter, as grouped-matmul experts read theirs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(4, 2)
+        self.proj = nn.Linear(4, 3)
+        self.expert = nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        counts = torch.histc(choice.float(), bins=2, min=0, max=1)
+        return torch.matmul(self.proj(x), self.expert.t()) * counts[choice].unsqueeze(-1)
+
+
+def test_values_the_model_does_not_differentiate_and_saved_views_of_parameters() -> None:
+    # The capture's run records autograd as training does: the router's logits and what the expert
+    # computes take gradients; the input, the integer choices and their float histogram do not.
+    g = partitioners.trace(RoutedExpert(), torch.randn(4, 4), profile=False).graph
+    wanted = {"x": False, "router": True, "argmax": False, "histc": False, "proj": True, "matmul": True}
+    assert {n: g.nodes[n]["requires_grad"] for n in wanted} == wanted
+    assert g.nodes["histc"]["bwd_time"] == 0 and g.nodes["matmul"]["bwd_time"] > 0
+    # matmul saves both operands for its backward: the projection is an activation, the transposed
+    # parameter is the parameter's memory.
+    assert g.nodes["matmul"]["saves"] == ["proj"]
