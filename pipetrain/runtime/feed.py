@@ -8,26 +8,26 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
 
-from pipetrain.runtime.batching import as_positional, batch_size, split_micro_batches
+from pipetrain.runtime.batching import batch_size, split_micro_batches
 
 
 class Feed:
-    """Mini-batches split into micro-batches, with the loss weight of each micro-batch."""
+    """Mini-batches split into micro-batches, with the loss weight of each micro-batch. Inputs come as
+    the first stage's positional arguments (``ModelIO.arrange``)."""
 
-    def __init__(self, micro_batches: int, input_names: list[str]):
+    def __init__(self, micro_batches: int):
         self.micro_batches = micro_batches
-        self.input_names = input_names
         self._inputs: dict[int, list] = {}
         self._targets: dict[int, list] = {}
         self._sizes: dict[int, list[int]] = {}
         self._grad_scale: dict[int, float] = {}
 
-    def add(self, t: int, x: Any, y: Any = None, grad_scale: float = 1.0) -> None:
+    def add(self, t: int, x: tuple, y: Any = None, grad_scale: float = 1.0) -> None:
         """Register mini-batch ``t``; ``grad_scale`` multiplies its loss in the backward only
         (hybrid mode: this replica's share of the global batch)."""
         self._grad_scale[t] = grad_scale
         xs = split_micro_batches(x, self.micro_batches)
-        self._inputs[t] = [as_positional(v, self.input_names) for v in xs]
+        self._inputs[t] = xs
         self._sizes[t] = [batch_size(v) for v in xs]
         self._targets[t] = split_micro_batches(y, self.micro_batches) if y is not None else [None] * self.micro_batches
 
@@ -66,9 +66,9 @@ class Feed:
 class StreamFeed(Feed):
     """A feed that pulls (x, y) pairs from an iterable on demand."""
 
-    def __init__(self, batches: Iterable, micro_batches: int, input_names: list[str],
+    def __init__(self, batches: Iterable, micro_batches: int,
                  prepare: Callable[[Any, Any], tuple[Any, Any, float]] | None = None):
-        super().__init__(micro_batches, input_names)
+        super().__init__(micro_batches)
         self._source: Iterator = iter(batches)
         self._prepare = prepare or (lambda x, y: (x, y, 1.0))
         self._next = 0
