@@ -19,6 +19,7 @@ from pipetrain.assembly.stages import build_stages, build_steppers
 from pipetrain.comm.engine import Connections, Engine, select_engine
 from pipetrain.options import PipelineOptions
 from pipetrain.runtime.batching import batch_size
+from pipetrain.runtime.loss_checks import check_default_loss
 from pipetrain.runtime.model_io import ModelIO
 from pipetrain.runtime.stage_memory import memory_model
 from pipetrain.runtime.optimizer_step import OptimizerStep
@@ -55,6 +56,7 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
                         data_parallel=options.data_parallel > 1)
     plan = make_plan(model, example_inputs, options, engine, book)
     io = model_io(model, example_inputs, plan)
+    check_default_loss(options.loss_fn, plan.graph.example_output, io.model)
     book.resolve_recompute(plan.recompute)
     topology = Topology(plan, options.stages)
     precision = precision_policy(options.precision)
