@@ -69,7 +69,7 @@ def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> f
     Raises what torch.export raises when it cannot capture the model."""
     dynamic = {k: ({0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() > 0 else None)
                for k, v in call.items()}
-    program = torch.export.export(model, (), call, strict=False, dynamic_shapes=dynamic)
+    program = torch.export.export(model, (), _unaliased(call), strict=False, dynamic_shapes=dynamic)
     out_spec = program.call_spec.out_spec
     gm = program.module()
     graph = gm.graph
@@ -98,6 +98,20 @@ def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> f
     graph._codegen = fx.graph.CodeGen()  # plain positional placeholders, no pytree flattening
     # A plain GraphModule over the same tensors: export's module refuses train()/eval().
     return fx.GraphModule(gm, graph, type(model).__name__)
+
+
+def _unaliased(call: dict[str, Any]) -> dict[str, Any]:
+    """``call`` with each tensor input on its own storage: export reads one placeholder for inputs that
+    alias each other (``{"input_ids": ids, "labels": ids}``), which later mini-batches need not repeat."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in call.items():
+        if isinstance(v, torch.Tensor):
+            key = v.untyped_storage().data_ptr()
+            v = v.clone() if key in seen else v
+            seen.add(key)
+        out[k] = v
+    return out
 
 
 def _move_get_attrs_to_first_use(graph: fx.Graph) -> None:

@@ -192,3 +192,21 @@ def test_example_inputs_that_do_not_fit() -> None:
         partitioners.trace(model, "not a tensor", profile=False)
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         partitioners.trace(lambda t: t, torch.randn(2, 4))
+
+
+def test_export_keeps_example_inputs_that_alias_each_other_apart() -> None:
+    """{"input_ids": ids, "labels": ids}: one tensor given for two inputs must still capture two inputs."""
+    class OwnLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 10)
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.head(self.embed(ids)).flatten(0, 1), labels.flatten())
+
+    torch.manual_seed(0)
+    model, ids = OwnLoss(), torch.randint(0, 10, (2, 3))
+    cg = partitioners.trace(model, {"ids": ids, "labels": ids}, profile=False, capture="export")
+    labels = torch.randint(0, 10, (2, 3))
+    # The same ATen calls on the same inputs as the model's own forward: bit for bit.
+    torch.testing.assert_close(cg.module(ids, labels), model(ids, labels), rtol=0, atol=0)
