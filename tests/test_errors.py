@@ -154,7 +154,8 @@ def _unchanged_by_a_refused_step(pipe, x, y) -> str:
 
 
 @pytest.mark.parametrize("loss_fn,cause", [
-    (lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"), r"loss_fn returned a tensor of shape \(2,\), not a scalar"),
+    (lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
+     r"loss_fn returned a tensor of shape \(2,\), not a scalar"),
     (lambda out, y: nn.functional.cross_entropy(out, y).item(), "loss_fn returned a float, not a tensor"),
 ])
 def test_a_loss_fn_that_is_not_a_scalar_tensor_is_refused_before_any_backward(loss_fn, cause):

@@ -24,7 +24,8 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def wrap_bert(example_keys: tuple[str, ...], engine: str = "local", **options) -> tuple[pipetrain.Pipeline, dict, torch.Tensor]:
+def wrap_bert(example_keys: tuple[str, ...], engine: str = "local",
+              **options) -> tuple[pipetrain.Pipeline, dict, torch.Tensor]:
     """BERT wrapped with the example keys ``example_keys``, and an 8-sample batch with padding (the mask matters)."""
     case = TRANSFORMERS["bert"]
     example = {k: v for k, v in case.batch(2, 0)[0].items() if k in example_keys}
@@ -98,7 +99,8 @@ def test_positional_inputs_bind_to_forward_s_parameters_whatever_the_example_s_o
     assert torch.equal(pipe.predict((x, s)), expected)
     assert torch.equal(pipe.predict({"input": x, "scale": s}), expected)
     message = refused_before_any_compute(pipe, lambda: pipe.predict((x, s, s)))
-    assert "the inputs are 3 positional arguments, but Scaled.forward takes at most 2 by position (input, scale)" in message
+    assert "the inputs are 3 positional arguments, but Scaled.forward takes at most 2 by position (input, scale)" \
+        in message
 
 
 def missing_mask_ranks(rank: int, world: int) -> tuple[str, str, float]:
@@ -164,7 +166,8 @@ def test_outputs_split_by_sample_only_when_every_tensor_has_the_batch_as_dim_0()
 
 
 def test_micro_batch_outputs_with_a_reduced_value_are_not_merged() -> None:
-    parts = [{"loss": torch.tensor(1.0), "logits": torch.ones(2, 3)}, {"loss": torch.tensor(2.0), "logits": torch.ones(1, 3)}]
+    parts = [{"loss": torch.tensor(1.0), "logits": torch.ones(2, 3)},
+             {"loss": torch.tensor(2.0), "logits": torch.ones(1, 3)}]
     with pytest.raises(ValueError, match="0-dim output"):
         merge_micro_batches(parts)
     assert torch.equal(merge_micro_batches([{"logits": torch.ones(2, 3)}, {"logits": torch.zeros(1, 3)}])["logits"],

@@ -44,10 +44,11 @@ class ModelIO:
     def arrange(self, inputs: Any) -> tuple:
         """``inputs`` (a tensor, a tuple in argument order or a dict of keyword arguments) as the first
         stage's positional arguments; an argument that is not one the capture took is an error."""
-        given = inputs if isinstance(inputs, dict) else self._bind(
+        by_position = not isinstance(inputs, dict)
+        given = inputs if not by_position else self._bind(
             tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
         if len(given) != len(self.names) or any(n not in given for n in self.names):
-            self._refuse(given)
+            self._refuse(given, by_position)
         return tuple(given[n] for n in self.names)
 
     def _bind(self, values: tuple) -> dict[str, Any]:
@@ -58,7 +59,9 @@ class ModelIO:
                 f"the pipeline was wrapped with: {self._wrapped()}")
         return dict(zip(self.positional, values))
 
-    def _refuse(self, given: dict[str, Any]) -> None:
+    def _refuse(self, given: dict[str, Any], by_position: bool) -> None:
+        bound = f" (inputs given by position bind to forward's parameters in order: {', '.join(given)})" \
+            if by_position else ""
         unknown = [k for k in given if k not in self.parameters and k not in self.names]
         if unknown:
             extra = (" (it also takes **kwargs, but the pipeline passes only the inputs the example gave)"
@@ -72,11 +75,11 @@ class ModelIO:
             raise ValueError(
                 f"the inputs give {_listed(uncaptured)}, which {self.model}.forward takes but the example_inputs "
                 f"given to wrap() did not: the pipeline was captured without it and would run as if it were "
-                f"not passed; fix: wrap with example_inputs that include {_listed(uncaptured)} (wrapped with "
-                f"{self._wrapped()})")
+                f"not passed{bound}; fix: wrap with example_inputs that include {_listed(uncaptured)}, or pass "
+                f"the inputs the pipeline was wrapped with: {self._wrapped()}")
         missing = [n for n in self.names if n not in given]
         raise ValueError(f"the inputs lack {_listed(missing)}, which the pipeline was wrapped with; they give "
-                         f"{', '.join(map(str, given)) or 'nothing'}; fix: pass {self._wrapped()}")
+                         f"{', '.join(map(str, given)) or 'nothing'}{bound}; fix: pass {self._wrapped()}")
 
     def _wrapped(self) -> str:
         return "{" + ", ".join(f"'{n}': ..." for n in self.names) + "}"
