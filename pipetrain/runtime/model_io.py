@@ -25,7 +25,7 @@ class ModelIO:
     model: str                     # the model's class name, for messages
     names: tuple[str, ...]         # forward() arguments the first stage takes, in its order
     parameters: tuple[str, ...]    # forward()'s named parameters
-    positional: tuple[str, ...]    # the names a tuple of inputs binds to, in order
+    positional: tuple[str, ...]    # the parameters a tuple of inputs binds to, in order
     var_keyword: bool              # forward() also takes **kwargs
     splits_by_sample: bool         # every output tensor is per sample (dim 0 is the batch)
 
@@ -35,9 +35,7 @@ class ModelIO:
         samples that gave ``example_output``."""
         params = inspect.signature(forward).parameters.values()
         named = tuple(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-        # forward(*args): positions have no names to bind to, so a tuple keeps the capture's order.
-        by_position = any(p.kind is p.VAR_POSITIONAL for p in params)
-        positional = tuple(names) if by_position else tuple(p.name for p in params if p.kind in _POSITIONAL)
+        positional = tuple(p.name for p in params if p.kind in _POSITIONAL)
         return cls(model, tuple(names), named, positional, any(p.kind is p.VAR_KEYWORD for p in params),
                    splits_by_sample(example_output, samples))
 
