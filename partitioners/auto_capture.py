@@ -8,6 +8,7 @@ from torch import nn
 from .errors import TraceError
 from .graph import CostGraph
 from .trace import trace
+from .training_switches import training_switches
 
 CAPTURES = ("fx", "export", "chain")
 
@@ -31,6 +32,13 @@ def trace_for_training(model: nn.Module, example_inputs: Any, profile: bool) -> 
             m.training = training
     children = [name for name, _ in model.named_children()]
     why = "\n".join(f"  {capture}: {str(error).strip()}".replace("\n", "\n    ") for capture, error in errors)
+    switches = training_switches(model)
+    if switches:
+        configs = [s.split(" = ")[0] for s in switches if s.startswith("config.")]
+        example = f" (e.g. model.{configs[0]} = 0.0)" if configs else ""
+        why += (f"\n  on in this model: code under self.training that draws its randomness in Python (random "
+                f"layer drop, masking), which no capture follows: {', '.join(switches)}; fix: set "
+                f"{'it' if len(switches) == 1 else 'each'} to 0 for pipeline training{example}")
     raise TraceError(
         f"pipetrain cannot capture {type(model).__name__}:\n{why}\n  fix: make the failing code capturable (no "
         f"Python control flow on tensor values: torch.where), or build the model so that its top-level children "

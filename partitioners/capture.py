@@ -77,7 +77,7 @@ def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> f
     dynamic = {k: ({d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) and v.dim() > 0
                    else None) for k, v in call.items()}
     with _symbolic_len():
-        program = torch.export.export(model, (), call, strict=False, dynamic_shapes=dynamic)
+        program = torch.export.export(model, (), _unaliased(call), strict=False, dynamic_shapes=dynamic)
     limits = input_sizes.from_export(program)
     out_spec = program.call_spec.out_spec
     gm = program.module()
@@ -130,6 +130,20 @@ def _symbolic_len() -> Iterator[None]:
         yield
     finally:
         builtins.len = original
+
+
+def _unaliased(call: dict[str, Any]) -> dict[str, Any]:
+    """``call`` with each tensor input on its own storage: export reads one placeholder for inputs that
+    alias each other (``{"input_ids": ids, "labels": ids}``), which later mini-batches need not repeat."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in call.items():
+        if isinstance(v, torch.Tensor):
+            key = v.untyped_storage().data_ptr()
+            v = v.clone() if key in seen else v
+            seen.add(key)
+        out[k] = v
+    return out
 
 
 def _move_get_attrs_to_first_use(graph: fx.Graph) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import networkx as nx
 import torch.fx as fx
@@ -23,7 +24,8 @@ class CostGraph:
     ("tensor", "container" holding tensors, or "other"), scope (innermost module path),
     requires_grad (the value is a tensor autograd differentiates when the model trains: not integer
     indices, nor floating values computed from the inputs alone, such as rotary tables or counts).
-    Edge attribute: bytes (of the value the edge moves).
+    Edge attribute: bytes (of the value the edge moves). ``example_output`` is the model's output on
+    the example inputs in its own structure, its tensors on the meta device (shapes and dtypes, no data).
     """
 
     graph: nx.DiGraph
@@ -31,6 +33,7 @@ class CostGraph:
     model: nn.Module
     auto_leaves: list[str] = field(default_factory=list)
     tied_params: dict[str, list[str]] = field(default_factory=dict)
+    example_output: Any = None
 
     @property
     def order(self) -> list[str]:

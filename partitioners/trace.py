@@ -318,7 +318,10 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict[str, Any], dev: torch.dev
                          "in order does not reproduce its output; fix: pass split points or make "
                          "forward() traceable")
     _check_eval_mode(runner, run_gm, dev_args, dev_kwargs, inputs, capture, training)
-    return _build(model, gm, run_gm, interp, dev, profile, repeats, auto)
+    graph = _build(model, gm, run_gm, interp, dev, profile, repeats, auto)
+    graph.example_output = torch.utils._pytree.tree_map(
+        lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, expected)
+    return graph
 
 
 def _check_eval_mode(runner: nn.Module, run_gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any],

@@ -128,6 +128,16 @@ class PipelineOptions:
             raise ValueError(f"interleaved-1f1b needs chunks >= 2 virtual stages per device, got {self.chunks}")
         if self.loss_fn is None:
             raise ValueError("loss_fn is required: a callable (output, target) -> scalar loss")
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            name = type(self.optimizer).__name__
+            raise TypeError(
+                f"optimizer is a {name} instance, but pipetrain builds one optimizer per stage over that stage's "
+                f"parameters, so it needs a factory: params -> optimizer; fix: optimizer=lambda params: "
+                f"torch.optim.{name}(params, lr=...) with the arguments you gave the instance")
+        if not callable(self.optimizer):
+            raise TypeError(f"optimizer must be a factory: params -> torch.optim.Optimizer, got "
+                            f"{type(self.optimizer).__name__}; fix: optimizer=lambda params: "
+                            "torch.optim.SGD(params, lr=0.05, momentum=0.9)")
 
     @property
     def chunks_per_device(self) -> int:

@@ -70,7 +70,11 @@ class Pipeline:
             yield self._runner.step(x, y)
 
     def predict(self, x: Any) -> Any:
-        """Forward only in eval mode; the full output on every rank, on the device of ``x``."""
+        """Forward only in eval mode: what the unsplit model returns for the whole batch ``x``, on every rank,
+        on the device of ``x``. Micro-batches are pipelined and their outputs concatenated when every output
+        tensor is per sample; an output holding a value reduced over the batch (the loss of a model given
+        ``labels``: a token mean with ignored labels is no weighted mean of micro-batch losses) is computed
+        on the whole batch in one pass, which gives exactly the unsplit value."""
         return self._runner.predict(x)
 
     def request_stop(self) -> None:

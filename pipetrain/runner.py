@@ -34,8 +34,9 @@ class Runner:
         self.last_result: StepResult | None = None
         self.in_stream = False
         self.stop_requested = False
-        self._input_names = list(parts.plan.stage_inputs(0))  # what the feed turns keyword inputs into, in order
-        self._input_limits = parts.plan.graph.input_limits  # sizes the capture runs with, checked per micro-batch
+        # Sizes the capture runs with, per input position of the first stage, checked per micro-batch.
+        limits = parts.plan.graph.input_limits
+        self._input_limits = {i: (n, limits[n]) for i, n in enumerate(parts.io.names) if n in limits}
         self._log = TensorBoardLog(o.logdir) if o.logdir and parts.engine.is_rank_zero else None
 
     def step(self, x: Any, y: Any) -> StepResult:
@@ -44,8 +45,8 @@ class Runner:
         micro-batches and counters are as before it. Ctrl-C once a stage applied its update lets the step
         finish everywhere, then raises."""
         p = self.parts
-        feed = Feed(p.options.micro_batches, self._input_names, self._input_limits)
-        feed.add(0, *p.engine.shard(x, y))
+        feed = Feed(p.options.micro_batches, self._input_limits)
+        feed.add(0, *p.engine.shard(p.io.arrange(x), y))
         start = time.perf_counter()
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
         self._start(stream=False)
@@ -96,8 +97,8 @@ class Runner:
 
     def _run_stream(self, batches: Iterable) -> Iterator[StepResult]:
         p = self.parts
-        feed = StreamFeed(batches, p.options.micro_batches, self._input_names, prepare=p.engine.shard,
-                          limits=self._input_limits)
+        feed = StreamFeed(batches, p.options.micro_batches, limits=self._input_limits,
+                          prepare=lambda x, y: p.engine.shard(p.io.arrange(x), y))  # checked before it enters
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
         runs = {d: ex.run(p.schedules.stream(d, feed.has)) for d, ex in executors.items()}
         self._start(stream=True)
@@ -126,11 +127,14 @@ class Runner:
 
     @torch.no_grad()
     def predict(self, x: Any) -> Any:
-        """Forward only in eval mode; the full output on every rank, on the device of ``x``."""
+        """Forward only in eval mode; the full output on every rank, on the device of ``x``. The batch is
+        pipelined in micro-batches whose outputs are concatenated when every output tensor is per sample;
+        an output holding a value reduced over the batch (a loss) is computed on the whole batch at once."""
         p = self.parts
-        m = min(p.options.micro_batches, batch_size(x))
-        feed = Feed(m, self._input_names, self._input_limits)
-        feed.add(0, x)
+        args = p.io.arrange(x)
+        m = min(p.options.micro_batches, batch_size(args)) if p.io.splits_by_sample else 1
+        feed = Feed(m, self._input_limits)
+        feed.add(0, args)
         actions = p.schedules.forward_only(m)
         for rt in p.stages.values():
             rt.module.eval()

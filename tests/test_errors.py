@@ -1,4 +1,6 @@
 """Bad input gets one clear error that names the cause and the fix; nothing is changed silently."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -133,3 +135,52 @@ def wrong_world(rank, world):
 def test_world_size_must_equal_stages_times_data_parallel(tmp_path):
     messages = run_world(2, "test_errors", "wrong_world", tmp_path)
     assert all("2 processes but stages x data_parallel = 3 x 1" in m for m in messages)
+
+
+def test_an_optimizer_instance_is_refused_at_wrap_naming_the_factory_to_give():
+    model = make("mlp")
+    with pytest.raises(TypeError, match=r"optimizer is a SGD instance.*fix: optimizer=lambda params: torch.optim.SGD"):
+        wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _unchanged_by_a_refused_step(pipe, x, y) -> str:
+    """The error of ``pipe.step(x, y)``, checked to leave the parameters and the update count as they were."""
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    with pytest.raises((TypeError, ValueError)) as info:
+        pipe.step(x, y)
+    assert pipe.updates == 0
+    assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items())
+    return str(info.value)
+
+
+@pytest.mark.parametrize("loss_fn,cause", [
+    (lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
+     r"loss_fn returned a tensor of shape \(2,\), not a scalar"),
+    (lambda out, y: nn.functional.cross_entropy(out, y).item(), "loss_fn returned a float, not a tensor"),
+])
+def test_a_loss_fn_that_is_not_a_scalar_tensor_is_refused_before_any_backward(loss_fn, cause):
+    pipe = wrap(loss_fn=loss_fn)
+    message = _unchanged_by_a_refused_step(pipe, *data("mlp", 4))
+    assert re.search(cause, message) and "fix: " in message
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h), h
+
+
+def test_the_default_loss_on_a_model_returning_a_tuple_is_refused_at_wrap():
+    with pytest.raises(TypeError, match=r"loss_fn is cross_entropy\(output, target\) \(the default\), but "
+                                        r"TwoOutputs returns a tuple.*fix: .*out\[0\]"):
+        wrap(TwoOutputs())
+
+
+def test_a_loss_fn_given_the_tuple_it_does_not_expect_names_the_output_structure():
+    pipe = wrap(TwoOutputs(), loss_fn=lambda out, y: nn.functional.cross_entropy(out, y))
+    message = _unchanged_by_a_refused_step(pipe, *data("mlp", 4))
+    assert "the model's output in the model's own structure, here a tuple" in message and "out[0]" in message

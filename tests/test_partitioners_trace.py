@@ -10,6 +10,7 @@ import torchvision
 
 import partitioners
 from partitioners import TraceError
+from partitioners.training_switches import training_switches
 from _partitioner_models import TiedLM, TransformerLM, run_pipeline
 
 
@@ -194,7 +195,6 @@ def test_example_inputs_that_do_not_fit() -> None:
         partitioners.trace(lambda t: t, torch.randn(2, 4))
 
 
-
 class RoutedExpert(nn.Module):
     """A router picks each row's expert and counts the picks; the expert's weight is read transposed
     (a view of the parameter, as grouped-matmul experts read theirs)."""
@@ -221,3 +221,47 @@ def test_values_the_model_does_not_differentiate_and_saved_views_of_parameters()
     # matmul saves both operands for its backward: the projection is an activation, the transposed
     # parameter is the parameter's memory.
     assert g.nodes["matmul"]["saves"] == ["proj"]
+
+
+def test_export_keeps_example_inputs_that_alias_each_other_apart() -> None:
+    """{"input_ids": ids, "labels": ids}: one tensor given for two inputs must still capture two inputs."""
+    class OwnLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 10)
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.head(self.embed(ids)).flatten(0, 1), labels.flatten())
+
+    torch.manual_seed(0)
+    model, ids = OwnLoss(), torch.randint(0, 10, (2, 3))
+    cg = partitioners.trace(model, {"ids": ids, "labels": ids}, profile=False, capture="export")
+    labels = torch.randint(0, 10, (2, 3))
+    # The same ATen calls on the same inputs as the model's own forward: bit for bit.
+    torch.testing.assert_close(cg.module(ids, labels), model(ids, labels), rtol=0, atol=0)
+
+
+def test_training_switches_are_the_positive_values_a_branch_on_self_training_reads() -> None:
+    class Config:
+        layerdrop, hidden_dropout, use_cache = 0.2, 0.1, True
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config, self.drop_prob, self.off = Config(), 0.3, 0.0
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training and torch.rand([]) < self.config.layerdrop:
+                return x
+            if self.training:
+                if torch.rand([]) < self.drop_prob or torch.rand([]) < self.off:
+                    return x
+            if self.config.use_cache and self.training:  # a flag, not a rate: not randomness
+                x = x + 0
+            # follows train()/eval() in every capture: not a switch
+            return nn.functional.dropout(self.lin(x), p=self.config.hidden_dropout, training=self.training)
+
+    model = nn.Sequential(Block())
+    assert training_switches(model) == [
+        "config.layerdrop = 0.2 (Block.forward)", "0.drop_prob = 0.3 (Block.forward)"]

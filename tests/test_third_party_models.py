@@ -216,3 +216,26 @@ def test_async_spectrain_under_gloo_trains_like_the_local_engine(tmp_path, one_t
         merged.update(state)
     assert_same_state(merged, expected, exact=True)
     build("gpt2", seed=1).load_state_dict(merged, strict=True)
+
+
+def test_a_capture_refused_for_training_only_randomness_names_the_config_values_to_turn_off() -> None:
+    # Wav2Vec2's fine-tuning defaults: LayerDrop (a torch.rand draw in a Python branch) and SpecAugment
+    # masking (numpy draws baked into any capture) under self.training.
+    config = hf.Wav2Vec2Config(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                               num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2)
+    assert config.layerdrop > 0 and config.mask_time_prob > 0
+    torch.manual_seed(0)
+    model, x = hf.Wav2Vec2ForCTC(config), {"input_values": torch.randn(2, 800)}
+    options = dict(stages=2, micro_batches=MICRO, profile=False, engine="local", loss_fn=lambda out, y: out.logits.sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(partitioners.TraceError) as info:
+            pipetrain.wrap(model, x, **options)
+    message = str(info.value)
+    assert "config.layerdrop = 0.1 (Wav2Vec2Encoder.forward)" in message
+    assert "config.mask_time_prob = 0.05 (Wav2Vec2Model._mask_hidden_states)" in message
+    assert "fix: set each to 0 for pipeline training" in message
+    model.config.layerdrop = model.config.mask_time_prob = 0.0  # the fix the message names
+    pipe = pipetrain.wrap(model, x, **options)
+    torch.testing.assert_close(pipe.predict(x).logits, model.eval()(**x).logits, rtol=1e-5, atol=1e-6)

@@ -18,6 +18,9 @@ from pipetrain.assembly.schedule_book import ScheduleBook
 from pipetrain.assembly.stages import build_stages, build_steppers
 from pipetrain.comm.engine import Connections, Engine, select_engine
 from pipetrain.options import PipelineOptions
+from pipetrain.runtime.batching import batch_size
+from pipetrain.runtime.loss_checks import check_default_loss
+from pipetrain.runtime.model_io import ModelIO
 from pipetrain.runtime.stage_memory import memory_model
 from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import PrecisionPolicy, precision_policy
@@ -38,6 +41,7 @@ class Parts:
     stages: dict[int, StageRuntime]      # the virtual stages this process runs, by index
     links: Connections
     steppers: dict[int, OptimizerStep]   # per pipeline position this process runs
+    io: ModelIO                          # what the model takes and returns, as captured
 
     def stages_at(self, position: int) -> dict[int, StageRuntime]:
         """Position ``position``'s stages by chunk (their index within the position)."""
@@ -51,13 +55,24 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     book = ScheduleBook(options.schedule, options.stages, options.micro_batches, options.chunks_per_device,
                         data_parallel=options.data_parallel > 1)
     plan = make_plan(model, example_inputs, options, engine, book)
+    io = model_io(model, example_inputs, plan)
+    check_default_loss(options.loss_fn, plan.graph.example_output, io.model)
     book.resolve_recompute(plan.recompute)
     topology = Topology(plan, options.stages)
     precision = precision_policy(options.precision)
     stages = build_stages(plan, topology, engine, options, precision.autocast_dtype)
     links = engine.connect(topology, stages, plan.tied_groups())
     steppers = build_steppers(stages, topology, links, options)
-    return Parts(options, engine, plan, topology, book, precision, stages, links, steppers)
+    return Parts(options, engine, plan, topology, book, precision, stages, links, steppers, io)
+
+
+def model_io(model: nn.Module, example_inputs: Any, plan: partitioners.Plan) -> ModelIO:
+    """The model's inputs as its captured graph takes them (by forward()'s parameter names: fx renames a
+    placeholder that shadows a builtin, ``input`` -> ``input_1``) and its output on the example."""
+    parameter = {n.name: str(n.target) for n in plan.graph.module.graph.nodes if n.op == "placeholder"}
+    names = [parameter[n] for n in plan.stage_inputs(0)]
+    return ModelIO.of(type(model).__name__, model.forward, names, plan.graph.example_output,
+                      batch_size(example_inputs))
 
 
 def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, engine: Engine,

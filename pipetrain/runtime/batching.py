@@ -44,25 +44,21 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
 
 
 def merge_micro_batches(outputs: list[Any]) -> Any:
-    """Concatenate per-micro-batch outputs along dim 0 (tensor leaves only)."""
+    """Concatenate per-micro-batch outputs along dim 0 (tensor leaves; other leaves are the first one's).
+    A 0-dim tensor (a value reduced over its micro-batch) has no whole-batch value to merge into: it is
+    an error (predict runs such a model's batch as one micro-batch, ``ModelIO.splits_by_sample``)."""
+    if len(outputs) == 1:
+        return outputs[0]
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     merged = []
     for i, first in enumerate(flat[0][0]):
-        if isinstance(first, torch.Tensor) and first.dim() > 0:
-            merged.append(torch.cat([f[0][i] for f in flat], dim=0))
-        else:
+        if not isinstance(first, torch.Tensor):
             merged.append(first)
+        elif first.dim() == 0:
+            raise ValueError("a 0-dim output of one micro-batch cannot be merged into the whole batch's value; "
+                             "run the batch as one micro-batch")
+        else:
+            merged.append(torch.cat([f[0][i] for f in flat], dim=0))
     return pytree.tree_unflatten(merged, spec)
 
-
-def as_positional(inputs: Any, names: list[str]) -> tuple:
-    """Model inputs as the positional arguments of stage 0 (a dict is matched by name)."""
-    if isinstance(inputs, dict):
-        missing = [n for n in names if n not in inputs]
-        if missing:
-            raise ValueError(f"the input dict lacks the model inputs {missing}; it has {sorted(inputs)}")
-        return tuple(inputs[n] for n in names)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs)
-    return (inputs,)

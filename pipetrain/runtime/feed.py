@@ -12,19 +12,18 @@ import torch
 from torch.utils import _pytree as pytree
 
 from partitioners import input_sizes
-from pipetrain.runtime.batching import as_positional, batch_size, split_micro_batches
+from pipetrain.runtime.batching import batch_size, split_micro_batches
 
 
 class Feed:
-    """Mini-batches split into micro-batches, with the loss weight of each micro-batch.
+    """Mini-batches split into micro-batches, with the loss weight of each micro-batch. Inputs come as
+    the first stage's positional arguments (``ModelIO.arrange``).
 
-    ``limits``: the input sizes the capture runs with (partitioners.input_sizes), checked for every
-    micro-batch as it is added, before anything runs."""
+    ``limits``: per input position, its name and the sizes the capture runs with
+    (partitioners.input_sizes), checked for every micro-batch as it is added, before anything runs."""
 
-    def __init__(self, micro_batches: int, input_names: list[str],
-                 limits: dict[str, dict[int, input_sizes.SizeLimit]] | None = None):
+    def __init__(self, micro_batches: int, limits: dict[int, tuple[str, dict[int, input_sizes.SizeLimit]]] | None = None):
         self.micro_batches = micro_batches
-        self.input_names = input_names
         self.limits = limits or {}
         self._inputs: dict[int, list] = {}
         self._shapes: dict[int, list[tuple]] = {}
@@ -32,18 +31,16 @@ class Feed:
         self._sizes: dict[int, list[int]] = {}
         self._grad_scale: dict[int, float] = {}
 
-    def add(self, t: int, x: Any, y: Any = None, grad_scale: float = 1.0) -> None:
+    def add(self, t: int, x: tuple, y: Any = None, grad_scale: float = 1.0) -> None:
         """Register mini-batch ``t``; ``grad_scale`` multiplies its loss in the backward only
         (hybrid mode: this replica's share of the global batch)."""
         self._grad_scale[t] = grad_scale
         xs = split_micro_batches(x, self.micro_batches)
-        inputs = [as_positional(v, self.input_names) for v in xs]
-        for values in inputs:
-            for name, value in zip(self.input_names, values):
-                if name in self.limits:
-                    input_sizes.check(name, value, self.limits[name])
-        self._inputs[t] = inputs
-        self._shapes[t] = [_shapes(v) for v in inputs]
+        for values in xs:
+            for i, (name, limits) in self.limits.items():
+                input_sizes.check(name, values[i], limits)
+        self._inputs[t] = xs
+        self._shapes[t] = [_shapes(v) for v in xs]
         self._sizes[t] = [batch_size(v) for v in xs]
         self._targets[t] = split_micro_batches(y, self.micro_batches) if y is not None else [None] * self.micro_batches
 
@@ -92,10 +89,10 @@ def _shapes(inputs: tuple) -> tuple[Hashable, ...]:
 class StreamFeed(Feed):
     """A feed that pulls (x, y) pairs from an iterable on demand."""
 
-    def __init__(self, batches: Iterable, micro_batches: int, input_names: list[str],
+    def __init__(self, batches: Iterable, micro_batches: int,
                  prepare: Callable[[Any, Any], tuple[Any, Any, float]] | None = None,
-                 limits: dict[str, dict[int, input_sizes.SizeLimit]] | None = None):
-        super().__init__(micro_batches, input_names, limits)
+                 limits: dict[int, tuple[str, dict[int, input_sizes.SizeLimit]]] | None = None):
+        super().__init__(micro_batches, limits)
         self._source: Iterator = iter(batches)
         self._prepare = prepare or (lambda x, y: (x, y, 1.0))
         self._next = 0

@@ -11,6 +11,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
+from pipetrain.runtime.loss_checks import compute_loss
 from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.metrics import StageReport
 from pipetrain.runtime.staleness import StalenessPolicy
@@ -170,7 +171,7 @@ class StageRuntime:
             else:
                 out = functional_call(self.module, weights, tuple(args))
             if self.is_last and with_loss:  # target None: the model computes its own loss (model_loss)
-                loss = self.loss_fn(out, target)
+                loss = compute_loss(self.loss_fn, out, target)
         return out, loss
 
     def _replay(self, micro_batch: int, saved: InFlight) -> InFlight:
