@@ -7,7 +7,8 @@ is passed to pipetrain.wrap as it is: torch.export captures it (its forward take
 cannot), with the batch and sequence dimensions dynamic, so every batch length runs on the same stages.
 
     python examples/huggingface.py --model gpt2 --stages 2
-    python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness spectrain
+    python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness stash
+    python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness spectrain --precision fp32
     torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ CASES = {
                     "--micro-batches", "2", "--lr", "0.05"],
     "lstm": ["--width", "8", "--depth", "2", "--schedule", "gpipe", "--micro-batches", "2", "--lr", "0.2"],
     "huggingface": ["--model", "gpt2", "--width", "16", "--depth", "1", "--schedule", "async-1f1b", "--staleness",
-                    "spectrain", "--micro-batches", "2", "--lr", "0.1"],
+                    "stash", "--micro-batches", "2", "--lr", "0.1"],  # bf16 (the script's default) with padding
 }
 COMMON = ["--stages", "2", "--train-samples", "192", "--val-samples", "48", "--batch-size", "16", "--epochs", "2",
           "--partitioner", "params", "--no-progress"]
