@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from pipetrain.assembly import Parts
+from pipetrain.assembly import Parts, reconnect
 from pipetrain.runtime import host_sync
 from pipetrain.runtime.batching import batch_size, merge_micro_batches
 from pipetrain.runtime.devices import caller_device, to_device
@@ -38,12 +38,14 @@ class Runner:
         limits = parts.plan.graph.input_limits
         self._input_limits = {i: (n, limits[n]) for i, n in enumerate(parts.io.names) if n in limits}
         self._log = TensorBoardLog(o.logdir) if o.logdir and parts.engine.is_rank_zero else None
+        self._reconnect = False  # a step raised under torchrun: the next one starts on new process groups
 
     def step(self, x: Any, y: Any) -> StepResult:
         """One mini-batch of a synchronous schedule. A step that raises before any stage applied its update
         (bad data, a failing loss, a non-finite value, Ctrl-C) leaves no trace: gradients, buffers, in-flight
         micro-batches and counters are as before it. Ctrl-C once a stage applied its update lets the step
         finish everywhere, then raises."""
+        self._connected()
         p = self.parts
         feed = Feed(p.options.micro_batches, self._input_limits)
         feed.add(0, *p.engine.shard(p.io.arrange(x), y))
@@ -61,6 +63,11 @@ class Runner:
             report, pending = self._report(feed, executors, 0, time.perf_counter() - start)
             return self._finish(report if pending is None else p.links.reporter.collect(*pending))
 
+    def _connected(self) -> None:
+        if self._reconnect:
+            reconnect(self.parts)
+            self._reconnect = False
+
     def _committed(self) -> bool:
         return any(stepper.applied for stepper in self.parts.steppers.values())
 
@@ -77,6 +84,7 @@ class Runner:
                     rt.end_step()  # the buffers belong to the update that was applied
                 rt.abandon()
             self.parts.links.abandon()
+            self._reconnect = self.parts.engine.distributed and not isinstance(error, GeneratorExit)
             explained = self.parts.engine.explain_failure(error)
             if explained is error:
                 raise
@@ -96,6 +104,7 @@ class Runner:
                 rt.policy.end_stream()
 
     def _run_stream(self, batches: Iterable) -> Iterator[StepResult]:
+        self._connected()
         p = self.parts
         feed = StreamFeed(batches, p.options.micro_batches, limits=self._input_limits,
                           prepare=lambda x, y: p.engine.shard(p.io.arrange(x), y))  # checked before it enters
@@ -130,6 +139,7 @@ class Runner:
         """Forward only in eval mode; the full output on every rank, on the device of ``x``. The batch is
         pipelined in micro-batches whose outputs are concatenated when every output tensor is per sample;
         an output holding a value reduced over the batch (a loss) is computed on the whole batch at once."""
+        self._connected()
         p = self.parts
         args = p.io.arrange(x)
         m = min(p.options.micro_batches, batch_size(args)) if p.io.splits_by_sample else 1

@@ -78,12 +78,20 @@ def _rank(rank, port, out, mode, world, victim):
             fail.calls += 1
         fail.calls = 0
         pipe.held_stages[VICTIM].module.register_forward_pre_hook(fail)
-    if mode == "bad-label":  # every rank steps on a label out of range: the last stage's loss raises
-        y = y.clone()
-        y[-1] = 99
+    if mode in ("bad-label", "go-on"):  # every rank steps on a label out of range: the last stage's loss raises
+        bad = y.clone()
+        bad[-1] = 99
         Path(out, "t0").write_text(str(time.time()))
+    if mode == "go-on":  # every rank raises, catches it and trains on: the next step equals never seeing it
+        try:
+            pipe.step(x, bad)
+        except Exception as error:  # noqa: BLE001
+            Path(out, f"error{rank}").write_text(f"{type(error).__name__}: {error}")
+        pipe.step(*data("mlp", 8, seed=2))
+        torch.save(pipe.state_dict(), Path(out, f"state{rank}.pt"))
+        os._exit(0)
     try:
-        pipe.step(x, y)
+        pipe.step(x, bad if mode == "bad-label" else y)
         Path(out, f"rank{rank}").write_text("finished")
     except Exception as error:  # noqa: BLE001  (the test reads what each rank reported)
         Path(out, f"rank{rank}").write_text(f"{time.time()}\n{type(error).__name__}: {error}")
@@ -166,3 +174,20 @@ def test_a_step_that_raises_on_one_rank_is_named_by_the_others(tmp_path):
     stamp, message = (tmp_path / "rank0").read_text().split("\n", 1)
     assert message.startswith("PeerFailure") and "rank 1 raised IndexError" in message, message
     assert float(stamp) - float((tmp_path / "t0").read_text()) < 3 * TIMEOUT
+
+
+def test_every_rank_carries_on_after_a_step_that_raised_as_if_it_never_ran(tmp_path):
+    # Both ranks raise in the failed step (rank 1 its IndexError, rank 0 a PeerFailure after the timeout), catch
+    # it and step again: on new process groups, from gradients and buffers as before the failed step, so the
+    # parameters equal, bit for bit, the local engine trained on the good batches only.
+    assert _run(tmp_path, "go-on", victim=1, world=2) == [0, 0]
+    assert (tmp_path / "error1").read_text().startswith("IndexError")
+    assert "rank 1 raised IndexError" in (tmp_path / "error0").read_text()
+    reference = pipetrain.wrap(make("mlp"), data("mlp", 8)[0][:2], stages=2, micro_batches=4, optimizer=sgd,
+                               partitioner="uniform", profile=False, engine="local")
+    for seed in (1, 2):
+        reference.step(*data("mlp", 8, seed=seed))
+    got = {**torch.load(tmp_path / "state0.pt"), **torch.load(tmp_path / "state1.pt")}
+    expected = reference.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -66,6 +66,14 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     return Parts(options, engine, plan, topology, book, precision, stages, links, steppers, io)
 
 
+def reconnect(parts: Parts) -> None:
+    """After a step that raised under torchrun: new process groups and connections (every rank calls this at
+    its next step); the stages, their optimizers and loss scalers stay as they are."""
+    parts.links = parts.engine.reconnect(parts.topology, parts.stages, parts.plan.tied_groups())
+    for stepper in parts.steppers.values():
+        stepper.connect(parts.links.tied, parts.links.agreement)
+
+
 def model_io(model: nn.Module, example_inputs: Any, plan: partitioners.Plan) -> ModelIO:
     """The model's inputs as its captured graph takes them (by forward()'s parameter names: fx renames a
     placeholder that shadows a builtin, ``input`` -> ``input_1``) and its output on the example."""

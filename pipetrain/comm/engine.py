@@ -125,13 +125,28 @@ class DistributedEngine:
 
     def __init__(self, options: EngineOptions):
         ensure_process_group(options.timeout)
-        with peers_answer(SETTING_UP):
-            self.world = World(options.stages, options.data_parallel, options.allreduce, options.hierarchy,
-                               options.timeout)
+        self.options = options
+        self.world = self._new_world()
         self.data_parallel = options.data_parallel
         self.dynamic_shapes, self.timeout = options.dynamic_shapes, options.timeout
         self.reduction = ReductionSettings.of(options) if options.data_parallel > 1 else None
         self.failures = FailureBoard(self.world.rank)
+
+    def _new_world(self) -> World:
+        o = self.options
+        with peers_answer(SETTING_UP):
+            return World(o.stages, o.data_parallel, o.allreduce, o.hierarchy, o.timeout)
+
+    def reconnect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
+        """Fresh process groups and connections after a step that raised on some rank: the old groups may hold
+        sends and receives that will never be matched, and a gloo wait that timed out closed its connection.
+        Every rank calls it at its next step (each raised in the failed one), so the groups pair up; ranks reach
+        it up to ``timeout`` apart (the rank that raised at once, its peers when their wait gave up), so they
+        meet first on the default group, which pipetrain never sends on and whose own timeout is the user's."""
+        with peers_answer("the new process groups after a failed step (every rank steps again after it)"):
+            dist.barrier()
+        self.world = self._new_world()
+        return self.connect(topology, stages, tied)
 
     @property
     def is_rank_zero(self) -> bool:

@@ -291,6 +291,12 @@ class DistributedTransport:
         self.pending_sends.clear()
         self.sent_meta.clear()  # a predict's activations get no gradient
 
+    def abandon(self) -> None:
+        """A step raised: drop the messages between this rank's own stages. Sends and receives posted to
+        other ranks stay: a peer may still take what was sent (an async stream's ranks raise one after the
+        other), and a send dropped unfinished would never reach it."""
+        self.local.abandon()
+
 
 class AgreedShapes:
     """Boundary metadata agreed per link and shape key: the ``kept`` most recently used keys of each link.
@@ -317,13 +323,6 @@ class AgreedShapes:
         known[key] = meta
         if len(known) > self.kept:
             known.popitem(last=False)
-
-
-    def abandon(self) -> None:
-        """A step raised: drop the messages between this rank's own stages. Sends and receives posted to
-        other ranks stay: a peer may still take what was sent (an async stream's ranks raise one after the
-        other), and a send dropped unfinished would never reach it."""
-        self.local.abandon()
 
 
 class _Posted:

@@ -155,6 +155,10 @@ class OptimizerStep:
                 "the update was not applied on any stage",
                 "stages whose gradients were finite applied it (an async stream learns of it one step later)"))
 
+    def connect(self, tied: TiedSync, agreement: OverflowAgreement) -> None:
+        """Use new connections to the other devices (the engine reconnected after a failed step)."""
+        self.tied, self.agreement = tied, agreement
+
     def start(self, first_update: int, stream: bool) -> None:
         """Called before each step() (stream=False) or train() stream: the update number of its
         mini-batch 0, for messages."""
