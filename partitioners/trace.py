@@ -7,6 +7,7 @@ every capture is checked to reproduce the model's eval-mode output.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -227,7 +228,7 @@ CAPTURES = ("fx", "export", "chain")
 
 def trace(model: nn.Module, example_inputs: Any, *, device: str | torch.device = "cpu",
           profile: bool = True, repeats: int = 5, leaves: Iterable[str] = (),
-          chain: bool = False, capture: str = "fx") -> CostGraph:
+          chain: bool = False, capture: str = "fx", autocast: torch.dtype | None = None) -> CostGraph:
     """Capture `model` as an fx graph and attach costs to every node.
 
     example_inputs: one micro-batch as forward() takes it: a tensor, a tuple in argument
@@ -237,8 +238,12 @@ def trace(model: nn.Module, example_inputs: Any, *, device: str | torch.device =
     The capture follows the model's current mode (train() for a graph to train) and calls that
     depend on it follow the mode of the stage modules built from it (modes.py).
     profile=True times each node's forward and backward on `device` (median of `repeats`
-    runs); profile=False estimates them from FLOPs and bytes. The model's parameters,
-    buffers, training mode and the RNG state are left as they were.
+    runs); profile=False estimates them from FLOPs and bytes. autocast: the dtype of the
+    ``torch.autocast`` the stages will run under (None: none). The capture, its checks and the
+    profile then run under it too, so the graph records what the model's Python code does there
+    (``.to(x.dtype)``, autocast-disabled regions, ``torch.is_autocast_enabled()`` branches) and the
+    costs see each value in the dtype it really has. The model's parameters, buffers, training mode
+    and the RNG state are left as they were.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -250,7 +255,8 @@ def trace(model: nn.Module, example_inputs: Any, *, device: str | torch.device =
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     modes = {m: m.training for m in model.modules()}
     try:
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        precision = torch.autocast(dev.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), precision:
             return _trace(model, args, kwargs, dev, profile, repeats, leaves, capture)
     finally:
         # Running the model (BatchNorm in train mode) must not change the user's model.

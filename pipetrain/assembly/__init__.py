@@ -50,10 +50,10 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     engine = select_engine(options)
     book = ScheduleBook(options.schedule, options.stages, options.micro_batches, options.chunks_per_device,
                         data_parallel=options.data_parallel > 1)
-    plan = make_plan(model, example_inputs, options, engine, book)
+    precision = precision_policy(options.precision)
+    plan = make_plan(model, example_inputs, options, engine, book, precision)
     book.resolve_recompute(plan.recompute)
     topology = Topology(plan, options.stages)
-    precision = precision_policy(options.precision)
     stages = build_stages(plan, topology, engine, options, precision.autocast_dtype)
     links = engine.connect(topology, stages, plan.tied_groups())
     steppers = build_steppers(stages, topology, links, options)
@@ -61,10 +61,13 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
 
 
 def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, engine: Engine,
-              book: ScheduleBook) -> partitioners.Plan:
-    """Capture and partition the model; under torchrun rank 0 decides and every rank follows its plan."""
+              book: ScheduleBook, precision: PrecisionPolicy) -> partitioners.Plan:
+    """Capture and partition the model under the autocast its stages run in (the graph then does what the
+    model does in that precision, and costs count each value in its real dtype); under torchrun rank 0
+    decides and every rank follows its plan."""
     decides = engine.decides_plan
-    graph = partitioners.trace_for_training(model, example_inputs, profile=options.profile and decides)
+    graph = partitioners.trace_for_training(model, example_inputs, profile=options.profile and decides,
+                                            autocast=precision.autocast_dtype)
     plan = None
     if decides:
         method = list(options.partitioner) if isinstance(options.partitioner, (list, tuple)) else options.partitioner
