@@ -77,9 +77,7 @@ def test_local_scaler_step_and_state_dict():
 
 def test_precision_policies():
     fp32, bf16, fp16 = (precision_policy(n) for n in ("fp32", "bf16", "fp16"))
-    assert (fp32.autocast_dtype, fp32.activation_dtype) == (None, torch.float32)
-    assert (bf16.autocast_dtype, bf16.activation_dtype) == (torch.bfloat16, torch.bfloat16)
-    assert (fp16.autocast_dtype, fp16.activation_dtype) == (torch.float16, torch.float16)
+    assert (fp32.autocast_dtype, bf16.autocast_dtype, fp16.autocast_dtype) == (None, torch.bfloat16, torch.float16)
     with pytest.raises(ValueError, match="fp16"):
         precision_policy("fp8")
 
