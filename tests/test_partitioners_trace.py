@@ -10,7 +10,7 @@ import torchvision
 
 import partitioners
 from partitioners import TraceError
-from _partitioner_models import TiedLM, TransformerLM, run_pipeline
+from _partitioner_models import DtypeAware, TiedLM, TransformerLM, run_pipeline
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -192,3 +192,26 @@ def test_example_inputs_that_do_not_fit() -> None:
         partitioners.trace(model, "not a tensor", profile=False)
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         partitioners.trace(lambda t: t, torch.randn(2, 4))
+
+
+def test_a_capture_under_autocast_follows_the_model_s_dtype_code() -> None:
+    torch.manual_seed(0)
+    model, x = DtypeAware(), torch.randn(2, 8)
+    cg = partitioners.trace(model, x, capture="export", autocast=torch.bfloat16, profile=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = model(x), cg.module(x)
+    # The same calls in the same dtypes as eager (the autocast-disabled branch included): the same bits.
+    assert torch.equal(got, expected)
+    # Captured without the autocast, ``.to(h.dtype)`` would be a cast to fp32: another computation.
+    fp32_capture = partitioners.trace(model, x, capture="export", profile=False)
+    to_dtype = torch.ops.aten.to.dtype
+    casts = [{n.args[1] for n in g.module.graph.nodes if n.target is to_dtype} for g in (cg, fp32_capture)]
+    assert casts == [{torch.float32, torch.bfloat16}, {torch.float32}]
+    # export's checks of each cast's input dtype and device are gone (a stage may run elsewhere),
+    # also inside the autocast-disabled region's own graph.
+    assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default
+                   for gm in cg.module.modules() if isinstance(gm, torch.fx.GraphModule) for n in gm.graph.nodes)
+    # Costs count each value in its dtype: the first projection is bf16 under the autocast.
+    linear = next(n for n in cg.module.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert cg.graph.nodes[linear.name]["act_bytes"] == 2 * 8 * 2
+    assert fp32_capture.graph.nodes[linear.name]["act_bytes"] == 2 * 8 * 4
