@@ -172,13 +172,15 @@ def _placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any])
 
 
 def _close(a: Any, b: Any) -> bool:
-    """Same structure and values up to float rounding (ATen calls may group sums differently)."""
+    """Same structure, dtypes and shapes, and values up to float rounding (ATen calls may group sums
+    differently)."""
     la, sa = tree_flatten(a)
     lb, sb = tree_flatten(b)
     if sa != sb:
         return False
-    return all(torch.allclose(x, y, rtol=1e-4, atol=1e-6, equal_nan=True) if isinstance(x, torch.Tensor)
-               else x == y for x, y in zip(la, lb))
+    return all((x.dtype == y.dtype and x.shape == y.shape and torch.allclose(x, y, rtol=1e-4, atol=1e-6,
+                                                                            equal_nan=True))
+               if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -343,8 +345,9 @@ def _check_eval_mode(runner: nn.Module, run_gm: fx.GraphModule, args: tuple, kwa
         raise TraceError(
             f"the {capture} capture of {type(runner).__name__} in eval mode does not reproduce the model's "
             "eval-mode output: its forward branches on self.training in a way the capture cannot follow "
-            "(e.g. stochastic depth written as `if self.training:`); fix: pass split points on the "
-            "model's top-level children, or make the branch a module call")
+            "(e.g. stochastic depth written as `if self.training:`), or, under autocast, changes autocast in "
+            "a region the capture does not record (torch.fx keeps no `with torch.autocast(...)` block); fix: "
+            "pass split points on the model's top-level children, or make the branch a module call")
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp: fx.Interpreter,

@@ -215,3 +215,25 @@ def test_a_capture_under_autocast_follows_the_model_s_dtype_code() -> None:
     linear = next(n for n in cg.module.graph.nodes if n.target is torch.ops.aten.linear.default)
     assert cg.graph.nodes[linear.name]["act_bytes"] == 2 * 8 * 2
     assert fp32_capture.graph.nodes[linear.name]["act_bytes"] == 2 * 8 * 4
+
+
+def test_an_autocast_region_torch_fx_cannot_record_sends_the_capture_to_torch_export() -> None:
+    class UpcastGate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            with torch.autocast("cpu", enabled=False):  # torch.fx runs this at trace time and records nothing
+                gate = self.b(h.float())
+            return h * gate
+
+    torch.manual_seed(0)
+    model, x = UpcastGate(), torch.randn(2, 4)
+    assert partitioners.trace(model, x, profile=False).module(x).dtype == torch.float32  # fp32: fx is right
+    with pytest.raises(TraceError, match="torch.fx keeps no `with torch.autocast"):
+        partitioners.trace(model, x, profile=False, autocast=torch.bfloat16)
+    cg = partitioners.trace_for_training(model, x, profile=False, autocast=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(cg.module(x), model(x))  # export keeps the region: fp32 as in eager
