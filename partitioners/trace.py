@@ -172,15 +172,17 @@ def _placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any])
 
 
 def _close(a: Any, b: Any) -> bool:
-    """Same structure, dtypes and shapes, and values up to float rounding (ATen calls may group sums
-    differently)."""
+    """Same structure, dtypes, shapes and values up to float rounding (ATen calls may group sums differently)."""
     la, sa = tree_flatten(a)
     lb, sb = tree_flatten(b)
     if sa != sb:
         return False
-    return all((x.dtype == y.dtype and x.shape == y.shape and torch.allclose(x, y, rtol=1e-4, atol=1e-6,
-                                                                            equal_nan=True))
-               if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+    return all(_close_tensor(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+
+
+def _close_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
+    # The dtype too: under autocast a capture that misses an autocast region computes in another dtype.
+    return x.dtype == y.dtype and x.shape == y.shape and torch.allclose(x, y, rtol=1e-4, atol=1e-6, equal_nan=True)
 
 
 def _to(value: Any, device: torch.device) -> Any:
