@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from .errors import TraceError
@@ -13,18 +14,20 @@ from .training_switches import training_switches
 CAPTURES = ("fx", "export", "chain")
 
 
-def trace_for_training(model: nn.Module, example_inputs: Any, profile: bool) -> CostGraph:
+def trace_for_training(model: nn.Module, example_inputs: Any, profile: bool,
+                       autocast: torch.dtype | None = None) -> CostGraph:
     """Capture ``model`` in training mode with torch.fx; where fx cannot follow forward(), with torch.export
     (non-strict); failing both, as the chain of its top-level children, which is accepted only when running
     them in order reproduces the model's output. When none works: one TraceError saying why each failed.
-    The modules' own modes are restored afterwards."""
+    ``autocast``: the dtype the stages compute in under torch.autocast (see ``trace``). The modules' own
+    modes are restored afterwards."""
     errors = []
     modes = {m: m.training for m in model.modules()}
     model.train()  # capture what training runs (a model from_pretrained() comes in eval mode)
     try:
         for capture in CAPTURES:
             try:
-                return trace(model, example_inputs, profile=profile, capture=capture)
+                return trace(model, example_inputs, profile=profile, capture=capture, autocast=autocast)
             except TraceError as error:
                 errors.append((capture, error))
     finally:

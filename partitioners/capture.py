@@ -11,7 +11,10 @@ already consume:
 - placeholders are the forward arguments by name (tensors; every dimension dynamic that the model
   allows, the rest fixed to the example's size and recorded in ``input_sizes.META_KEY``);
 - the output is the model's own structure (``ModelOutput``, dict, tuple), rebuilt by the last node;
-- export's input guards and pytree codegen are removed (the runtime feeds flat arguments).
+- export's input guards and pytree codegen are removed (the runtime feeds flat arguments);
+- so are its tensor metadata assertions: they check the dtype and device each ``.to()`` input had in the
+  capture, which a stage need not share (it may run on another device, or under another autocast).
+  They compute nothing; the casts themselves stay.
 """
 from __future__ import annotations
 
@@ -87,6 +90,7 @@ def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> f
             graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
+    _drop_metadata_assertions(gm)
     for node in list(graph.nodes):
         if node.op == "placeholder" and not isinstance(call.get(node.name), torch.Tensor):
             if node.users:
@@ -144,6 +148,17 @@ def _unaliased(call: dict[str, Any]) -> dict[str, Any]:
             seen.add(key)
         out[k] = v
     return out
+
+
+def _drop_metadata_assertions(gm: fx.GraphModule) -> None:
+    """Erase the ``aten._assert_tensor_metadata`` calls of ``gm`` and of the graphs nested in it (the
+    bodies of autocast regions)."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in list(module.graph.nodes):
+                if node.target is torch.ops.aten._assert_tensor_metadata.default:
+                    module.graph.erase_node(node)
+            module.recompile()
 
 
 def _move_get_attrs_to_first_use(graph: fx.Graph) -> None:

@@ -7,6 +7,7 @@ every capture is checked to reproduce the model's eval-mode output.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -171,13 +172,17 @@ def _placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any])
 
 
 def _close(a: Any, b: Any) -> bool:
-    """Same structure and values up to float rounding (ATen calls may group sums differently)."""
+    """Same structure, dtypes, shapes and values up to float rounding (ATen calls may group sums differently)."""
     la, sa = tree_flatten(a)
     lb, sb = tree_flatten(b)
     if sa != sb:
         return False
-    return all(torch.allclose(x, y, rtol=1e-4, atol=1e-6, equal_nan=True) if isinstance(x, torch.Tensor)
-               else x == y for x, y in zip(la, lb))
+    return all(_close_tensor(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+
+
+def _close_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
+    # The dtype too: under autocast a capture that misses an autocast region computes in another dtype.
+    return x.dtype == y.dtype and x.shape == y.shape and torch.allclose(x, y, rtol=1e-4, atol=1e-6, equal_nan=True)
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -227,7 +232,7 @@ CAPTURES = ("fx", "export", "chain")
 
 def trace(model: nn.Module, example_inputs: Any, *, device: str | torch.device = "cpu",
           profile: bool = True, repeats: int = 5, leaves: Iterable[str] = (),
-          chain: bool = False, capture: str = "fx") -> CostGraph:
+          chain: bool = False, capture: str = "fx", autocast: torch.dtype | None = None) -> CostGraph:
     """Capture `model` as an fx graph and attach costs to every node.
 
     example_inputs: one micro-batch as forward() takes it: a tensor, a tuple in argument
@@ -237,8 +242,12 @@ def trace(model: nn.Module, example_inputs: Any, *, device: str | torch.device =
     The capture follows the model's current mode (train() for a graph to train) and calls that
     depend on it follow the mode of the stage modules built from it (modes.py).
     profile=True times each node's forward and backward on `device` (median of `repeats`
-    runs); profile=False estimates them from FLOPs and bytes. The model's parameters,
-    buffers, training mode and the RNG state are left as they were.
+    runs); profile=False estimates them from FLOPs and bytes. autocast: the dtype of the
+    ``torch.autocast`` the stages will run under (None: none). The capture, its checks and the
+    profile then run under it too, so the graph records what the model's Python code does there
+    (``.to(x.dtype)``, autocast-disabled regions, ``torch.is_autocast_enabled()`` branches) and the
+    costs see each value in the dtype it really has. The model's parameters, buffers, training mode
+    and the RNG state are left as they were.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -250,7 +259,8 @@ def trace(model: nn.Module, example_inputs: Any, *, device: str | torch.device =
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     modes = {m: m.training for m in model.modules()}
     try:
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        precision = torch.autocast(dev.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), precision:
             return _trace(model, args, kwargs, dev, profile, repeats, leaves, capture)
     finally:
         # Running the model (BatchNorm in train mode) must not change the user's model.
@@ -343,8 +353,9 @@ def _check_eval_mode(runner: nn.Module, run_gm: fx.GraphModule, args: tuple, kwa
         raise TraceError(
             f"the {capture} capture of {type(runner).__name__} in eval mode does not reproduce the model's "
             "eval-mode output: its forward branches on self.training in a way the capture cannot follow "
-            "(e.g. stochastic depth written as `if self.training:`); fix: pass split points on the "
-            "model's top-level children, or make the branch a module call")
+            "(e.g. stochastic depth written as `if self.training:`), or, under autocast, changes autocast in "
+            "a region the capture does not record (torch.fx keeps no `with torch.autocast(...)` block); fix: "
+            "pass split points on the model's top-level children, or make the branch a module call")
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp: fx.Interpreter,

@@ -167,15 +167,14 @@ class Runner:
 
     def _executors(self, feed: Feed, recompute: Recompute, train: bool) -> dict[int, DeviceExecutor]:
         p = self.parts
-        precision, split = p.precision, p.options.schedule == "zb-h1"
-        send_dtype = precision.activation_dtype if precision.autocast_dtype is not None else None
+        split = p.options.schedule == "zb-h1"
         executors = {}
         for d, stepper in p.steppers.items():
             scaler, reducer = stepper.scaler, p.links.reducers.get(d)
             executors[d] = DeviceExecutor(
                 d, p.stages_at(d), p.topology, p.links.transport, feed, stepper,
                 reduce=reducer.reduce if reducer else None,
-                before_backward=reducer.before_backward if reducer else None, send_dtype=send_dtype, train=train,
+                before_backward=reducer.before_backward if reducer else None, train=train,
                 loss_scale=(lambda s=scaler: s.scale_value) if scaler is not None else (lambda: 1.0),
                 split_backward=split, recompute=recompute)
         return executors

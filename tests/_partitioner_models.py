@@ -72,6 +72,24 @@ class TiedLM(nn.Module):
         return self.head(h)
 
 
+
+class DtypeAware(nn.Module):
+    """Python code that reads dtypes under autocast, as Hugging Face models do: a norm computed in fp32
+    and cast back to its input's dtype, and a branch computed with autocast disabled. ``int(x.shape[1])``
+    keeps torch.fx out: torch.export captures it."""
+
+    def __init__(self, d: int = 8, classes: int = 3):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * (int(x.shape[1]) ** -0.5)
+        dtype = h.dtype  # bf16 under autocast: the capture must not bake in fp32
+        normed = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            gate = torch.sigmoid(self.b(h.float()))  # fp32 whatever the caller's autocast
+        return self.head(normed * gate.to(dtype))
+
 def run_pipeline(plan, modules, inputs: tuple, loss_fn=None):
     """Run stage modules one after another like the runtime: every float tensor crossing a
     boundary is detached and re-attached; with loss_fn, back-propagate stage by stage.

@@ -11,7 +11,7 @@ import torchvision
 import partitioners
 from partitioners import TraceError
 from partitioners.training_switches import training_switches
-from _partitioner_models import TiedLM, TransformerLM, run_pipeline
+from _partitioner_models import DtypeAware, TiedLM, TransformerLM, run_pipeline
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -265,3 +265,48 @@ def test_training_switches_are_the_positive_values_a_branch_on_self_training_rea
     model = nn.Sequential(Block())
     assert training_switches(model) == [
         "config.layerdrop = 0.2 (Block.forward)", "0.drop_prob = 0.3 (Block.forward)"]
+
+
+def test_a_capture_under_autocast_follows_the_model_s_dtype_code() -> None:
+    torch.manual_seed(0)
+    model, x = DtypeAware(), torch.randn(2, 8)
+    cg = partitioners.trace(model, x, capture="export", autocast=torch.bfloat16, profile=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = model(x), cg.module(x)
+    # The same calls in the same dtypes as eager (the autocast-disabled branch included): the same bits.
+    assert torch.equal(got, expected)
+    # Captured without the autocast, ``.to(h.dtype)`` would be a cast to fp32: another computation.
+    fp32_capture = partitioners.trace(model, x, capture="export", profile=False)
+    to_dtype = torch.ops.aten.to.dtype
+    casts = [{n.args[1] for n in g.module.graph.nodes if n.target is to_dtype} for g in (cg, fp32_capture)]
+    assert casts == [{torch.float32, torch.bfloat16}, {torch.float32}]
+    # export's checks of each cast's input dtype and device are gone (a stage may run elsewhere),
+    # also inside the autocast-disabled region's own graph.
+    assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default
+                   for gm in cg.module.modules() if isinstance(gm, torch.fx.GraphModule) for n in gm.graph.nodes)
+    # Costs count each value in its dtype: the first projection is bf16 under the autocast.
+    linear = next(n for n in cg.module.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert cg.graph.nodes[linear.name]["act_bytes"] == 2 * 8 * 2
+    assert fp32_capture.graph.nodes[linear.name]["act_bytes"] == 2 * 8 * 4
+
+
+def test_an_autocast_region_torch_fx_cannot_record_sends_the_capture_to_torch_export() -> None:
+    class UpcastGate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            with torch.autocast("cpu", enabled=False):  # torch.fx runs this at trace time and records nothing
+                gate = self.b(h.float())
+            return h * gate
+
+    torch.manual_seed(0)
+    model, x = UpcastGate(), torch.randn(2, 4)
+    assert partitioners.trace(model, x, profile=False).module(x).dtype == torch.float32  # fp32: fx is right
+    with pytest.raises(TraceError, match="torch.fx keeps no `with torch.autocast"):
+        partitioners.trace(model, x, profile=False, autocast=torch.bfloat16)
+    cg = partitioners.trace_for_training(model, x, profile=False, autocast=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(cg.module(x), model(x))  # export keeps the region: fp32 as in eager

@@ -77,9 +77,7 @@ def test_local_scaler_step_and_state_dict():
 
 def test_precision_policies():
     fp32, bf16, fp16 = (precision_policy(n) for n in ("fp32", "bf16", "fp16"))
-    assert (fp32.autocast_dtype, fp32.activation_dtype) == (None, torch.float32)
-    assert (bf16.autocast_dtype, bf16.activation_dtype) == (torch.bfloat16, torch.bfloat16)
-    assert (fp16.autocast_dtype, fp16.activation_dtype) == (torch.float16, torch.float16)
+    assert (fp32.autocast_dtype, bf16.autocast_dtype, fp16.autocast_dtype) == (None, torch.bfloat16, torch.float16)
     with pytest.raises(ValueError, match="fp16"):
         precision_policy("fp8")
 
@@ -108,3 +106,34 @@ def test_fp16_with_async_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="fp16 loss scaling needs every stage to agree on skipped steps"):
         pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, schedule="async-1f1b",
                        staleness="stash", precision="fp16", partitioner="uniform", profile=False, engine="local")
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_dtype_code_and_autocast_disabled_regions_train_like_the_unsplit_model(stages):
+    # A model whose Python code reads dtypes and turns autocast off for a branch (captured by torch.export),
+    # split across stages: the very calls of the unsplit model under the same autocast, so the same bits.
+    import pipetrain
+    from _partitioner_models import DtypeAware
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+    torch.manual_seed(0)
+    reference = DtypeAware()
+    torch.manual_seed(0)
+    pipe = pipetrain.wrap(DtypeAware(), x[:2], stages=stages, micro_batches=2, precision="bf16",
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), partitioner="uniform", profile=False,
+                          engine="local")
+    losses = [pipe.step(x, y) for _ in range(2)]
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for loss in losses:
+        opt.zero_grad()
+        total = 0.0
+        for xi, yi in zip(x.tensor_split(2), y.tensor_split(2)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                part = torch.nn.functional.cross_entropy(reference(xi), yi) / 2
+            part.backward()
+            total += part.item()
+        opt.step()
+        assert loss == total
+    state = pipe.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())

@@ -41,17 +41,25 @@ def _tensor(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def reference_training(name: str, batches: list) -> nn.Module:
-    """The unsplit model trained with gradient accumulation over the same micro-batches."""
+def reference_training(name: str, batches: list, autocast: torch.dtype | None = None) -> nn.Module:
+    """The unsplit model trained with gradient accumulation over the same micro-batches, under
+    ``torch.autocast(dtype=autocast)`` when given (fp16: with torch.amp.GradScaler at pipetrain's initial scale)."""
     model, case = build(name), CASES[name]
     opt = sgd(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if autocast == torch.float16 else None
     for x, y in batches:
         opt.zero_grad()
         xs = split_micro_batches(x, MICRO)
         ys = split_micro_batches(y, MICRO) if y is not None else [None] * MICRO
         for xi, yi in zip(xs, ys):
-            (case.loss_fn(_call(model, xi), yi) * batch_size(xi) / batch_size(x)).backward()
-        opt.step()
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = case.loss_fn(_call(model, xi), yi) * batch_size(xi) / batch_size(x)
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return model
 
 
@@ -85,6 +93,21 @@ def test_trains_predicts_and_loads_like_the_unsplit_model(name: str, stages: int
     fresh = build(name, seed=1)
     fresh.load_state_dict(pipe.state_dict(), strict=True)
 
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["torchvision-resnet18", "timm-vit"])
+def test_fx_captured_models_train_bit_for_bit_under_autocast(name: str, precision: str) -> None:
+    # torch.fx keeps the model's own calls, which run under the stages' autocast as they do in the unsplit
+    # model, and boundary values keep their dtype (ViT's fp32 residual stream included): the same bits.
+    case = CASES[name]
+    batches = [case.batch(8, seed) for seed in (1, 2)]
+    pipe = pipetrain.wrap(build(name), case.batch(2, 0)[0], stages=4, micro_batches=MICRO, loss_fn=case.loss_fn,
+                          optimizer=sgd, precision=precision, profile=False, engine="local")
+    for x, y in batches:
+        pipe.step(x, y)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert_same_state(pipe.state_dict(), reference_training(name, batches, dtype).state_dict(), exact=True)
 
 def test_every_alias_of_a_tied_embedding_survives_save_load_and_export(tmp_path) -> None:
     case = TRANSFORMERS["t5"]

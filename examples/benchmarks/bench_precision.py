@@ -8,7 +8,9 @@
 2. Pipeline: the whole VGG-11 trained by wrap(stages=2, micro_batches=4, engine="local")
    with precision="bf16" vs "fp32", batch 64 from the digits dataset: step time and the
    bytes sent per step (activations + activation gradients, from StepResult.comm_bytes;
-   bf16 sends boundary tensors in bf16).
+   boundary tensors travel in the dtype autocast gives them, bf16 for a convolution's output).
+   Both split before features.12, where the graph partitioner cuts the fp32 model: profiled
+   under bf16 it may cut elsewhere, and only the precision should differ here.
 Variants take turns in every round (interleaved) and the numbers are medians over rounds,
 so background load on the machine drifts over both alike. One thread.
 """
@@ -67,7 +69,7 @@ def main() -> None:
     xb = torch.stack([data[i][0] for i in range(64)])
     yb = torch.stack([torch.as_tensor(data[i][1]) for i in range(64)])
     pipes = {p: pipetrain.wrap(vgg(args.width), xb[:16], stages=2, micro_batches=4, schedule="1f1b",
-                               precision=p, engine="local") for p in PRECISIONS}
+                               precision=p, partitioner=["features.12"], engine="local") for p in PRECISIONS}
     for p in PRECISIONS:  # warm-up (oneDNN kernel selection, allocator)
         stage_step(stage, x, p)
         pipes[p].step(xb, yb)

@@ -54,12 +54,12 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     engine = select_engine(options)
     book = ScheduleBook(options.schedule, options.stages, options.micro_batches, options.chunks_per_device,
                         data_parallel=options.data_parallel > 1)
-    plan = make_plan(model, example_inputs, options, engine, book)
+    precision = precision_policy(options.precision)
+    plan = make_plan(model, example_inputs, options, engine, book, precision)
     io = model_io(model, example_inputs, plan)
     check_default_loss(options.loss_fn, plan.graph.example_output, io.model)
     book.resolve_recompute(plan.recompute)
     topology = Topology(plan, options.stages)
-    precision = precision_policy(options.precision)
     stages = build_stages(plan, topology, engine, options, precision.autocast_dtype)
     links = engine.connect(topology, stages, plan.tied_groups())
     steppers = build_steppers(stages, topology, links, options)
@@ -84,10 +84,13 @@ def model_io(model: nn.Module, example_inputs: Any, plan: partitioners.Plan) -> 
 
 
 def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, engine: Engine,
-              book: ScheduleBook) -> partitioners.Plan:
-    """Capture and partition the model; under torchrun rank 0 decides and every rank follows its plan."""
+              book: ScheduleBook, precision: PrecisionPolicy) -> partitioners.Plan:
+    """Capture and partition the model under the autocast its stages run in (the graph then does what the
+    model does in that precision, and costs count each value in its real dtype); under torchrun rank 0
+    decides and every rank follows its plan."""
     decides = engine.decides_plan
-    graph = partitioners.trace_for_training(model, example_inputs, profile=options.profile and decides)
+    graph = partitioners.trace_for_training(model, example_inputs, profile=options.profile and decides,
+                                            autocast=precision.autocast_dtype)
     plan = None
     if decides:
         method = list(options.partitioner) if isinstance(options.partitioner, (list, tuple)) else options.partitioner

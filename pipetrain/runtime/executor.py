@@ -6,6 +6,10 @@ comm batch (``schedules.nccl_order.comm_batches``), which the transport turns in
 communicator: the order NCCL needs, checked for every schedule. The local engine interleaves the generators of all devices
 in one process; the distributed engine drives the one of its rank (its transport waits
 instead of blocking the generator). Both execute the same lists ``schedules`` builds.
+
+A message carries each value in the dtype the stage produced it in, as the unsplit model would hold it
+under the same autocast (a bf16 activation, an fp32 residual or rotary table), and each gradient in the
+dtype of the tensor it belongs to: casting at a boundary would round what the model keeps in fp32.
 """
 from __future__ import annotations
 
@@ -45,8 +49,8 @@ class DeviceExecutor:
 
     def __init__(self, device: int, stages: dict[int, StageRuntime], topology: Topology, transport: Any,
                  feed: Feed, step: StepCall, reduce: Callable[[int], None] | None = None,
-                 before_backward: Callable[[bool], None] | None = None, send_dtype: torch.dtype | None = None,
-                 train: bool = True, loss_scale: Callable[[], float] = lambda: 1.0, split_backward: bool = False,
+                 before_backward: Callable[[bool], None] | None = None, train: bool = True,
+                 loss_scale: Callable[[], float] = lambda: 1.0, split_backward: bool = False,
                  recompute: Recompute = Recompute()):
         self.device = device
         self.stages = stages  # chunk -> runtime
@@ -56,7 +60,6 @@ class DeviceExecutor:
         self.step = step
         self.reduce = reduce
         self.before_backward = before_backward
-        self.send_dtype = send_dtype
         self.split_backward = split_backward  # zero-bubble: B computes input gradients, W weight gradients
         self.recompute = recompute
         self.train = train
@@ -94,12 +97,6 @@ class DeviceExecutor:
 
     def _stage(self, action: Action) -> StageRuntime:
         return self.stages[action.chunk]
-
-    def _cast(self, values: Any) -> Any:
-        if self.send_dtype is None:
-            return values
-        return pytree.tree_map(
-            lambda v: v.to(self.send_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, values)
 
     def _wait(self, links, kind: str, micro_batch: int) -> Iterator[str]:
         for link in links:
@@ -139,7 +136,7 @@ class DeviceExecutor:
         if kind == ActionKind.SEND_ACT:
             values = self.outputs.pop((stage.index, g))
             for link in self.topology.out_of[stage.index]:
-                yield Message(link, ACT, g, self._cast([values[n] for n in link.names]), shapes)
+                yield Message(link, ACT, g, [values[n] for n in link.names], shapes)
         elif kind == ActionKind.RECV_ACT:
             for link in self.topology.into[stage.index]:
                 yield Message(link, ACT, g, None, shapes)
@@ -147,7 +144,7 @@ class DeviceExecutor:
             grads = self.input_grads.pop((stage.index, g))
             position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
             for link in self.topology.into[stage.index]:
-                yield Message(link, GRAD, g, self._cast([t for n in link.names for t in grads[position[n]]]), shapes)
+                yield Message(link, GRAD, g, [t for n in link.names for t in grads[position[n]]], shapes)
         else:
             for link in self.topology.out_of[stage.index]:
                 yield Message(link, GRAD, g, None, shapes)

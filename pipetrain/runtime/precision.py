@@ -23,20 +23,19 @@ from pipetrain.runtime.nonfinite import check_and_unscale_
 class PrecisionPolicy:
     """What a precision name means for the runtime.
 
-    `autocast_dtype`: compute dtype under autocast (None: plain fp32).
-    `activation_dtype`: dtype of activations and activation-gradients sent
-    between stages. Parameters and optimizer state stay fp32 in every policy.
+    `autocast_dtype`: compute dtype under autocast (None: plain fp32); the capture and the stages
+    run under it. Parameters and optimizer state stay fp32 in every policy, and values cross stage
+    boundaries in the dtype autocast gave them (pipetrain/runtime/executor.py).
     """
 
     name: str
     autocast_dtype: torch.dtype | None
-    activation_dtype: torch.dtype
 
 
 _POLICIES = {
-    "fp32": PrecisionPolicy("fp32", None, torch.float32),
-    "bf16": PrecisionPolicy("bf16", torch.bfloat16, torch.bfloat16),
-    "fp16": PrecisionPolicy("fp16", torch.float16, torch.float16),
+    "fp32": PrecisionPolicy("fp32", None),
+    "bf16": PrecisionPolicy("bf16", torch.bfloat16),
+    "fp16": PrecisionPolicy("fp16", torch.float16),
 }
 
 

@@ -226,7 +226,7 @@ class StageRuntime:
             grads = None
         else:
             pairs = [(t, g) for t, g in zip(saved.outputs, output_grads) if t.requires_grad and g is not None]
-            tensors, grads = [t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs]
+            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
         inputs = [leaf for leaves in saved.input_leaves for leaf in leaves]
         if tensors and split and self._splits(tensors, inputs):
             groups = split_backward.backward_input(tensors, grads, inputs, self._weights())
