@@ -82,6 +82,7 @@ def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> f
     with _symbolic_len():
         program = torch.export.export(model, (), _unaliased(call), strict=False, dynamic_shapes=dynamic)
     limits = input_sizes.from_export(program)
+    mixes_samples = input_sizes.outputs_mix_samples(program)
     out_spec = program.call_spec.out_spec
     gm = program.module()
     graph = gm.graph
@@ -110,6 +111,7 @@ def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> f
         node.meta = {k: v for k, v in node.meta.items() if k in _KEPT_META}  # fake tensors are not needed
         if node.op == "placeholder" and node.name in limits:
             node.meta[input_sizes.META_KEY] = limits[node.name]
+    output.meta[input_sizes.MIXES_SAMPLES_KEY] = mixes_samples
     graph._codegen = fx.graph.CodeGen()  # plain positional placeholders, no pytree flattening
     # A plain GraphModule over the same tensors: export's module refuses train()/eval().
     return fx.GraphModule(gm, graph, type(model).__name__)

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 META_KEY = "size_limits"  # placeholder meta: {dimension: SizeLimit}
+MIXES_SAMPLES_KEY = "mixes_samples"  # output node meta: an output has a dimension past dim 0 that follows the batch
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,25 @@ def from_export(program: torch.export.ExportedProgram) -> dict[str, dict[int, Si
         if dims:
             limits[node.name] = dims
     return limits
+
+
+def outputs_mix_samples(program: torch.export.ExportedProgram) -> bool:
+    """Whether an output tensor of ``program`` has a dimension other than dim 0 whose size follows the batch
+    (CLIP's ``logits_per_image``: one row and one column per sample): such an output couples the samples, and
+    the outputs of micro-batches do not put it together."""
+    batch = set()
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                and isinstance(value.shape[0], torch.SymInt):
+            batch |= value.shape[0].node.expr.free_symbols
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    for leaf in output.args[0]:
+        value = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
+        if isinstance(value, torch.Tensor) and any(
+                isinstance(size, torch.SymInt) and size.node.expr.free_symbols & batch for size in value.shape[1:]):
+            return True
+    return False
 
 
 def of_graph(gm: fx.GraphModule) -> dict[str, dict[int, SizeLimit]]:

@@ -213,6 +213,22 @@ def test_clip_trains_micro_batches_of_any_size_like_the_unsplit_model() -> None:
         pipe.step(clip_batch(4, 17, 4))
 
 
+def test_an_output_that_couples_the_samples_is_predicted_on_the_whole_batch() -> None:
+    # Without return_loss CLIP returns no loss, but logits_per_image has a row and a column per sample:
+    # micro-batches' outputs would concatenate into (6, 3) blocks, not the batch's (6, 6).
+    x = clip_batch(4, 8, 0)
+    del x["return_loss"]
+    pipe = pipetrain.wrap(clip(), x, stages=2, micro_batches=MICRO, loss_fn=pipetrain.model_loss, optimizer=sgd,
+                          profile=False, engine="local")
+    batch = clip_batch(6, 8, 1)
+    del batch["return_loss"]
+    got = pipe.predict(batch)
+    with torch.no_grad():
+        expected = clip().eval()(**batch)
+    assert got.logits_per_image.shape == (6, 6)
+    torch.testing.assert_close(got.logits_per_image, expected.logits_per_image, rtol=1e-5, atol=1e-6)
+
+
 # ----- torchrun: one shape header per link and new input shape ---------------------------------------------
 DIST_LENGTHS = (8, 12, 12, 5, 12)  # mini-batches of 4: micro-batches (2, length); the example is (2, 8)
 

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 import partitioners
+from partitioners import input_sizes
 from pipetrain.assembly.schedule_book import ScheduleBook
 from pipetrain.assembly.stages import build_stages, build_steppers
 from pipetrain.comm.engine import Connections, Engine, select_engine
@@ -77,10 +78,12 @@ def reconnect(parts: Parts) -> None:
 def model_io(model: nn.Module, example_inputs: Any, plan: partitioners.Plan) -> ModelIO:
     """The model's inputs as its captured graph takes them (by forward()'s parameter names: fx renames a
     placeholder that shadows a builtin, ``input`` -> ``input_1``) and its output on the example."""
-    parameter = {n.name: str(n.target) for n in plan.graph.module.graph.nodes if n.op == "placeholder"}
+    nodes = plan.graph.module.graph.nodes
+    parameter = {n.name: str(n.target) for n in nodes if n.op == "placeholder"}
     names = [parameter[n] for n in plan.stage_inputs(0)]
+    output = next(n for n in nodes if n.op == "output")
     return ModelIO.of(type(model).__name__, model.forward, names, plan.graph.example_output,
-                      batch_size(example_inputs))
+                      batch_size(example_inputs), mixes_samples=output.meta.get(input_sizes.MIXES_SAMPLES_KEY, False))
 
 
 def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, engine: Engine,

@@ -30,14 +30,16 @@ class ModelIO:
     splits_by_sample: bool         # every output tensor is per sample (dim 0 is the batch)
 
     @classmethod
-    def of(cls, model: str, forward: Callable, names: list[str], example_output: Any, samples: int) -> ModelIO:
+    def of(cls, model: str, forward: Callable, names: list[str], example_output: Any, samples: int,
+           mixes_samples: bool = False) -> ModelIO:
         """The call of ``forward`` captured with the arguments ``names`` on an example of ``samples``
-        samples that gave ``example_output``."""
+        samples that gave ``example_output``; ``mixes_samples``: the capture found an output dimension past
+        dim 0 that follows the batch (partitioners.input_sizes.outputs_mix_samples)."""
         params = inspect.signature(forward).parameters.values()
         named = tuple(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
         positional = tuple(p.name for p in params if p.kind in _POSITIONAL)
         return cls(model, tuple(names), named, positional, any(p.kind is p.VAR_KEYWORD for p in params),
-                   splits_by_sample(example_output, samples))
+                   not mixes_samples and splits_by_sample(example_output, samples))
 
     def arrange(self, inputs: Any) -> tuple:
         """``inputs`` (a tensor, a tuple in argument order or a dict of keyword arguments) as the first
