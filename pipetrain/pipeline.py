@@ -13,6 +13,7 @@ from pipetrain import checkpoint as ckpt
 from pipetrain.assembly import assemble
 from pipetrain.comm.world import World
 from pipetrain.options import PipelineOptions
+from pipetrain.pretrained import own_tensors, save_pretrained
 from pipetrain.runner import Runner
 from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.stage import StageRuntime
@@ -113,6 +114,18 @@ class Pipeline:
             return False
         self.load(path)
         return True
+
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 10 ** 9) -> Path:
+        """Write the model as a Hugging Face directory (safetensors shards of at most ``max_shard_size`` bytes,
+        their index, the model's config.json) that ``from_pretrained`` loads; every rank calls it and writes
+        only the tensors of its stages."""
+        parts = self._parts
+        world = parts.engine.world
+        writes = world is None or world.replica == 0
+        tensors = own_tensors({v: rt.module for v, rt in parts.stages.items()}, parts.pretrained,
+                              parts.plan.tied_groups()) if writes else {}
+        return save_pretrained(path, tensors, parts.pretrained, world.control if world is not None else None,
+                               max_shard_size)
 
     def _checkpoint_view(self) -> ckpt.PipelineView:
         return ckpt.view_of(self._parts, self._runner.updates, self._runner.in_stream)

@@ -19,6 +19,7 @@ from pipetrain.assembly.schedule_book import ScheduleBook
 from pipetrain.assembly.stages import build_stages, build_steppers
 from pipetrain.comm.engine import Connections, Engine, select_engine
 from pipetrain.options import PipelineOptions
+from pipetrain.pretrained import PretrainedLayout
 from pipetrain.runtime.batching import batch_size
 from pipetrain.runtime.loss_checks import check_default_loss
 from pipetrain.runtime.model_io import ModelIO
@@ -43,6 +44,7 @@ class Parts:
     links: Connections
     steppers: dict[int, OptimizerStep]   # per pipeline position this process runs
     io: ModelIO                          # what the model takes and returns, as captured
+    pretrained: PretrainedLayout         # the names and config save_pretrained writes
 
     def stages_at(self, position: int) -> dict[int, StageRuntime]:
         """Position ``position``'s stages by chunk (their index within the position)."""
@@ -64,7 +66,8 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     stages = build_stages(plan, topology, engine, options, precision.autocast_dtype)
     links = engine.connect(topology, stages, plan.tied_groups())
     steppers = build_steppers(stages, topology, links, options)
-    return Parts(options, engine, plan, topology, book, precision, stages, links, steppers, io)
+    return Parts(options, engine, plan, topology, book, precision, stages, links, steppers, io,
+                 PretrainedLayout.of(model))
 
 
 def reconnect(parts: Parts) -> None:
