@@ -9,7 +9,7 @@ cannot), with the batch and sequence dimensions dynamic, so every batch length r
     python examples/huggingface.py --model gpt2 --stages 2
     python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness stash
     python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness spectrain --precision fp32
-    torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2
+    torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2 --save-pretrained out/gpt2
 """
 from __future__ import annotations
 
@@ -85,8 +85,11 @@ def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, size: int) -> tuple[flo
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, ["gpt2", "llama"])
+    parser.add_argument("--save-pretrained", metavar="OUT", help="write the trained model as a Hugging Face "
+                        "directory (from_pretrained loads it); every rank writes its own stage")
     parser.set_defaults(precision="bf16")
-    c = config_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    c = config_from_args(args)
     width, depth = c.width or DEFAULTS["width"], c.depth or DEFAULTS["depth"]
     size, epochs = c.batch_size or DEFAULTS["batch_size"], c.epochs or DEFAULTS["epochs"]
     lr = c.lr or (DEFAULTS["lr"] if c.optimizer == "sgd" else 1e-3)
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"val accuracy {100 * val_accuracy:.2f}%", flush=True)
     if val_log is not None:
         val_log.close()
+    if args.save_pretrained:
+        pipe.save_pretrained(args.save_pretrained)
     pipe.close()
     if is_rank_zero():
         print(f"{c.model} ({width} wide, {depth} layers) on text, {c.describe()}, {epochs} epochs ({pipe.updates} "
