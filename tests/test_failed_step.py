@@ -53,6 +53,14 @@ def _assert_identical(a: pipetrain.Pipeline, b: pipetrain.Pipeline) -> None:
             assert not stage.in_flight and not stage.weight_pending
 
 
+def _good_steps_are_identical(failed: pipetrain.Pipeline, reference: pipetrain.Pipeline, good: list) -> None:
+    """Both pipelines step on the good batches; afterwards they must hold the same bits."""
+    for x, y in good:
+        failed.step(x, y)
+        reference.step(x, y)
+    _assert_identical(failed, reference)
+
+
 def _optimizer_states(pipe: pipetrain.Pipeline) -> list:
     return [[v for state in s.optimizer.state.values() for v in state.values()] for s in pipe.held_stages.values()]
 
@@ -81,10 +89,7 @@ def test_bad_data_in_the_first_stage_and_a_non_finite_loss_leave_no_trace():
     nan[6] = float("nan")  # micro-batch 3 of 4
     with pytest.raises(NonFiniteError):
         failed.step(nan, good[0][1])
-    for x, y in good:
-        failed.step(x, y)
-        reference.step(x, y)
-    _assert_identical(failed, reference)
+    _good_steps_are_identical(failed, reference, good)
 
 
 def test_fp16_loss_scale_is_untouched_by_a_failed_step():
@@ -126,10 +131,7 @@ def test_ctrl_c_before_any_update_abandons_the_step():
     with pytest.raises(KeyboardInterrupt):
         failed.step(*good[0])
     assert ARMED["calls"] is None
-    for x, y in good:
-        failed.step(x, y)
-        reference.step(x, y)
-    _assert_identical(failed, reference)
+    _good_steps_are_identical(failed, reference, good)
 
 
 def test_ctrl_c_once_a_stage_applied_its_update_finishes_the_step_then_raises():
