@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from . import input_sizes
+from .profiling import storage_key
 
 # Keyword arguments a capture for training sets when forward() takes them and the inputs do not:
 # a Hugging Face decoder would otherwise return its key/value cache, an inference-only object.
@@ -145,7 +146,7 @@ def _unaliased(call: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in call.items():
         if isinstance(v, torch.Tensor):
-            key = v.untyped_storage().data_ptr()
+            key = storage_key(v)
             v = v.clone() if key in seen else v
             seen.add(key)
         out[k] = v

@@ -1,6 +1,7 @@
 """The cost graph: a traced model as a networkx DiGraph with per-node costs."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -10,6 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import input_sizes
+from .meta import holds_meta_tensors, with_meta_tensors
 from .state_names import StateNames
 
 
@@ -34,6 +36,19 @@ class CostGraph:
     auto_leaves: list[str] = field(default_factory=list)
     tied_params: dict[str, list[str]] = field(default_factory=dict)
     example_output: Any = None
+
+    @cached_property
+    def without_data(self) -> bool:
+        """The model is on the meta device (built without data): its stages must be given tensors."""
+        return holds_meta_tensors(self.model)
+
+    def on_meta(self) -> CostGraph:
+        """This graph over meta stand-ins of the model's tensors: the same nodes, names and costs, holding no
+        memory of the model (what a plan keeps once the stages are built)."""
+        if self.without_data:
+            return self
+        module, model = with_meta_tensors((self.module, self.model), self.module, self.model)
+        return dataclasses.replace(self, module=module, model=model)
 
     @property
     def order(self) -> list[str]:

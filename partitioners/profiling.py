@@ -31,15 +31,17 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage, shared by its views; also on the meta device, whose tensors have no data
+    pointer to tell them apart."""
+    return t.untyped_storage()._cdata
 
 
 def _is_view(out: Any, inputs: Any) -> bool:
     """True when every output tensor aliases an input (view, getitem, in-place): no data moved."""
     outs = _tensors(out)
-    held = {_storage(t) for t in _tensors(inputs)}
-    return bool(outs) and all(_storage(t) in held for t in outs)
+    held = {storage_key(t) for t in _tensors(inputs)}
+    return bool(outs) and all(storage_key(t) in held for t in outs)
 
 
 def _sync(device: torch.device) -> None:
@@ -112,19 +114,19 @@ def saved_activations(fn: Callable[..., Any], args: tuple, kwargs: dict, keep: s
     for i, v in enumerate(flat):
         if isinstance(v, torch.Tensor) and id(v) not in keep:
             v = v.detach().requires_grad_(True).clone() if v.requires_grad else v.detach().clone()
-            position[_storage(v)] = i
+            position[storage_key(v)] = i
         copies.append(v)
     own = set(weights)
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[_storage(t)] = max(saved.get(_storage(t), 0), t.numel() * t.element_size())
+        saved[storage_key(t)] = max(saved.get(storage_key(t), 0), t.numel() * t.element_size())
         return t
 
     a, k = tree_unflatten(copies, spec)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*a, **k)
-    outs = {_storage(t) for t in _tensors(out)}
+    outs = {storage_key(t) for t in _tensors(out)}
     internal = sum(b for key, b in saved.items() if key not in position and key not in outs and key not in own)
     return internal, sorted(position[key] for key in saved if key in position), bool(outs & set(saved) - set(position))
 

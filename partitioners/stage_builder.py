@@ -18,6 +18,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.node import map_aggregate
 import torch.nn as nn
 
 from .graph import CostGraph
@@ -113,3 +114,23 @@ def stage_graph_module(cg: CostGraph, members: set[str], inputs: list[str],
         cg.state_names.hold_unread(stage, cg.module)
     cg.state_names.apply(stage)
     return stage
+
+
+def retarget_devices(stage: fx.GraphModule, device: torch.device) -> None:
+    """Make the devices ``stage``'s graphs name as constants (``arange(..., device=...)``: torch.export records
+    the device of the capture, the meta device for a model built without data) the stage's own ``device``."""
+    for module in stage.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        moved = []
+
+        def target(value: object) -> object:
+            if isinstance(value, torch.device) and value != device:
+                moved.append(value)
+                return device
+            return value
+
+        for node in module.graph.nodes:
+            node.args, node.kwargs = map_aggregate(node.args, target), map_aggregate(node.kwargs, target)
+        if moved:
+            module.recompile()

@@ -24,9 +24,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .capture import bind_inputs, export_capture, training_call
-from .profiling import estimate, measure, saved_activations, value_bytes
+from .profiling import estimate, measure, saved_activations, storage_key, value_bytes
 from .errors import TraceError
 from .graph import CostGraph
+from .meta import holds_meta_tensors, with_meta_tensors
 from .modes import follow_training_flag
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -291,19 +292,32 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict[str, Any], leaves: Iter
 
 def _trace(model: nn.Module, args: tuple, kwargs: dict[str, Any], dev: torch.device, profile: bool,
            repeats: int, leaves: Iterable[str], capture: str) -> CostGraph:
-    runner = model
-    if any(p.device != dev for p in model.parameters()):
+    # A model on the meta device has shapes and no values: it is captured and costed from shapes alone
+    # (profile=False's estimate), and the checks that compare values (the plain run, eval mode, the chain)
+    # cannot run.
+    meta = holds_meta_tensors(model)
+    runner, run_dev = model, dev
+    if meta:
+        if capture == "chain":
+            raise TraceError(f"{type(model).__name__} is on the meta device: the chain capture must check its "
+                             "children against the model's output, which needs values; fix: make forward() "
+                             "capturable by torch.fx or torch.export")
+        model = runner = with_meta_tensors(model, model)  # buffers accelerate's init_empty_weights leaves real
+        run_dev, profile = torch.device("meta"), False
+    elif any(p.device != dev for p in model.parameters()):
         runner = copy.deepcopy(model).to(dev)  # profile a copy on the target device
     given = set(kwargs)
     if capture == "export":  # export takes keyword arguments, and runs as a training call (no KV cache)
         kwargs = bind_inputs(model, args) if args else kwargs
         args, given = (), set(kwargs)
         kwargs = training_call(model, kwargs)
-    dev_args, dev_kwargs = _to((args, kwargs), dev)
+    dev_args, dev_kwargs = _to((args, kwargs), run_dev)
     training = model.training
+    expected = None
     try:
-        with torch.no_grad():
-            expected = runner(*dev_args, **dev_kwargs)
+        if not meta:  # on the meta device Python code that reads values (mask checks) would fail
+            with torch.no_grad():
+                expected = runner(*dev_args, **dev_kwargs)
     except Exception as exc:
         raise ValueError(f"example_inputs do not fit {type(model).__name__}: "
                          f"{type(exc).__name__}: {exc}; fix: pass one micro-batch exactly as "
@@ -321,16 +335,20 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict[str, Any], dev: torch.dev
         with torch.enable_grad():
             got = interp.run(*inputs)
     except Exception as exc:  # e.g. a child that takes more than its predecessor's output
+        fix = ("; fix: operations whose output shape depends on values (nonzero, boolean indexing: mixture-of-"
+               "experts routing) cannot run without data: wrap the model materialised" if meta else "")
         raise TraceError(f"the {capture} capture of {type(model).__name__} fails on the example inputs: "
-                         f"{type(exc).__name__}: {exc}\n  failing code: {_user_frame(exc)}") from exc
-    if capture == "chain" and not _same(got, expected):
-        raise TraceError(f"chain=True: running the top-level children of {type(model).__name__} "
-                         "in order does not reproduce its output; fix: pass split points or make "
-                         "forward() traceable")
-    _check_eval_mode(runner, run_gm, dev_args, dev_kwargs, inputs, capture, training)
+                         f"{type(exc).__name__}: {exc}\n  failing code: {_user_frame(exc)}{fix}") from exc
+    if not meta:
+        if capture == "chain" and not _same(got, expected):
+            raise TraceError(f"chain=True: running the top-level children of {type(model).__name__} "
+                             "in order does not reproduce its output; fix: pass split points or make "
+                             "forward() traceable")
+        _check_eval_mode(runner, run_gm, dev_args, dev_kwargs, inputs, capture, training)
     graph = _build(model, gm, run_gm, interp, dev, profile, repeats, auto)
     graph.example_output = torch.utils._pytree.tree_map(
-        lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, expected)
+        lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v,
+        got if meta else expected)
     return graph
 
 
@@ -364,7 +382,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
     # Parameters and buffers are passed to the profiler as they are: only activations become grad
     # leaves (a buffer made to require grad breaks F.batch_norm(x, self.running_mean, ...)).
     state = {id(t) for t in run_gm.parameters()} | {id(t) for t in run_gm.buffers()}
-    weights = {t.untyped_storage().data_ptr() for t in (*run_gm.parameters(), *run_gm.buffers())}
+    weights = {storage_key(t) for t in (*run_gm.parameters(), *run_gm.buffers())}
     seen: dict[int, str] = {}  # id(parameter) -> first name
     users_of: dict[str, list[str]] = {}  # first param name -> nodes using it
     run_nodes = dict(zip((n.name for n in gm.graph.nodes), run_gm.graph.nodes))
@@ -416,12 +434,12 @@ def _saved_values(interp: fx.Interpreter, node: fx.Node, fn: Any, args: tuple, k
     """What autograd saves of ``node`` for its backward: bytes it creates and saves, and the names of
     the values (its inputs', its own) it saves. A view of a parameter (an expert's weight transposed
     for a grouped matmul) is the parameter's memory, not an activation: it is not named."""
-    owner = {t.untyped_storage().data_ptr(): n.name for n in node.all_input_nodes
+    owner = {storage_key(t): n.name for n in node.all_input_nodes
              for t in tree_flatten(interp.env.get(n))[0]
-             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in weights}
+             if isinstance(t, torch.Tensor) and storage_key(t) not in weights}
     internal, positions, saves_output = saved_activations(fn, args, kwargs, keep, weights)
     flat = tree_flatten((args, kwargs))[0]
-    names = {owner[key] for key in (flat[i].untyped_storage().data_ptr() for i in positions) if key in owner}
+    names = {owner[key] for key in (storage_key(flat[i]) for i in positions) if key in owner}
     return internal, sorted(names) + ([node.name] if saves_output else [])
 
 
