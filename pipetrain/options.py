@@ -1,6 +1,7 @@
 """The options of ``pipetrain.wrap`` and their validation (one clear error per bad value)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +43,10 @@ class PipelineOptions:
     data_parallel: int = 1
     engine: str = "auto"
     logdir: str | None = None
+    # Where the parameters come from: a Hugging Face checkpoint directory, a .safetensors file, a torch.save'd
+    # state dict or a pipetrain checkpoint directory; each rank reads only its stages' tensors. None: the
+    # model's own (a model on the meta device: each module's initialiser, the same at any stage count).
+    weights: str | os.PathLike | None = None
     # A NaN/inf loss or gradient at a step: "raise" (an error on every rank naming step, stage and
     # parameter) or "skip" (no update on any stage for that step; StepResult.skipped says so).
     nonfinite: str = "raise"
@@ -126,6 +131,10 @@ class PipelineOptions:
                 "weights; use precision='fp32' or staleness='stash'")
         if self.schedule == "interleaved-1f1b" and self.chunks < 2:
             raise ValueError(f"interleaved-1f1b needs chunks >= 2 virtual stages per device, got {self.chunks}")
+        if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
+            raise TypeError(f"weights must be a path (a checkpoint directory or file), got "
+                            f"{type(self.weights).__name__}; fix: save the state dict (torch.save or "
+                            "save_pretrained) and pass its path, or load it into the model before wrap")
         if self.loss_fn is None:
             raise ValueError("loss_fn is required: a callable (output, target) -> scalar loss")
         if isinstance(self.optimizer, torch.optim.Optimizer):

@@ -28,6 +28,7 @@ from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import PrecisionPolicy, precision_policy
 from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.topology import Topology
+from pipetrain.weights.materialise import StageTensors
 
 
 @dataclass
@@ -63,11 +64,14 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     check_default_loss(options.loss_fn, plan.graph.example_output, io.model)
     book.resolve_recompute(plan.recompute)
     topology = Topology(plan, options.stages)
-    stages = build_stages(plan, topology, engine, options, precision.autocast_dtype)
+    tensors = StageTensors.prepare(plan.graph.model, plan.graph.state_names, plan.graph.without_data,
+                                   options.weights, options.seed)
+    stages = build_stages(plan, topology, engine, options, precision.autocast_dtype, tensors)
+    pretrained = PretrainedLayout.of(model)
+    plan.graph = plan.graph.on_meta()  # the stages hold their tensors now: wrap keeps no other copy alive
     links = engine.connect(topology, stages, plan.tied_groups())
     steppers = build_steppers(stages, topology, links, options)
-    return Parts(options, engine, plan, topology, book, precision, stages, links, steppers, io,
-                 PretrainedLayout.of(model))
+    return Parts(options, engine, plan, topology, book, precision, stages, links, steppers, io, pretrained)
 
 
 def reconnect(parts: Parts) -> None:

@@ -16,11 +16,7 @@ from pipetrain.runtime.topology import Topology
 if TYPE_CHECKING:
     from pipetrain.comm.engine import Connections, Engine
     from pipetrain.options import PipelineOptions
-
-
-def materialise(module: nn.Module, device: torch.device) -> nn.Module:
-    """Stage ``module``'s parameters and buffers on ``device``: the one place a stage gets its tensors."""
-    return module.to(device)
+    from pipetrain.weights.materialise import StageTensors
 
 
 def make_optimizer(params: list[nn.Parameter], factory: Callable) -> torch.optim.Optimizer | None:
@@ -35,7 +31,7 @@ def make_optimizer(params: list[nn.Parameter], factory: Callable) -> torch.optim
 
 
 def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, options: PipelineOptions,
-                 autocast_dtype: torch.dtype | None) -> dict[int, StageRuntime]:
+                 autocast_dtype: torch.dtype | None, tensors: StageTensors) -> dict[int, StageRuntime]:
     """The runtimes of the virtual stages this process runs (every one locally; its rank's under torchrun)."""
     V, held = topology.num_stages, set(engine.positions())
     stages = {}
@@ -43,7 +39,7 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         if topology.position_of(v) not in held:
             continue
         device = engine.torch_device(topology.position_of(v))
-        module = materialise(plan.build_stage(v), device)
+        module = tensors.materialise(plan.build_stage(v), device)
         optimizer = make_optimizer(list(module.parameters()), options.optimizer)
         policy = POLICIES[options.policy_name](module, optimizer, v, V, micro_batches=options.micro_batches,
                                                lookahead=options.lookahead)

@@ -1,0 +1,103 @@
+"""A stage's parameters and buffers, made on its own device: the one place a stage gets its tensors.
+
+Three sources, in the order a user meets them:
+
+- the model's own tensors (a model built with data): the stage holds copies of them, moved to its device;
+- a checkpoint (``weights=``): the stage's tensors are made empty on its device and each is read from the
+  file, one at a time; buffers the model keeps out of its state dict (rotary caches) are computed, not read;
+- neither, for a model on the meta device: each module's own initialiser, with a random stream per tensor
+  derived from ``seed`` and its name, so every stage count gives the same initial weights.
+
+Names are checked against the checkpoint once, on every rank alike, before any stage is built, so a
+checkpoint that does not fit raises the same error everywhere and nothing trains.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from partitioners.stage_builder import retarget_devices
+from partitioners.state_names import StateNames
+from pipetrain.weights.initialise import initial_tensors
+from pipetrain.weights.sources import WeightSource, copy_into, match_names, open_weights
+
+
+@dataclass
+class StageTensors:
+    """Where this process's stages get their tensors (module doc)."""
+
+    model: nn.Module                     # the captured model: its meta stand-in when built without data
+    names: StateNames                    # the model's alias groups and state-dict keys
+    without_data: bool                   # the model is on the meta device
+    seed: int
+    source: WeightSource | None = None
+    keys: dict[str, str] = field(default_factory=dict)   # state name -> the checkpoint key it is read from
+
+    @classmethod
+    def prepare(cls, model: nn.Module, names: StateNames, without_data: bool, weights: str | os.PathLike | None,
+                seed: int) -> StageTensors:
+        """Open ``weights`` (if given) and check its names against the whole model's (module doc)."""
+        tensors = cls(model, names, without_data, seed)
+        if weights is not None:
+            tensors.source = open_weights(weights)
+            expected = {n: (t.shape, t.dtype) for n, t in {**names.params, **names.buffers}.items()
+                        if n in names.persistent}
+            groups = {tuple(names.aliases.get(n, [n])) for n in expected}
+            recomputed = set(names.buffers) - names.persistent
+            tensors.keys = match_names(tensors.source.names(), expected,
+                                       [[n for n in g if n in expected] for g in groups], recomputed)
+        return tensors
+
+    def materialise(self, stage: nn.Module, device: torch.device) -> nn.Module:
+        """``stage`` (a stage module the plan built: copies of the model's tensors, meta ones when the model
+        has no data) with its tensors made on ``device`` and filled (module doc)."""
+        retarget_devices(stage, device)
+        state = {**dict(stage.named_parameters(remove_duplicate=False)),
+                 **dict(stage.named_buffers(remove_duplicate=False))}
+        if not self.without_data:
+            stage.to(device)
+            if self.source is not None:
+                moved = {**dict(stage.named_parameters(remove_duplicate=False)),
+                         **dict(stage.named_buffers(remove_duplicate=False))}
+                copy_into(self.source, {n: t for n, t in moved.items() if n in self.keys}, self.keys)
+            return stage
+        groups: dict[int, list[str]] = {}  # names that are one tensor
+        for name, t in state.items():
+            groups.setdefault(id(t), []).append(name)
+        read = [names for names in groups.values() if any(n in self.keys for n in names)]
+        made = initial_tensors(self.model, [n for names in groups.values() if names not in read for n in names],
+                               self.seed)
+        for names in read:
+            empty = _empty_like(state[names[0]])
+            made.update(dict.fromkeys(names, empty))
+        fresh = _replace(stage, state, made, device)
+        if read:
+            copy_into(self.source, {n: fresh[n] for names in read for n in names if n in self.keys}, self.keys)
+        return stage
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised CPU tensor in ``t``'s place; a checkpoint fills it."""
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
+def _replace(stage: nn.Module, state: dict[str, torch.Tensor], made: dict[str, torch.Tensor],
+             device: torch.device) -> dict[str, torch.Tensor]:
+    """Put ``made``'s tensors, moved to ``device``, in place of ``stage``'s meta ones under every name; names
+    that were one tensor stay one tensor."""
+    moved: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, old in state.items():
+        new = made[name]
+        if id(new) not in moved:
+            data = new.detach().to(device)
+            moved[id(new)] = nn.Parameter(data, old.requires_grad) if isinstance(old, nn.Parameter) else data
+        out[name] = moved[id(new)]
+        owner_path, _, leaf = name.rpartition(".")
+        owner = stage.get_submodule(owner_path)
+        table = owner._parameters if isinstance(old, nn.Parameter) else owner._buffers
+        table[leaf] = out[name]
+    return out
