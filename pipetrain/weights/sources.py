@@ -110,6 +110,24 @@ class WeightSource:
 
     def names(self) -> dict[str, TensorInfo]:
         """Every tensor of the checkpoint with its shape and dtype (headers and metadata only, no data)."""
+        return dict(self._listed())
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` on the CPU, in the file's dtype; only its data is read."""
+        return self._reader(self.file_of(name)).tensor(name)
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds ``name`` (reading in file order opens each file once)."""
+        if name not in self._listed():
+            raise WeightsError(f"{self.describe()} has no tensor named {name!r}; take the names to read from "
+                               f"match_names, which checks them against the checkpoint.")
+        return self._file_of[name]
+
+    def describe(self) -> str:
+        """What and where the checkpoint is, for messages."""
+        return self._description
+
+    def _listed(self) -> dict[str, TensorInfo]:
         if self._names is None:
             names: dict[str, TensorInfo] = {}
             for file in self._files:
@@ -121,22 +139,7 @@ class WeightSource:
                         self._file_of[name] = file
             self._check_index(names)
             self._names = names
-        return dict(self._names)
-
-    def read(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` on the CPU, in the file's dtype; only its data is read."""
-        return self._reader(self.file_of(name)).tensor(name)
-
-    def file_of(self, name: str) -> Path:
-        """The file that holds ``name`` (reading in file order opens each file once)."""
-        if name not in self.names():
-            raise WeightsError(f"{self.describe()} has no tensor named {name!r}; take the names to read from "
-                               f"match_names, which checks them against the checkpoint.")
-        return self._file_of[name]
-
-    def describe(self) -> str:
-        """What and where the checkpoint is, for messages."""
-        return self._description
+        return self._names
 
     def _reader(self, file: Path) -> FileReader:
         if self._open is None or self._open[0] != file:
@@ -204,11 +207,9 @@ def _read_index(file: Path) -> dict[str, Path]:
         raise WeightsError(f"{file} is not a Hugging Face index ({type(exc).__name__}: {exc}): expected JSON with "
                            f"a \"weight_map\" of tensor name -> shard file. Save or download the index again."
                            ) from exc
-    root = file.parent.resolve()
     shards = {}
     for shard in sorted(set(weight_map.values())):
-        # An index names its shards relative to itself: anything else could read any file on the machine.
-        if Path(shard).is_absolute() or ".." in Path(shard).parts or not (root / shard).resolve().is_relative_to(root):
+        if not _inside(file.parent, shard):
             raise WeightsError(
                 f"{file} names the shard {shard!r}, which is outside {file.parent}, so nothing was read: an index "
                 f"may name only files in its own directory. The index is damaged or points elsewhere; put the "
@@ -221,6 +222,14 @@ def _read_index(file: Path) -> dict[str, Path]:
                 f"checkpoint again.")
         shards[shard] = file.parent / shard
     return {name: shards[shard] for name, shard in weight_map.items()}
+
+
+def _inside(directory: Path, shard: str) -> bool:
+    """Whether ``shard`` names a file in ``directory`` or below, symlinks resolved: an index names its shards
+    relative to itself, and anything else could read any file on the machine."""
+    root = directory.resolve()
+    return (not Path(shard).is_absolute() and ".." not in Path(shard).parts
+            and (root / shard).resolve().is_relative_to(root))
 
 
 def _load_state_dict(file: Path) -> StateDictFile:
