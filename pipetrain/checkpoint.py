@@ -17,7 +17,8 @@ count or engine (re-partitioned) and ``export_state_dict`` gives the unsplit mod
 
 No process ever holds the whole model: the manifest lists the names each stage file holds, so a load
 opens only the files its stages need, and memory-maps them (a tensor is paged in when it is copied into
-the stage).
+the stage). It also records the model's canonical names and Hugging Face config, from which
+``pipetrain export --hf`` writes a ``from_pretrained`` directory one stage file at a time.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from pipetrain.runtime.staleness import StalenessPolicy
 
 if TYPE_CHECKING:
     from pipetrain.assembly import Parts
+    from pipetrain.pretrained import PretrainedLayout
 
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are removed after a successful save
@@ -82,6 +84,7 @@ class PipelineView:
     updates: int                   # optimizer steps taken: the step a save is filed under
     stages: dict[int, StageState]  # the stages this process holds, by virtual stage index
     role: CheckpointRole
+    pretrained: PretrainedLayout   # canonical names and config, recorded for `pipetrain export --hf`
 
 
 def view_of(parts: Parts, updates: int, streaming: bool) -> PipelineView:
@@ -94,7 +97,7 @@ def view_of(parts: Parts, updates: int, streaming: bool) -> PipelineView:
     else:
         role = CheckpointRole(world.replica == 0, world.rank == 0, "distributed",
                               lambda: dist.barrier(group=world.checkpoint), streaming)
-    return PipelineView(parts.plan, parts.options, updates, stages, role)
+    return PipelineView(parts.plan, parts.options, updates, stages, role, parts.pretrained)
 
 
 def load_module_state(stages: dict[int, torch.nn.Module], state: dict[str, torch.Tensor], strict: bool,
@@ -449,9 +452,11 @@ def _plan_layout(pipe: PipelineView) -> list:
 
 def _manifest(pipe: PipelineView, role: CheckpointRole, entries: dict[str, dict]) -> dict:
     o = pipe.options
+    config = pipe.pretrained.config_json()
     return {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages,
             "files": {name: e["file"] for name, e in entries.items()},
             "keys": {name: e["keys"] for name, e in entries.items()},
+            "canonical": pipe.pretrained.canonical, **({"hf_config": config} if config is not None else {}),
             "devices": o.stages, "data_parallel": o.data_parallel, "plan_layout": _plan_layout(pipe),
             "plan": pipe.plan.to_json(), "schedule": o.schedule, "staleness": o.staleness,
             "micro_batches": o.micro_batches, "precision": o.precision,
