@@ -14,6 +14,11 @@ checkpoint ``latest`` names, and a save refuses to go below a newer checkpoint a
 in the directory (another run's), so neither a rerun nor a rollback can lose a run silently.
 Optimizer state is stored by parameter name, so a checkpoint loads into another stage
 count or engine (re-partitioned) and ``export_state_dict`` gives the unsplit model's dict.
+
+No process ever holds the whole model: the manifest lists the names each stage file holds, so a load
+opens only the files its stages need, and memory-maps them (a tensor is paged in when it is copied into
+the stage). It also records the model's canonical names and Hugging Face config, from which
+``pipetrain export --hf`` writes a ``from_pretrained`` directory one stage file at a time.
 """
 from __future__ import annotations
 
@@ -33,11 +38,13 @@ import torch.distributed as dist
 
 from partitioners import Plan
 from pipetrain.options import PipelineOptions
+from pipetrain.pretrained import CONFIG, MAX_SHARD_BYTES, ShardWriter, write_index
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.staleness import StalenessPolicy
 
 if TYPE_CHECKING:
     from pipetrain.assembly import Parts
+    from pipetrain.pretrained import PretrainedLayout
 
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are removed after a successful save
@@ -78,6 +85,7 @@ class PipelineView:
     updates: int                   # optimizer steps taken: the step a save is filed under
     stages: dict[int, StageState]  # the stages this process holds, by virtual stage index
     role: CheckpointRole
+    pretrained: PretrainedLayout   # canonical names and config, recorded for `pipetrain export --hf`
 
 
 def view_of(parts: Parts, updates: int, streaming: bool) -> PipelineView:
@@ -90,7 +98,7 @@ def view_of(parts: Parts, updates: int, streaming: bool) -> PipelineView:
     else:
         role = CheckpointRole(world.replica == 0, world.rank == 0, "distributed",
                               lambda: dist.barrier(group=world.checkpoint), streaming)
-    return PipelineView(parts.plan, parts.options, updates, stages, role)
+    return PipelineView(parts.plan, parts.options, updates, stages, role, parts.pretrained)
 
 
 def load_module_state(stages: dict[int, torch.nn.Module], state: dict[str, torch.Tensor], strict: bool,
@@ -254,8 +262,15 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer | None, by_name: dict[
         for p in g["params"]:
             state = by_name.get(names[id(p)])
             if state is not None:
-                optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                                      for k, v in state.items()}
+                optimizer.state[p] = {k: _owned(v, p.device) for k, v in state.items()}
+
+
+def _owned(value: Any, device: torch.device) -> Any:
+    """A saved optimizer value in memory of its own, not in the memory-mapped stage file (retention deletes
+    it later): per-parameter tensors on the parameter's device, scalars (Adam's step) on the CPU."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device, copy=True) if value.dim() > 0 else value.clone()
 
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -290,22 +305,28 @@ def read_manifest(path: Path) -> dict:
 
 
 def read_stage_file(path: Path, v: int, manifest: dict) -> dict:
-    """Stage ``v``'s file of step directory ``path``, verified against the manifest's size and sha256."""
+    """Stage ``v``'s file of step directory ``path``, verified against the manifest's size and sha256.
+
+    The file is hashed in chunks and then memory-mapped, so its tensors are paged in only where they are
+    used: reading a stage never holds a copy of it in memory."""
     file = path / f"stage{v}.pt"
     fix = f"Nothing was loaded or changed. {_alternatives(path.parent, exclude=path)}"
+    digest, size = manifest["files"][file.name].split()
     try:
-        data = file.read_bytes()
+        with open(file, "rb") as f:
+            found = os.fstat(f.fileno()).st_size
+            # A file of the wrong size cannot match: no need to read it through.
+            matches = found == int(size) and hashlib.file_digest(f, "sha256").hexdigest() == digest
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing, though {path / 'manifest.json'} lists {manifest['stages']} "
                               f"stage files. {fix}") from None
-    digest, size = manifest["files"][file.name].split()
-    if len(data) != int(size) or hashlib.sha256(data).hexdigest() != digest:
+    if not matches:
         raise CheckpointError(
-            f"{file} does not match {path / 'manifest.json'} ({len(data)} bytes, the manifest recorded {size}; "
+            f"{file} does not match {path / 'manifest.json'} ({found} bytes, the manifest recorded {size}; "
             f"sha256 differs): the file is truncated or corrupted, or the manifest and the file come from "
             f"different saves. {fix}")
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for a damaged zip; one clear error instead
         raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0]}): it is "
                               f"truncated or corrupted. {fix}") from exc
@@ -322,6 +343,50 @@ def export_state_dict(root: str | os.PathLike) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for stage in read_stage_files(path, manifest):
         out.update(stage["module"])
+    return out
+
+
+@dataclass(frozen=True)
+class PretrainedExport:
+    """What ``export_pretrained`` wrote."""
+
+    directory: Path
+    shards: list[str]  # the safetensors files, in order
+    has_config: bool   # False: the checkpoint records no Hugging Face config, no config.json was written
+
+
+def export_pretrained(root: str | os.PathLike, out: str | os.PathLike,
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> PretrainedExport:
+    """Write the newest checkpoint under ``root`` (or that step directory) as the Hugging Face directory ``out``.
+
+    Stage files are read one at a time, memory-mapped, and each tensor is written once under its canonical
+    name, so this process holds at most the tensors of one stage file and one shard being filled."""
+    source = checkpoint_dir(root)
+    manifest = read_manifest(source)
+    canonical = manifest.get("canonical", {})  # older checkpoints: every name is written as it is
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = ShardWriter(directory, max_shard_bytes)
+    for v in range(manifest["stages"]):
+        # Nothing of a stage file outlives this statement (the writer copies what it keeps): its mapping is
+        # gone before the next file opens.
+        shards.add(_unwritten(read_stage_file(source, v, manifest)["module"], canonical, shards.shard_of))
+    total = shards.close()
+    weight_map = shards.finish(0, total)
+    write_index(directory, [(weight_map, shards.size)], total)
+    config = manifest.get("hf_config")
+    if config is not None:
+        (directory / CONFIG).write_text(config)
+    return PretrainedExport(directory, sorted(set(weight_map.values())), config is not None)
+
+
+def _unwritten(state: dict[str, torch.Tensor], canonical: dict[str, str],
+               written: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``state``'s tensors under their canonical names, each once, less the names already ``written``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if canonical.get(name, name) not in written:
+            out.setdefault(canonical.get(name, name), t)
     return out
 
 
@@ -342,14 +407,15 @@ def save_pipeline(pipe: PipelineView, path: str | os.PathLike) -> Path:
         fsync_dir(root.parent)
     if role.writes_stages:
         for v, stage in pipe.stages.items():
-            digest = atomic_save(_stage_payload(stage), target / f"stage{v}.pt")
-            atomic_write_text(digest, target / f"stage{v}.sha256")  # rank 0 puts it into the manifest
+            payload = _stage_payload(stage)
+            entry = {"file": atomic_save(payload, target / f"stage{v}.pt"), "keys": list(payload["module"])}
+            atomic_write_text(json.dumps(entry), target / f"stage{v}.entry")  # rank 0 puts it into the manifest
         fsync_dir(target)
     role.barrier()
     if role.writes_manifest:
-        files = {f"stage{v}.pt": (target / f"stage{v}.sha256").read_text().strip()
-                 for v in range(pipe.plan.num_stages)}
-        atomic_write_text(json.dumps(_manifest(pipe, role, files), indent=1), target / "manifest.json")
+        entries = {f"stage{v}.pt": json.loads((target / f"stage{v}.entry").read_text())
+                   for v in range(pipe.plan.num_stages)}
+        atomic_write_text(json.dumps(_manifest(pipe, role, entries), indent=1), target / "manifest.json")
         fsync_dir(target)
         publish(root, pipe.updates)
     role.barrier()
@@ -360,16 +426,18 @@ def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
     """Load the newest checkpoint under ``path`` into ``pipe``, whatever stage layout saved it; returns
     the step it was saved at.
 
-    Every file is read and checked before anything in ``pipe`` changes, so a failed load leaves
-    the pipeline as it was (and never writes to the checkpoint)."""
+    Only the stage files holding this process's names are opened (`files_to_read`), memory-mapped, and
+    only those names are copied in. Every file used is read and checked before anything in ``pipe``
+    changes, so a failed load leaves the pipeline as it was (and never writes to the checkpoint)."""
     source = checkpoint_dir(path)
     manifest = read_manifest(source)
     same_layout = manifest["plan_layout"] == _plan_layout(pipe)
     stages = pipe.stages
-    wanted = sorted(stages) if same_layout else range(manifest["stages"])
-    files = {v: read_stage_file(source, v, manifest) for v in wanted}
-    module_state = {k: t for f in files.values() for k, t in f["module"].items()}
-    optimizer_state = {k: st for f in files.values() for k, st in f["optimizer"]["state"].items()}
+    needed = {k for stage in stages.values() for k in stage.module.state_dict()}
+    files = {v: read_stage_file(source, v, manifest) for v in files_to_read(manifest, stages, needed, same_layout)}
+    # In file order, a later file's copy of a name wins: tied copies are equal, so any one would do.
+    module_state = {k: t for f in files.values() for k, t in f["module"].items() if k in needed}
+    optimizer_state = {k: st for f in files.values() for k, st in f["optimizer"]["state"].items() if k in needed}
     groups = next((f["optimizer"]["groups"] for f in files.values() if f["optimizer"]["groups"]), [])
     for v, stage in stages.items():
         own = stage.module.state_dict()
@@ -395,6 +463,21 @@ def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
     return manifest["step"]
 
 
+def files_to_read(manifest: dict, stages: dict[int, StageState], needed: set[str], same_layout: bool) -> list[int]:
+    """The stage files a load of ``stages`` (holding the names ``needed``) opens: under the saved layout their
+    own files; otherwise, per needed name, the last file the manifest lists it in. Every file when the
+    manifest has no key lists (older checkpoints) or lacks a needed name (its files are then checked, so
+    the error names the real cause: a mixed-up file, or another model)."""
+    if same_layout:
+        return sorted(stages)
+    listed = manifest.get("keys", {})
+    holder = {k: v for v in range(manifest["stages"]) for k in listed.get(f"stage{v}.pt", [])}
+    if not needed <= holder.keys():
+        return list(range(manifest["stages"]))
+    # The loss scaler's state is in every file: one is read even for stages without parameters.
+    return sorted({holder[k] for k in needed}) or [0]
+
+
 def _param_names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
 
@@ -412,9 +495,13 @@ def _plan_layout(pipe: PipelineView) -> list:
     return [plan["order"], plan["cuts"]]
 
 
-def _manifest(pipe: PipelineView, role: CheckpointRole, files: dict[str, str]) -> dict:
+def _manifest(pipe: PipelineView, role: CheckpointRole, entries: dict[str, dict]) -> dict:
     o = pipe.options
-    return {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages, "files": files,
+    config = pipe.pretrained.config_json()
+    return {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages,
+            "files": {name: e["file"] for name, e in entries.items()},
+            "keys": {name: e["keys"] for name, e in entries.items()},
+            "canonical": pipe.pretrained.canonical, **({"hf_config": config} if config is not None else {}),
             "devices": o.stages, "data_parallel": o.data_parallel, "plan_layout": _plan_layout(pipe),
             "plan": pipe.plan.to_json(), "schedule": o.schedule, "staleness": o.staleness,
             "micro_batches": o.micro_batches, "precision": o.precision,

@@ -116,6 +116,33 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face directory that from_pretrained loads, "
+                                      "one stage file at a time")
+    p.add_argument("--hf", action="store_true", required=True,
+                   help="as safetensors shards, their index and config.json (the one format so far)")
+    p.add_argument("checkpoint", help="a checkpoint directory (its newest checkpoint, as pipe.load takes) "
+                                      "or one step directory")
+    p.add_argument("out", help="the directory to write")
+    p.add_argument("--max-shard-size", type=int, default=5 * 10 ** 9, metavar="BYTES",
+                   help="largest safetensors file; a larger tensor gets a file of its own (default 5e9)")
+    return p
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from pipetrain.checkpoint import export_pretrained
+
+    if args.max_shard_size <= 0:
+        raise ValueError(f"--max-shard-size must be a positive number of bytes, not {args.max_shard_size}")
+    export = export_pretrained(args.checkpoint, args.out, args.max_shard_size)
+    print(f"wrote {len(export.shards)} safetensors file(s) to {export.directory}")
+    if not export.has_config:
+        print(f"config.json is missing: the checkpoint records no Hugging Face config (the model has none, or it "
+              f"was saved by an older pipetrain). Copy the model's config.json into {export.directory} before "
+              f"from_pretrained({str(export.directory)!r}).")
+    return 0
+
+
 def _app(name: str, module: str, add: str, run: str, help: str) -> tuple[Callable, Callable[[argparse.Namespace], int]]:
     """A subcommand whose arguments and body live in pipetrain.apps.<module> (imported when used)."""
     def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -133,6 +160,7 @@ def _app(name: str, module: str, add: str, run: str, help: str) -> tuple[Callabl
 SUBCOMMANDS: dict[str, tuple[Callable, Callable[[argparse.Namespace], int]]] = {
     "simulate": (_add_simulate, _run_simulate),
     "plan": (_add_plan, _run_plan),
+    "export": (_add_export, _run_export),
     "compare": _app("compare", "compare", "add_arguments_compare", "run_compare",
                     "train one model with data parallelism, sync 1f1b and async vanilla/stash/spectrain; "
                     "TensorBoard runs, PNG and table"),

@@ -1,10 +1,12 @@
 """The way back to the Hugging Face ecosystem: a pipeline written as a ``from_pretrained`` directory.
 
-Every process writes the tensors of the stages it holds, so no process ever holds the whole model: a
-tensor goes once into the files, under the name the model's own state dict gives first among its aliases
-(GPT-2's ``transformer.wte.weight``, not its tied ``lm_head.weight``; T5's ``shared.weight``), written by
-the lowest stage that holds it. The shards are numbered across the ranks (``model-00001-of-0000N``), the
-index maps each name to its shard, and the model's ``config.json`` is written beside them when it has one.
+Two writers share the directory's layout (``ShardWriter``, ``write_index``): ``save_pretrained``, where every
+process writes the tensors of the stages it holds, and ``checkpoint.export_pretrained``, which writes a
+checkpoint one stage file at a time; so no process ever holds the whole model. A tensor goes once into the
+files, under the name the model's own state dict gives first among its aliases (GPT-2's
+``transformer.wte.weight``, not its tied ``lm_head.weight``; T5's ``shared.weight``). The shards are
+numbered across the writers (``model-00001-of-0000N``), the index maps each name to its shard, and the
+model's ``config.json`` is written beside them when it has one.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from torch import nn
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+CONFIG = "config.json"
+MAX_SHARD_BYTES = 5 * 10 ** 9  # as Hugging Face's save_pretrained
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,11 @@ class PretrainedLayout:
         canonical = {n: min(names, key=order.__getitem__) for names in groups.values() for n in names}
         return cls(canonical, getattr(model, "config", None))
 
+    def config_json(self) -> str | None:
+        """The text of the ``config.json`` the config's ``save_pretrained`` writes; None without a Hugging Face
+        config."""
+        return self.config.to_json_string() if hasattr(self.config, "to_json_string") else None
+
 
 def own_tensors(stages: dict[int, nn.Module], layout: PretrainedLayout,
                 tied: list[list[tuple[int, str]]]) -> dict[str, torch.Tensor]:
@@ -55,51 +64,92 @@ def own_tensors(stages: dict[int, nn.Module], layout: PretrainedLayout,
     return out
 
 
-def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Names in order, cut into groups of at most ``max_bytes`` (a larger tensor has a group of its own)."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    return groups if groups[-1] else []
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _shard_name(number: int, total: int) -> str:
+    """The file name of shard ``number`` (from 1) of ``total``, as ``from_pretrained`` looks for it."""
+    return SINGLE if total == 1 else f"model-{number:05d}-of-{total:05d}.safetensors"
+
+
+class ShardWriter:
+    """One writer's safetensors shards in a Hugging Face directory: tensors are added in order, a shard is written
+    when the next tensor would take it above ``max_shard_bytes`` (a larger tensor gets one of its own), and the
+    shards are named once every writer's count is known (`finish`)."""
+
+    def __init__(self, root: Path, max_shard_bytes: int, writer: int = 0):
+        self.root = root
+        self.max_shard_bytes = max_shard_bytes
+        self.writer = writer                 # tells the provisional names of concurrent writers apart
+        self.files: list[Path] = []          # written shards under provisional names, in order
+        self.shard_of: dict[str, int] = {}   # name added -> position of its shard in ``files``
+        self.size = 0                        # bytes of the tensors added
+        self._filling: dict[str, torch.Tensor] = {}
+        self._filling_bytes = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Add ``tensors`` (names not added before); they are copied, so the caller may drop them at once."""
+        for name, t in tensors.items():
+            if self._filling and self._filling_bytes + _nbytes(t) > self.max_shard_bytes:
+                self._write_filling()
+            # A copy on the CPU: it outlives the caller's memory-mapped file, and safetensors refuses tensors
+            # sharing storage (views).
+            self._filling[name] = t.detach().to("cpu", copy=True).contiguous()
+            self._filling_bytes += _nbytes(t)
+            self.size += _nbytes(t)
+            self.shard_of[name] = len(self.files)
+
+    def close(self) -> int:
+        """Write the last shard; returns how many this writer wrote."""
+        if self._filling:
+            self._write_filling()
+        return len(self.files)
+
+    def finish(self, first: int, total: int) -> dict[str, str]:
+        """Give the shards their names, numbered after the ``first`` shards of earlier writers among ``total``;
+        returns this writer's name -> file."""
+        names = [_shard_name(first + j + 1, total) for j in range(len(self.files))]
+        for file, name in zip(self.files, names):
+            os.replace(file, self.root / name)
+        return {n: names[j] for n, j in self.shard_of.items()}
+
+    def _write_filling(self) -> None:
+        file = self.root / f".model-{self.writer}-{len(self.files)}.safetensors.partial"
+        save_file(self._filling, str(file), metadata={"format": "pt"})
+        self.files.append(file)
+        self._filling, self._filling_bytes = {}, 0
+
+
+def write_index(root: Path, maps: list[tuple[dict[str, str], int]], total: int) -> None:
+    """The index of ``total`` shards from every writer's (name -> file, bytes); one file needs none."""
+    if total > 1:
+        index = {"metadata": {"total_size": sum(size for _, size in maps)},
+                 "weight_map": dict(sorted((k, v) for m, _ in maps for k, v in m.items()))}
+        (root / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def save_pretrained(path: str | os.PathLike, tensors: dict[str, torch.Tensor], layout: PretrainedLayout,
-                    group: Any = None, max_shard_bytes: int = 5 * 10 ** 9) -> Path:
+                    group: Any = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write ``tensors`` (this process's share, ``own_tensors``) into the Hugging Face directory ``path``;
     under torchrun every rank calls it with its ``group`` (all ranks; ranks of other replicas pass nothing)."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    mine = _shards(tensors, max_shard_bytes)
-    counts = [len(mine)]
+    rank = dist.get_rank(group) if group is not None else 0
+    shards = ShardWriter(root, max_shard_bytes, rank)
+    shards.add(tensors)
+    count = shards.close()
+    counts = [count]
     if group is not None:
         counts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(counts, len(mine), group=group)
-    rank = dist.get_rank(group) if group is not None else 0
-    total, first = sum(counts), sum(counts[:rank])
-    weight_map: dict[str, str] = {}
-    size = 0
-    for j, names in enumerate(mine):
-        file = SINGLE if total == 1 else f"model-{first + j + 1:05d}-of-{total:05d}.safetensors"
-        # Copies on the CPU, one shard at a time: safetensors refuses tensors sharing storage (views).
-        shard = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
-        save_file(shard, str(root / file), metadata={"format": "pt"})
-        size += sum(t.numel() * t.element_size() for t in shard.values())
-        weight_map.update(dict.fromkeys(names, file))
-    maps = [(weight_map, size)]
+        dist.all_gather_object(counts, count, group=group)
+    mine = (shards.finish(sum(counts[:rank]), sum(counts)), shards.size)
+    maps = [mine]
     if group is not None:
         maps = [None] * dist.get_world_size(group)
-        dist.all_gather_object(maps, (weight_map, size), group=group)
+        dist.all_gather_object(maps, mine, group=group)
     if rank == 0:
-        if total > 1:
-            index = {"metadata": {"total_size": sum(s for _, s in maps)},
-                     "weight_map": dict(sorted((k, v) for m, _ in maps for k, v in m.items()))}
-            (root / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        write_index(root, maps, sum(counts))
         if hasattr(layout.config, "save_pretrained"):
             layout.config.save_pretrained(root)
     if group is not None:

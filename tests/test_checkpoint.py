@@ -253,7 +253,7 @@ def test_files_and_directories_are_fsynced_before_latest_flips(tmp_path, monkeyp
     for i, e in enumerate(events):
         if e[0] == "fsync":
             synced.setdefault(e[1], []).append(i)
-    for name in ("stage0.pt", "stage1.pt", "manifest.json", "stage0.sha256", "stage1.sha256"):
+    for name in ("stage0.pt", "stage1.pt", "manifest.json", "stage0.entry", "stage1.entry"):
         dst = f"{step}/{name}"
         src = next(e[1] for e in events if e[0] == "replace" and e[2] == dst)
         assert min(synced.get(src, [len(events)])) < replaces[dst], f"{name} renamed before its data was synced"
@@ -310,3 +310,76 @@ def test_a_manifest_of_another_model_is_refused(tmp_path):
     other = two_checkpoints(tmp_path / "skip", name="skip")
     (step / "manifest.json").write_bytes((other / "manifest.json").read_bytes())
     assert_refused(tmp_path / "mlp", r"stage0\.pt does not match .*manifest\.json")
+
+
+# ----- no process holds the whole model: loads open only what they need, memory-mapped -----
+
+def file_mappings(directory):
+    """(start, end, file) of every region of this process's memory mapped from a file under ``directory``."""
+    out = []
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip().startswith(str(directory)):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            out.append((start, end, fields[5].strip()))
+    return out
+
+
+def mapped_from(t, mappings):
+    """The file whose mapping holds ``t``'s data, or None."""
+    return next((f for start, end, f in mappings if start <= t.data_ptr() < end), None)
+
+
+needs_proc_maps = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+
+
+@needs_proc_maps
+def test_a_stage_file_is_read_memory_mapped(tmp_path):
+    step = two_checkpoints(tmp_path)
+    manifest = ckpt.read_manifest(step)
+    module = ckpt.read_stage_file(step, 1, manifest)["module"]
+    mappings = file_mappings(step)
+    assert module and all(mapped_from(t, mappings) == str(step / "stage1.pt") for t in module.values())
+
+
+@needs_proc_maps
+def test_loaded_optimizer_state_does_not_stay_in_the_checkpoint_files(tmp_path):
+    two_checkpoints(tmp_path)
+    pipe = new_pipe(name="mlp")
+    pipe.load(tmp_path)
+    state = [t for rt in pipe.held_stages.values() for s in rt.optimizer.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor)]
+    mappings = file_mappings(tmp_path)
+    assert state and not [mapped_from(t, mappings) for t in state if mapped_from(t, mappings)]
+
+
+def load_counting_files(rank, world, root):
+    """Load the 4-stage checkpoint into this rank's stage of 2, noting every file torch.load opens."""
+    pipe = new_pipe("distributed", world, name="skip")
+    opened, real_load = [], torch.load
+
+    def counting_load(f, *args, **kwargs):
+        opened.append(os.path.basename(f))
+        return real_load(f, *args, **kwargs)
+
+    torch.load = counting_load
+    try:
+        pipe.load(root)
+    finally:
+        torch.load = real_load
+    return {"opened": opened, "state": pipe.state_dict()}
+
+
+def test_each_rank_opens_only_the_stage_files_holding_its_names(tmp_path):
+    four = new_pipe(stages=4, name="skip")
+    train(four, stream("skip", 3))
+    four.save(tmp_path / "ckpt")
+    saved = {v: set(rt.module.state_dict()) for v, rt in four.held_stages.items()}
+    per_rank = run_world(2, "test_checkpoint", "load_counting_files", tmp_path / "ranks", str(tmp_path / "ckpt"))
+    for rank, result in enumerate(per_rank):
+        expected = [f"stage{v}.pt" for v, names in saved.items() if names & set(result["state"])]
+        assert result["opened"] == expected, rank
+    assert all(len(r["opened"]) < 4 for r in per_rank)  # neither rank read the whole model
+    merged = {k: v for r in per_rank for k, v in r["state"].items()}
+    assert set(merged) == set(four.state_dict())
+    assert all(torch.equal(merged[k], v) for k, v in four.state_dict().items())
