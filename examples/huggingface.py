@@ -10,6 +10,11 @@ cannot), with the batch and sequence dimensions dynamic, so every batch length r
     python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness stash
     python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness spectrain --precision fp32
     torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2 --save-pretrained out/gpt2
+    torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2 --weights out/gpt2   # fine-tune it
+
+With ``--weights DIR`` (a Hugging Face directory: ``config.json`` and safetensors) the model is built from the
+directory's config on the meta device, as models too large for one process are: no process ever holds the
+whole model, and each rank reads only its own stage's tensors from DIR.
 """
 from __future__ import annotations
 
@@ -87,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     add_arguments(parser, ["gpt2", "llama"])
     parser.add_argument("--save-pretrained", metavar="OUT", help="write the trained model as a Hugging Face "
                         "directory (from_pretrained loads it); every rank writes its own stage")
+    parser.add_argument("--weights", metavar="DIR", help="fine-tune from this Hugging Face directory (config.json "
+                        "and safetensors): the model is built on the meta device, each rank reads its own stage")
     parser.set_defaults(precision="bf16")
     args = parser.parse_args(argv)
     c = config_from_args(args)
@@ -97,12 +104,18 @@ def main(argv: list[str] | None = None) -> None:
     train = Subset(train, range(min(len(train), c.train_samples or len(train))))
     val = Subset(val, range(min(len(val), c.val_samples or len(val))))
     info = dataset_info("text")
-    torch.manual_seed(c.seed)  # the same initial weights on every rank and engine
-    model = build(c.model, info.num_classes, width, depth, info.input_shape[0])
+    if args.weights:
+        config = transformers.AutoConfig.from_pretrained(args.weights)
+        with torch.device("meta"):  # shapes only: each rank makes and reads its own stage's tensors
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        width, depth = config.hidden_size, config.num_hidden_layers
+    else:
+        torch.manual_seed(c.seed)  # the same initial weights on every rank and engine
+        model = build(c.model, info.num_classes, width, depth, info.input_shape[0])
     example = padded_batch(train, list(range(max(1, size // (c.micro_batches * c.data_parallel)))))
     pipe = pipetrain.wrap(model, example, stages=c.stages, micro_batches=c.micro_batches, schedule=c.schedule,
                           staleness=c.staleness, partitioner=c.partitioner, loss_fn=pipetrain.model_loss, precision=c.precision,
-                          data_parallel=c.data_parallel, logdir=c.logdir, seed=c.seed,
+                          data_parallel=c.data_parallel, logdir=c.logdir, seed=c.seed, weights=args.weights,
                           profile=c.partitioner in ("graph", "time"),
                           optimizer=optimizer_factory(c.optimizer, lr, c.momentum))
     val_log = None
@@ -132,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         pipe.save_pretrained(args.save_pretrained)
     pipe.close()
     if is_rank_zero():
-        print(f"{c.model} ({width} wide, {depth} layers) on text, {c.describe()}, {epochs} epochs ({pipe.updates} "
+        print(f"{type(model).__name__ if args.weights else c.model} ({width} wide, {depth} layers) on text, {c.describe()}, {epochs} epochs ({pipe.updates} "
               f"steps): min train loss {min(train_losses):.4f}, min val loss {min(val_losses):.4f}, max val accuracy "
               f"{100 * max(accuracies):.2f}%, {time.perf_counter() - start:.1f} s", flush=True)
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from _example_runs import CASES, COMMON, EXAMPLES
 
 
@@ -21,3 +23,28 @@ def test_script_under_torchrun(tmp_path):
     summary = [line for line in done.stdout.splitlines() if "max val accuracy" in line]
     assert len(summary) == 1 and "2 epochs (24 steps)" in summary[0]  # printed by rank 0 only
     assert (tmp_path / "ckpt" / "latest").exists()
+
+
+def test_huggingface_example_fine_tunes_its_saved_model_under_torchrun(tmp_path):
+    # Pretrain (one process, 1f1b) and write a Hugging Face directory; then fine-tune it under torchrun with
+    # async-1f1b: the model is built on the meta device from the directory's config and every rank reads its
+    # own stage; the result is written again and loads with from_pretrained.
+    import transformers
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = [*COMMON, "--model", "gpt2", "--width", "16", "--depth", "1", "--micro-batches", "2", "--lr", "0.1"]
+    first = subprocess.run([sys.executable, str(EXAMPLES / "huggingface.py"), *common, "--schedule", "1f1b",
+                            "--save-pretrained", str(tmp_path / "pretrained")],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    tuned = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "huggingface.py"), *common,
+         "--schedule", "async-1f1b", "--staleness", "stash", "--weights", str(tmp_path / "pretrained"),
+         "--save-pretrained", str(tmp_path / "tuned")], capture_output=True, text=True, env=env, timeout=300)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    summary = [line for line in tuned.stdout.splitlines() if "max val accuracy" in line]
+    assert len(summary) == 1 and summary[0].startswith("GPT2LMHeadModel"), tuned.stdout[-2000:]
+    before = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained").state_dict()
+    after = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "tuned").state_dict()
+    assert set(before) == set(after) and any(not torch.equal(before[k], after[k]) for k in before)

@@ -21,6 +21,7 @@ and a CNN (VGG-11 at width 16, 32x32 RGB), both split into 4 stages by the graph
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import tempfile
@@ -141,7 +142,8 @@ def _rank(rank: int, port: int, out: str) -> None:
         ours = LiveActivations(_weights(pipe.state_dict().values()))  # this rank's parameters and buffers
         with ours:
             list(pipe.train([(x, y)]))
-        stage = PipelineStage(pipe.plan.build_stage(rank), rank, STAGES, torch.device("cpu"))
+        (held,) = pipe.held_stages.values()
+        stage = PipelineStage(copy.deepcopy(held.module), rank, STAGES, torch.device("cpu"))
         optimizer = sgd(stage.submod.parameters())
         schedule = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=F.cross_entropy)
 

@@ -74,6 +74,12 @@ def make_batches(count: int, batch_size: int) -> list[tuple[torch.Tensor, torch.
             for _ in range(count)]
 
 
+def stage_copy(pipe: pipetrain.Pipeline) -> torch.nn.Module:
+    """A copy of the stage module this rank runs in ``pipe`` (its weights as they are now)."""
+    (stage,) = pipe.held_stages.values()
+    return copy.deepcopy(stage.module)
+
+
 def torch_pipeline(stage_module: torch.nn.Module, rank: int, micro_batches: int):
     """torch.distributed.pipelining's 1F1B over `stage_module` (this rank's half), on its own group."""
     group = dist.new_group(list(range(WORLD)))
@@ -136,8 +142,8 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
                               engine="distributed")
 
     pt_sync = wrap("1f1b")
-    # The same halves pipetrain runs, freshly copied from the unchanged model: identical initial weights.
-    torch_step = torch_pipeline(pt_sync.plan.build_stage(rank), rank, m)
+    # The same half pipetrain runs, copied before any step: identical initial weights.
+    torch_step = torch_pipeline(stage_copy(pt_sync), rank, m)
     first = check_same_loss(pt_sync.step, torch_step, batches[0], rank)
     stash, spec = wrap("async-1f1b", "stash"), wrap("async-1f1b", "spectrain")
     zero_bubble = wrap("zb-h1")
@@ -225,7 +231,7 @@ def tiny_worker(rank: int, port: int, args: argparse.Namespace) -> None:
     model = tiny_model()
     pipe = pipetrain.wrap(model, batches[0][0][:4], stages=WORLD, micro_batches=m, partitioner=["4"],
                           loss_fn=F.cross_entropy, optimizer=sgd, profile=False, engine="distributed")
-    torch_step = torch_pipeline(pipe.plan.build_stage(rank), rank, m)
+    torch_step = torch_pipeline(stage_copy(pipe), rank, m)
     first = check_same_loss(pipe.step, torch_step, batches[0], rank)
     variants = {PT_1F1B: pipe.step, TORCH_1F1B: torch_step}
     for step in variants.values():

@@ -39,7 +39,7 @@ def optimizer_state_factor(optimizer: Callable[[list[torch.nn.Parameter]], torch
     """Bytes of optimizer state per parameter byte (SGD with momentum 1, Adam 2), found by stepping the
     factory's optimizer once on a scratch parameter (per-tensor scalars such as Adam's step count are
     left out: they do not grow with the model)."""
-    p = torch.nn.Parameter(torch.zeros(1024))
+    p = torch.nn.Parameter(torch.zeros(64))
     opt = optimizer([p])
     if not isinstance(opt, torch.optim.Optimizer):  # the stages' construction reports it, with the fix
         return 0.0
