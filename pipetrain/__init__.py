@@ -15,7 +15,8 @@ from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.nonfinite import NonFiniteError
 from pipetrain.options import PipelineOptions
 from pipetrain.pipeline import Pipeline
+from pipetrain.weights.errors import InitialisationError, WeightsError
 
 __all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult", "export_state_dict", "CheckpointError",
-           "NonFiniteError", "PeerFailure", "model_loss"]
+           "NonFiniteError", "PeerFailure", "model_loss", "WeightsError", "InitialisationError"]
 __version__ = version("pipetrain")  # one source: pyproject.toml

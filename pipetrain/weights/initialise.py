@@ -20,11 +20,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipetrain.weights.errors import InitialisationError
+
 _META = torch.device("meta")
-
-
-class InitialisationError(ValueError):
-    """A requested tensor that the model lacks, or that none of the model's initialisers writes."""
 
 
 @dataclass
