@@ -43,7 +43,6 @@ from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.staleness import StalenessPolicy
 
 if TYPE_CHECKING:
-    from pipetrain.assembly import Parts
     from pipetrain.pretrained import PretrainedLayout
 
 FORMAT = 1
@@ -78,7 +77,7 @@ class CheckpointRole:
 
 @dataclass
 class PipelineView:
-    """What ``save_pipeline`` and ``load_pipeline`` read of a pipeline, built from its parts (`view_of`)."""
+    """What ``save_pipeline`` and ``load_pipeline`` read of a pipeline (``Pipeline`` builds it from its parts)."""
 
     plan: Plan
     options: PipelineOptions
@@ -86,19 +85,6 @@ class PipelineView:
     stages: dict[int, StageState]  # the stages this process holds, by virtual stage index
     role: CheckpointRole
     pretrained: PretrainedLayout   # canonical names and config, recorded for `pipetrain export --hf`
-
-
-def view_of(parts: Parts, updates: int, streaming: bool) -> PipelineView:
-    """The checkpoint's view of an assembled pipeline after ``updates`` steps."""
-    stages = {v: StageState(rt.module, rt.optimizer, rt.policy, parts.steppers[parts.topology.position_of(v)].scaler)
-              for v, rt in sorted(parts.stages.items())}
-    world = parts.engine.world
-    if world is None:
-        role = CheckpointRole(True, True, "local", lambda: None, streaming)
-    else:
-        role = CheckpointRole(world.replica == 0, world.rank == 0, "distributed",
-                              lambda: dist.barrier(group=world.checkpoint), streaming)
-    return PipelineView(parts.plan, parts.options, updates, stages, role, parts.pretrained)
 
 
 def load_module_state(stages: dict[int, torch.nn.Module], state: dict[str, torch.Tensor], strict: bool,

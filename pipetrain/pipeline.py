@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import partitioners
@@ -128,7 +129,19 @@ class Pipeline:
                                max_shard_size)
 
     def _checkpoint_view(self) -> ckpt.PipelineView:
-        return ckpt.view_of(self._parts, self._runner.updates, self._runner.in_stream)
+        """What a checkpoint saves and restores of this pipeline, now."""
+        parts = self._parts
+        stages = {v: ckpt.StageState(rt.module, rt.optimizer, rt.policy,
+                                     parts.steppers[parts.topology.position_of(v)].scaler)
+                  for v, rt in sorted(parts.stages.items())}
+        world = parts.engine.world
+        streaming = self._runner.in_stream
+        if world is None:
+            role = ckpt.CheckpointRole(True, True, "local", lambda: None, streaming)
+        else:
+            role = ckpt.CheckpointRole(world.replica == 0, world.rank == 0, "distributed",
+                                       lambda: dist.barrier(group=world.checkpoint), streaming)
+        return ckpt.PipelineView(parts.plan, parts.options, self._runner.updates, stages, role, parts.pretrained)
 
     def close(self) -> None:
         """Close the TensorBoard log."""
