@@ -55,7 +55,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     import schedules.cluster
 
     p = sub.add_parser("plan", help="rank pipeline x data-parallel layouts of a model on a cluster")
-    p.add_argument("model", help="a torchvision model name (resnet50, vgg16, ...) or a pipetrain.apps.models name")
+    p.add_argument("model", help="a torchvision model name (resnet50, vgg16, ...), a pipetrain.apps.models name, "
+                                 "a Hugging Face config.json or a directory holding one, or a transformers model "
+                                 "type (llama, gpt2, mistral, qwen2, ...: its default config). A Hugging Face "
+                                 "language model is built on the meta device: shapes only, nothing allocated or "
+                                 "downloaded, so a 70 B model plans on a laptop")
     p.add_argument("--cluster", required=True,
                    help=f"cluster JSON file or preset ({', '.join(schedules.cluster.PRESETS)})")
     p.add_argument("--batch-size", type=int, required=True, help="global mini-batch size")
@@ -66,53 +70,103 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "and a hierarchical all-reduce")
     p.add_argument("--no-overlap", action="store_true", help="reduce only after the backward")
     p.add_argument("--max-stages", type=int, help="largest pipeline depth to consider")
-    p.add_argument("--profile", action="store_true", help="time each node here instead of estimating")
+    p.add_argument("--profile", action="store_true",
+                   help="time each node here instead of estimating (not for a model on the meta device)")
+    p.add_argument("--seq-len", type=int,
+                   help="tokens per sample of a Hugging Face language model (default 2048, or its "
+                        "max_position_embeddings when shorter)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="dtype a Hugging Face language model's parameters, gradients and optimizer state are "
+                        "sized in (default fp32, as pipetrain trains under every precision); activations follow it")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
     return p
 
 
-def _plan_model(name: str):
-    """(model, one-sample example input) for a torchvision or pipetrain.apps.models name."""
+def _plan_model(args: argparse.Namespace):
+    """(model, example input of 2 samples) for args.model: a torchvision or pipetrain.apps.models name
+    (built with data) or a Hugging Face config (built on the meta device)."""
     import torch
     import torchvision
 
-    if name in torchvision.models.list_models(module=torchvision.models):
-        return torchvision.models.get_model(name, weights=None), torch.randn(2, 3, 224, 224)
-    from pipetrain.apps.datasets import dataset_info
     from pipetrain.apps.models import DEFAULT_DATASET, MODELS, build_model
 
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}: not a torchvision classification model nor one of "
-                         f"pipetrain.apps.models {MODELS}")
-    info = dataset_info(DEFAULT_DATASET[name])
-    shape = (2, *info.input_shape)
-    x = torch.zeros(shape, dtype=torch.long) if info.kind == "text" else torch.randn(shape)
-    return build_model(name, num_classes=info.num_classes), x
+    name = args.model
+    config = None
+    if name not in MODELS and name not in torchvision.models.list_models(module=torchvision.models):
+        from pipetrain.apps import hf_config  # imports transformers: only for a name that may be a config
+
+        config = hf_config.find_config(name)
+        if config is None:
+            raise ValueError(f"unknown model {name!r}: not a torchvision classification model, one of "
+                             f"pipetrain.apps.models {MODELS}, a config.json or a directory holding one, nor a "
+                             "transformers model type (llama, gpt2, ...)")
+    if config is None:
+        for option in ("--seq-len", "--dtype"):
+            if getattr(args, option[2:].replace("-", "_")) is not None:
+                raise ValueError(f"{option} applies to Hugging Face language models and {name!r} is not one; "
+                                 f"fix: drop {option}")
+        if name not in MODELS:
+            return torchvision.models.get_model(name, weights=None), torch.randn(2, 3, 224, 224)
+        from pipetrain.apps.datasets import dataset_info
+
+        info = dataset_info(DEFAULT_DATASET[name])
+        shape = (2, *info.input_shape)
+        x = torch.zeros(shape, dtype=torch.long) if info.kind == "text" else torch.randn(shape)
+        return build_model(name, num_classes=info.num_classes), x
+    if args.profile:
+        raise ValueError(f"--profile times every node on data, but {name!r} is built on the meta device from its "
+                         "config (shapes only, no data to run); fix: drop --profile to estimate the costs from "
+                         "FLOPs and bytes, or profile a model built with weights (partitioners.trace(model, x))")
+    tokens = hf_config.example_tokens(config, args.seq_len)
+    return hf_config.build_on_meta(config, hf_config.DTYPES[args.dtype or "fp32"]), tokens
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     import dataclasses
 
     import partitioners
-    from partitioners.planners.layout import format_ranking, search_layouts
+    from partitioners.errors import TraceError
+    from partitioners.meta import holds_meta_tensors
+    from partitioners.planners.layout import (describe_no_fit, format_bytes, format_ranking, format_stage_memory,
+                                              search_layouts)
     from schedules.cluster import load_cluster
     from schedules.cluster.reductions import Reduction
 
     cluster = load_cluster(args.cluster)
     if args.nodes is not None:
         cluster = dataclasses.replace(cluster, nodes=args.nodes)
-    model, x = _plan_model(args.model)
-    graph = partitioners.trace(model, x, profile=args.profile)
+    model, x = _plan_model(args)
+    meta = holds_meta_tensors(model)
+    params = list(model.parameters())  # a tied parameter once
+    # printed before the capture, which takes a while for a large model
+    print(f"{args.model}: {type(model).__name__}{' on the meta device' if meta else ''}, "
+          f"{sum(p.numel() for p in params):,} parameters ({format_bytes(sum(p.nbytes for p in params))} in "
+          f"{str(params[0].dtype).removeprefix('torch.')}){f', {x.shape[1]} tokens per sample' if meta else ''}",
+          flush=True)
+    try:
+        graph = partitioners.trace_for_training(model, x, profile=args.profile)
+    except TraceError as exc:
+        raise SystemExit(f"pipetrain plan: {exc}") from None
     reduction = Reduction(bucket_bytes=args.bucket_mb * 1e6 if args.bucket_mb > 0 else None,
                           hierarchical={"hybrid": None, "flat": False, "hierarchical": True}[args.allreduce],
                           overlap=not args.no_overlap)
     layouts = search_layouts(graph, cluster, batch_size=args.batch_size, profiled_batch=x.shape[0],
                              reduction=reduction, max_stages=args.max_stages)
     how = "measured here" if args.profile else "estimated (profile=False)"
-    print(f"{args.model}, global batch {args.batch_size}, costs {how}; cluster {cluster.name}: "
+    print(f"global batch {args.batch_size}, costs {how}; cluster {cluster.name}: "
           f"{cluster.nodes} x {cluster.devices_per_node} devices, speed {cluster.speed:g}; "
           f"reduction {reduction.label()}; best of {len(layouts)} shapes (stages x replicas x micro-batches x schedule)")
+    if not layouts[0].fits:  # fitting layouts rank first: none fits
+        fixes = ["more devices (--nodes)", "a smaller --batch-size"]
+        if meta:  # a language model from its config
+            fixes += ["a shorter --seq-len"] + (["--dtype bf16"] if args.dtype in (None, "fp32") else [])
+        raise SystemExit(f"pipetrain plan: {describe_no_fit(layouts, cluster)}; fix: {', '.join(fixes[:-1])} "
+                         f"or {fixes[-1]}")
     print(format_ranking(layouts, args.top))
+    best = layouts[0]
+    print(f"\nbest layout (stages {best.stages}, replicas {best.replicas}, micro-batches {best.micro_batches}, "
+          f"{best.schedule}): predicted memory per device of each stage")
+    print(format_stage_memory(best, cluster))
     return 0
 
 

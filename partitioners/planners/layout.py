@@ -6,9 +6,10 @@ gradient all-reduce across replicas). Cuts: every split of the cuttable position
 there are at most `exhaustive_limit` of them for that S, otherwise the "graph"
 partitioner's optimal split (slowest stage minimised). Compute and activation bytes of a
 micro-batch scale linearly with its size (the graph was profiled at `profiled_batch`
-samples). A layout fits when every stage's memory (parameters x param_memory_factor for
-weights, gradients and optimizer state, plus activations of its in-flight micro-batches)
-is within cluster.memory. Only each shape's best cuts are kept.
+samples). A layout fits when every stage's memory is within cluster.memory: its parameter
+bytes x param_memory_factor (one copy for the weights, one for the gradients, the rest for the
+optimizer state: 4 for Adam's two moments) plus what its in-flight micro-batches keep for the
+backward (StageMemory). Only each shape's best cuts are kept.
 """
 from __future__ import annotations
 
@@ -32,6 +33,27 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_REDUCTION = Reduction(bucket_bytes=25e6, hierarchical=True, overlap=True)
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """Predicted bytes one device of a stage holds at its peak, by what holds them."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float  # what autograd keeps for the backward, of all in-flight micro-batches
+    in_flight: int      # micro-batches the schedule has in flight at the stage's peak
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        """'weights 27 GB, gradients 27 GB, optimizer 54 GB, activations 2.1 GB (4 micro-batches in flight)'."""
+        return (f"weights {format_bytes(self.weights)}, gradients {format_bytes(self.gradients)}, "
+                f"optimizer {format_bytes(self.optimizer)}, activations {format_bytes(self.activations)} "
+                f"({_count(self.in_flight, 'micro-batch')} in flight)")
+
+
 @dataclass
 class Layout:
     """One candidate: cuts of the topological order, replicas, micro-batches, schedule."""
@@ -43,6 +65,7 @@ class Layout:
     batch_size: int
     result: ClusterStepResult
     fits: bool
+    stage_memory: list[StageMemory]  # what result.memory adds up, per stage
 
     @property
     def stages(self) -> int:
@@ -73,6 +96,10 @@ class _Model:
         self.fwd = [float(a.get("fwd_time", 0.0)) for a in nodes]
         self.bwd = [float(a.get("bwd_time", 0.0)) for a in nodes]
         self.tensors = _grad_tensors(graph, self.chain.names, nodes)
+
+    def params(self, i: int, j: int) -> float:
+        """Parameter bytes of positions [i, j) (a shared parameter at its first user)."""
+        return float(self.chain.params[i:j].sum())
 
     def work(self, i: int, j: int, scale: float, param_memory_factor: float) -> StageWork:
         """StageWork of positions [i, j) for micro-batches `scale` x the profiled size."""
@@ -120,7 +147,12 @@ def evaluate_layout(model: _Model | CostGraph | nx.DiGraph, cluster: Cluster, cu
                     replicas: int, micro_batches: int, schedule: str, batch_size: int,
                     profiled_batch: int, reduction: Reduction = DEFAULT_REDUCTION,
                     param_memory_factor: float = 4.0) -> Layout:
-    """Predict one layout: global batch_size split over replicas x micro_batches."""
+    """Predict one layout: global batch_size split over replicas x micro_batches.
+    param_memory_factor: bytes a stage keeps per parameter byte (weights 1 + gradients 1 + optimizer
+    state: 4 with Adam's two moments, 3 with SGD's momentum)."""
+    if not param_memory_factor >= 2:
+        raise ValueError(f"param_memory_factor {param_memory_factor!r} counts less than the weights and their "
+                         "gradients; fix: 2 + the optimizer's state copies (4 for Adam)")
     m = model if isinstance(model, _Model) else _Model(model)
     per_micro = batch_size / (replicas * micro_batches)
     if per_micro != int(per_micro) or per_micro < 1:
@@ -131,7 +163,12 @@ def evaluate_layout(model: _Model | CostGraph | nx.DiGraph, cluster: Cluster, cu
     result = simulate_cluster_step(work, cluster, replicas=replicas, micro_batches=micro_batches,
                              schedule=schedule, reduction=reduction)
     fits = cluster.memory is None or max(result.memory) <= cluster.memory
-    return Layout(list(cuts), replicas, micro_batches, schedule, batch_size, result, fits)
+    memory = []
+    for k, (w, in_flight) in enumerate(zip(work, result.sim.peak_in_flight)):
+        params = m.params(cuts[k], cuts[k + 1])  # the terms of simulate_cluster_step's memory, apart
+        memory.append(StageMemory(weights=params, gradients=params, optimizer=params * (param_memory_factor - 2),
+                                  activations=in_flight * w.activation_memory, in_flight=in_flight))
+    return Layout(list(cuts), replicas, micro_batches, schedule, batch_size, result, fits, memory)
 
 
 def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_size: int,
@@ -177,16 +214,23 @@ def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_siz
 def plan_layout(graph: CostGraph | nx.DiGraph, cluster: Cluster, **options: object) -> Layout:
     """The fastest layout that fits memory (options as search_layouts)."""
     layouts = search_layouts(graph, cluster, **options)
-    best = layouts[0]
-    if not best.fits:
-        # The layout that comes closest, and its stage over the limit with its predicted peak.
-        closest = min(layouts, key=lambda lay: max(lay.result.memory))
-        k = max(range(len(closest.result.memory)), key=closest.result.memory.__getitem__)
-        raise PartitionError(f"no layout fits {cluster.memory:.3g} bytes per device on cluster {cluster.name!r}: "
-                             f"the closest ({closest.stages} stages, {closest.schedule}) puts a predicted peak of "
-                             f"{closest.result.memory[k]:.3g} bytes on stage {k}; fix: more devices, a smaller batch "
-                             "or more micro-batches")
-    return best
+    if not layouts[0].fits:
+        raise PartitionError(f"{describe_no_fit(layouts, cluster)}; fix: more devices, a smaller batch or "
+                             "lower-precision weights")
+    return layouts[0]
+
+
+def describe_no_fit(layouts: Sequence[Layout], cluster: Cluster) -> str:
+    """Why none of `layouts` fits the cluster's device memory: the layout whose largest stage needs
+    least, that stage's predicted peak, how far over it is and what holds it."""
+    closest = min(layouts, key=lambda lay: max(lay.result.memory))  # ties: the faster, as ranked
+    k = max(range(closest.stages), key=closest.result.memory.__getitem__)
+    peak = closest.result.memory[k]
+    return (f"no layout fits cluster {cluster.name!r} ({format_bytes(cluster.memory)} per device): the closest, "
+            f"{_count(closest.stages, 'stage')} x {_count(closest.replicas, 'replica')} "
+            f"({_count(closest.micro_batches, 'micro-batch')}, {closest.schedule}), puts a predicted peak of "
+            f"{format_bytes(peak)} = {peak:.4g} bytes on stage {k}, "
+            f"{format_bytes(peak - cluster.memory)} over ({closest.stage_memory[k].describe()})")
 
 
 def _replica_counts(most: int) -> list[int]:
@@ -209,6 +253,32 @@ def _cut_candidates(graph: CostGraph | nx.DiGraph, model: _Model, positions: lis
     except PartitionError:
         return []
     return [list(plan.cuts)]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('h') else 's'}"
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in decimal units with 4 significant digits ('26.95 GB', '13.47 kB'), as devices are sold."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n:.4g} B"
+
+
+def format_stage_memory(layout: Layout, cluster: Cluster) -> str:
+    """Table of each stage's predicted peak memory per device (weights, gradients, optimizer state,
+    activations of the schedule's in-flight micro-batches) against the cluster's device memory."""
+    lines = [f"{'stage':>5} {'graph nodes':>11} {'weights':>10} {'gradients':>10} {'optimizer':>10} "
+             f"{'activations':>11} {'in flight':>9} {'total':>10} {'of device':>9}"]
+    for k, mem in enumerate(layout.stage_memory):
+        share = "-" if cluster.memory is None else f"{100 * mem.total / cluster.memory:.1f}%"
+        nodes = f"{layout.cuts[k]}-{layout.cuts[k + 1] - 1}"
+        lines.append(f"{k:>5} {nodes:>11} {format_bytes(mem.weights):>10} {format_bytes(mem.gradients):>10} "
+                     f"{format_bytes(mem.optimizer):>10} {format_bytes(mem.activations):>11} {mem.in_flight:>9} "
+                     f"{format_bytes(mem.total):>10} {share:>9}")
+    return "\n".join(lines)
 
 
 def format_ranking(layouts: Sequence[Layout], top: int = 10) -> str:
