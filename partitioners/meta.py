@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
@@ -31,3 +31,29 @@ def with_meta_tensors(obj: T, *modules: nn.Module) -> T:
                 meta = t.detach().to("meta")
                 memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(obj, memo)
+
+
+ATTENTION = (torch.ops.aten.scaled_dot_product_attention.default, torch.nn.functional.scaled_dot_product_attention)
+
+
+def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention`` as a real device runs it, for counting what it saves on the meta device.
+
+    The meta device only has the unfused math path, which saves the attention weights (sequence^2 per head)
+    for the backward; the fused kernels CPUs and GPUs run save the inputs, the output and a log-sum-exp row.
+    The CPU's flash kernel has a meta implementation that saves just that."""
+    if enable_gqa:  # the fused kernel takes as many key/value heads as query heads
+        repeat = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool:  # as the CPU kernel does: additive
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            attn_mask.logical_not(), float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+def saved_on_device(node_target: Any, fn: Callable) -> Callable:
+    """What to run, on the meta device, to count what ``fn`` (a call of ``node_target``) saves on a real one."""
+    return fused_attention if node_target in ATTENTION else fn

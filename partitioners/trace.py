@@ -27,7 +27,7 @@ from .capture import bind_inputs, export_capture, training_call
 from .profiling import estimate, measure, saved_activations, storage_key, value_bytes
 from .errors import TraceError
 from .graph import CostGraph
-from .meta import holds_meta_tensors, with_meta_tensors
+from .meta import holds_meta_tensors, saved_on_device, with_meta_tensors
 from .modes import follow_training_flag
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -386,6 +386,7 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
     seen: dict[int, str] = {}  # id(parameter) -> first name
     users_of: dict[str, list[str]] = {}  # first param name -> nodes using it
     run_nodes = dict(zip((n.name for n in gm.graph.nodes), run_gm.graph.nodes))
+    on_meta = holds_meta_tensors(run_gm)
     for idx, node in enumerate(gm.graph.nodes):
         value = interp.env.get(run_nodes[node.name])
         named = _node_params(gm, node)
@@ -411,7 +412,8 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
             else:
                 pbytes = sum(p.numel() * p.element_size() for p in params)
                 fwd, bwd = estimate(fn, args, kwargs, module, value, pbytes, dev, keep=state)
-            saved, saves = _saved_values(interp, rnode, fn, args, kwargs, state, weights)
+            saving = saved_on_device(node.target, fn) if on_meta else fn
+            saved, saves = _saved_values(interp, rnode, saving, args, kwargs, state, weights)
         g.add_node(node.name, op=node.op, target=_target_name(node), order=idx,
                    fwd_time=fwd, bwd_time=bwd, param_bytes=new_bytes,
                    act_bytes=0 if node.op in ("get_attr", "output") else value_bytes(value),

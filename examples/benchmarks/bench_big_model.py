@@ -50,7 +50,14 @@ def checkpoint(args: argparse.Namespace) -> Path:
 
 
 def rss_gib() -> float:
+    """The process's peak resident memory so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def rss_now_gib() -> float:
+    """The process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
 
 
 def stage_state_bytes(pipe) -> tuple[int, int]:

@@ -67,6 +67,7 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     tensors = StageTensors.prepare(plan.graph.model, plan.graph.state_names, plan.graph.without_data,
                                    options.weights, options.seed)
     stages = build_stages(plan, topology, engine, options, precision.autocast_dtype, tensors)
+    tensors.close()
     pretrained = PretrainedLayout.of(model)
     plan.graph = plan.graph.on_meta()  # the stages hold their tensors now: wrap keeps no other copy alive
     links = engine.connect(topology, stages, plan.tied_groups())

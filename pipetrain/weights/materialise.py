@@ -79,6 +79,12 @@ class StageTensors:
         return stage
 
 
+    def close(self) -> None:
+        """Release the checkpoint once every stage is made (its memory-mapped pages count until then)."""
+        if self.source is not None:
+            self.source.close()
+
+
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialised CPU tensor in ``t``'s place; a checkpoint fills it."""
     return torch.empty(t.shape, dtype=t.dtype)

@@ -127,6 +127,10 @@ class WeightSource:
         """What and where the checkpoint is, for messages."""
         return self._description
 
+    def close(self) -> None:
+        """Let the open file go: the pages of a memory-mapped file that reads touched stay resident until then."""
+        self._open = None
+
     def _listed(self) -> dict[str, TensorInfo]:
         if self._names is None:
             names: dict[str, TensorInfo] = {}
