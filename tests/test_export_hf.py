@@ -19,26 +19,11 @@ import pipetrain
 from dist_harness import run_world
 from pipetrain.cli import main
 from runtime_models import data, loss_fn, make
-from third_party_models import CASES, build
+from test_save_pretrained import CLASSES, loaded, trained
+from third_party_models import CASES
 
 hf.logging.set_verbosity_error()
-CLASSES = {"gpt2": hf.GPT2LMHeadModel, "t5": hf.T5ForConditionalGeneration, "llama": hf.LlamaForCausalLM}
 SMALL_SHARDS = "4000"  # bytes: every tiny model spreads over several files
-
-
-def trained(name: str, stages: int, engine: str) -> pipetrain.Pipeline:
-    case = CASES[name]
-    pipe = pipetrain.wrap(build(name), case.batch(2, 0)[0], stages=stages, micro_batches=2, loss_fn=case.loss_fn,
-                          profile=False, engine=engine)
-    for seed in (1, 2):
-        pipe.step(*case.batch(8, seed))
-    return pipe
-
-
-def loaded(name: str, path: Path) -> torch.nn.Module:
-    model, info = CLASSES[name].from_pretrained(path, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return model.eval()
 
 
 def eval_logits(name: str, model: torch.nn.Module) -> torch.Tensor:

@@ -234,3 +234,23 @@ def test_a_meta_capture_predicts_the_memory_of_the_materialised_one() -> None:
     assert total(meta, "saved_bytes") == total(real, "saved_bytes") > 0
     # the meta kernels' strides make export add two contiguous copies: their outputs, nothing else
     assert 0 <= total(meta, "act_bytes") - total(real, "act_bytes") <= 0.02 * total(real, "act_bytes")
+
+
+def ranks_wrap_a_checkpoint_of_another_model(rank: int, world: int, weights: str) -> str:
+    case = CASES["llama"]
+    try:
+        pipetrain.wrap(on_meta("llama"), case.batch(2, 0)[0], stages=world, micro_batches=MICRO,
+                       loss_fn=case.loss_fn, engine="distributed", weights=weights)
+    except pipetrain.WeightsError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_checkpoint_that_does_not_fit_is_the_same_error_on_every_rank(tmp_path: Path) -> None:
+    # GPT-2's checkpoint for a Llama: every Llama tensor missing, every GPT-2 key unexpected; each rank checks
+    # the whole model's names, so each raises before building anything, with the same message.
+    weights = save_checkpoint("gpt2", "sharded", tmp_path / "gpt2")
+    messages = run_world(2, "test_meta_models", "ranks_wrap_a_checkpoint_of_another_model", tmp_path, str(weights))
+    assert messages[0] == messages[1] != "no error"
+    assert "model.embed_tokens.weight" in messages[0] and "transformer.wte.weight" in messages[0]
+    assert "save it from the model you pass to wrap" in messages[0]

@@ -19,7 +19,7 @@ hf.logging.set_verbosity_error()
 CLASSES = {"gpt2": hf.GPT2LMHeadModel, "t5": hf.T5ForConditionalGeneration, "llama": hf.LlamaForCausalLM}
 
 
-def _trained(name: str, stages: int, engine: str) -> pipetrain.Pipeline:
+def trained(name: str, stages: int, engine: str) -> pipetrain.Pipeline:
     case = CASES[name]
     pipe = pipetrain.wrap(build(name), case.batch(2, 0)[0], stages=stages, micro_batches=2, loss_fn=case.loss_fn,
                           profile=False, engine=engine)
@@ -28,7 +28,7 @@ def _trained(name: str, stages: int, engine: str) -> pipetrain.Pipeline:
     return pipe
 
 
-def _loaded(name: str, path: Path) -> torch.nn.Module:
+def loaded(name: str, path: Path) -> torch.nn.Module:
     model, info = CLASSES[name].from_pretrained(path, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     return model.eval()
@@ -44,7 +44,7 @@ def _assert_predicts_alike(name: str, pipe: pipetrain.Pipeline, model: torch.nn.
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_from_pretrained_loads_what_the_pipeline_learned(name: str, stages: int, tmp_path: Path) -> None:
-    pipe = _trained(name, stages, "local")
+    pipe = trained(name, stages, "local")
     pipe.save_pretrained(tmp_path, max_shard_size=4000)  # small shards: an index over several files
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
@@ -55,30 +55,30 @@ def test_from_pretrained_loads_what_the_pipeline_learned(name: str, stages: int,
     if name == "t5":
         assert [k for k in index["weight_map"] if k.endswith(("shared.weight", "embed_tokens.weight"))] == [
             "shared.weight"]
-    _assert_predicts_alike(name, pipe, _loaded(name, tmp_path))
+    _assert_predicts_alike(name, pipe, loaded(name, tmp_path))
 
 
 def test_one_file_without_an_index_when_the_model_fits_a_shard(tmp_path: Path) -> None:
-    pipe = _trained("llama", 2, "local")
+    pipe = trained("llama", 2, "local")
     pipe.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "model.safetensors.index.json").exists()
-    _assert_predicts_alike("llama", pipe, _loaded("llama", tmp_path))
+    _assert_predicts_alike("llama", pipe, loaded("llama", tmp_path))
 
 
 def ranks_save(rank: int, world: int, out: str) -> dict:
     """Each of 2 ranks trains its stage of GPT-2 (embedding tied across the stages) and writes its own shards."""
-    pipe = _trained("gpt2", world, "distributed")
+    pipe = trained("gpt2", world, "distributed")
     pipe.save_pretrained(Path(out, "hf"), max_shard_size=4000)
     x, _ = CASES["gpt2"].batch(5, 3)
     # The local engine under the same thread settings as the ranks: the same bits (sums over threads differ).
-    local = _trained("gpt2", world, "local").state_dict() if rank == 0 else None
+    local = trained("gpt2", world, "local").state_dict() if rank == 0 else None
     return {"prediction": pipe.predict(x).logits, "state": pipe.state_dict(), "local": local}
 
 
 def test_every_rank_writes_its_own_stage_and_the_directory_loads_whole(tmp_path: Path) -> None:
     per_rank = run_world(2, "test_save_pretrained", "ranks_save", tmp_path, str(tmp_path))
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
-    model = _loaded("gpt2", tmp_path / "hf")
+    model = loaded("gpt2", tmp_path / "hf")
     x, _ = CASES["gpt2"].batch(5, 3)
     with torch.no_grad():
         expected = model(**x).logits

@@ -61,11 +61,12 @@ def rss_now_gib() -> float:
 
 
 def stage_state_bytes(pipe) -> tuple[int, int]:
-    """(weights, weights + gradients + optimizer state) of this rank's stage, counted from its tensors."""
+    """(weights, weights + gradients + optimizer state) of this rank's stage, counted from its tensors; the
+    gradients as the parameters' size: they exist through each step (the step sets them to None after)."""
     (stage,) = pipe.held_stages.values()
     params = list(stage.module.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
-    grads = sum(p.numel() * p.element_size() for p in params if p.grad is not None)
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     state = stage.optimizer.state.values() if stage.optimizer is not None else []
     optimizer = sum(t.numel() * t.element_size() for s in state for t in s.values() if isinstance(t, torch.Tensor))
     return weights, weights + grads + optimizer

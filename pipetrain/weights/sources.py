@@ -178,22 +178,15 @@ def open_weights(path: str | Path) -> WeightSource:
 
 
 def _open_directory(path: Path) -> WeightSource:
-    if (path / SAFETENSORS_FILE).is_file():
-        return WeightSource(f"Hugging Face checkpoint {path} ({SAFETENSORS_FILE})", [path / SAFETENSORS_FILE],
-                            SafetensorsFile)
-    if (path / SAFETENSORS_INDEX).is_file():
-        index = _read_index(path / SAFETENSORS_INDEX)
-        files = sorted(set(index.values()))
-        return WeightSource(f"Hugging Face checkpoint {path} ({len(files)} safetensors shards)", files,
-                            SafetensorsFile, index)
-    if (path / TORCH_FILE).is_file():
-        return WeightSource(f"Hugging Face checkpoint {path} ({TORCH_FILE})", [path / TORCH_FILE],
-                            _load_state_dict)
-    if (path / TORCH_INDEX).is_file():
-        index = _read_index(path / TORCH_INDEX)
-        files = sorted(set(index.values()))
-        return WeightSource(f"Hugging Face checkpoint {path} ({len(files)} {TORCH_FILE} shards)", files,
-                            _load_state_dict, index)
+    # Hugging Face's forms, safetensors first: one file, or shards an index lists.
+    for single, index_file, reader, kind in ((SAFETENSORS_FILE, SAFETENSORS_INDEX, SafetensorsFile, "safetensors"),
+                                             (TORCH_FILE, TORCH_INDEX, _load_state_dict, TORCH_FILE)):
+        if (path / single).is_file():
+            return WeightSource(f"Hugging Face checkpoint {path} ({single})", [path / single], reader)
+        if (path / index_file).is_file():
+            index = _read_index(path / index_file)
+            files = sorted(set(index.values()))
+            return WeightSource(f"Hugging Face checkpoint {path} ({len(files)} {kind} shards)", files, reader, index)
     if any((path / name).exists() for name in ("latest", "manifest.json")) or any(path.glob("stage*.pt")):
         return _pipetrain_checkpoint(path)
     entries = sorted(p.name for p in path.iterdir())
