@@ -45,10 +45,11 @@ class StageTensors:
             tensors.source = open_weights(weights)
             expected = {n: (t.shape, t.dtype) for n, t in {**names.params, **names.buffers}.items()
                         if n in names.persistent}
-            groups = {tuple(names.aliases.get(n, [n])) for n in expected}
+            groups = dict.fromkeys(tuple(names.aliases.get(n, [n])) for n in expected)  # in state-dict order
             recomputed = set(names.buffers) - names.persistent
             tensors.keys = match_names(tensors.source.names(), expected,
-                                       [[n for n in g if n in expected] for g in groups], recomputed)
+                                       [[n for n in g if n in expected] for g in groups], recomputed,
+                                       source=tensors.source.describe())
         return tensors
 
     def materialise(self, stage: nn.Module, device: torch.device) -> nn.Module:
