@@ -3,9 +3,11 @@ setting and precision, swap weights without recompiling, and new batch or sequen
 than the bound of pipetrain/runtime/compiled.py.
 
 Compiled code is not bit for bit eager (inductor fuses and reorders floating-point work): losses are
-compared within 1e-4 relative, what the option promises; measured, the MLP-like models here differ by at
-most 3e-8 in fp32 and 2e-5 in bf16 (tiny GPT-2, bf16), well inside it. Compilation on two shared cores is
-the cost of this file, so the models are tiny and each compiled pipeline serves all of its assertions.
+compared within 1e-4 relative, what the option promises; measured, the losses here differ by at most 4e-8
+relative in fp32 and not at all in bf16 (inductor rounds bf16 intermediates as eager does, see
+pipetrain/runtime/compiled.py). Compilation is the cost of this file (about 25 s with inductor's on-disk
+cache warm, 3.5 min cold on two shared cores), so the models are tiny and each compiled pipeline serves all
+of its assertions.
 """
 import pytest
 import torch
@@ -52,13 +54,17 @@ def train(compile, schedule, staleness, recompute, precision, engine="local"):
     return losses, pipe.state_dict(), len(pipe.held_stages)
 
 
-def assert_close_to_eager(compiled, eager, case):
-    (losses, state, _), (ref_losses, ref_state, _) = compiled, eager
-    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+def assert_losses_close(losses, eager_losses, case):
+    for step, (got, want) in enumerate(zip(losses, eager_losses, strict=True)):
         assert abs(got - want) <= REL * abs(want), f"{case}: step {step} loss {got} vs eager {want}"
-    for name, value in ref_state.items():
-        # The weights after STEPS updates of lr 0.1: fp32 rounding of the fused kernels, bf16 that of autocast.
-        tol = 1e-5 if case[3] == "fp32" else 1e-2
+
+
+def assert_weights_close(state, eager_state, case):
+    assert set(state) == set(eager_state), case
+    # After STEPS updates of lr 0.1: fp32 rounding of the fused kernels (measured 5e-8), or bf16's in the
+    # backward (measured 8e-5: the losses agree exactly, the gradients within bf16 rounding).
+    tol = 1e-5 if case[3] == "fp32" else 1e-2
+    for name, value in eager_state.items():
         torch.testing.assert_close(state[name], value, atol=tol, rtol=tol, msg=f"{case}: {name}")
 
 
@@ -67,7 +73,8 @@ def test_compiled_stages_train_like_eager_and_weight_swaps_do_not_recompile(case
     eager = train(False, *case)
     before = graphs()
     compiled = train(True, *case)
-    assert_close_to_eager(compiled, eager, case)
+    assert_losses_close(compiled[0], eager[0], case)
+    assert_weights_close(compiled[1], eager[1], case)
     # Each stage compiles one graph for the training forward (and one for the no-grad forward that
     # recomputation replays), however many weight versions stash, 2bw, spectrain and nesterov swap in:
     # the weights are inputs of the compiled code, not constants baked into it.
@@ -126,12 +133,11 @@ def test_compiled_stages_on_two_gloo_ranks_train_like_eager(tmp_path, one_thread
     cases = [("1f1b", "none", "none", "fp32"), ("async-1f1b", "stash", "none", "fp32")]
     per_rank = run_world(2, "test_compile", "distributed_training", tmp_path, cases)
     for i, case in enumerate(cases):
-        losses, expected, _ = eager = train(False, *case)
+        losses, expected, _ = train(False, *case)
         state = {}
         for rank_results, _ in per_rank:
             rank_losses, rank_state = rank_results[i]
+            assert_losses_close(rank_losses, losses, case)
             state.update(rank_state)
-            assert_close_to_eager((rank_losses, {}, 1), (losses, {}, 1), case)
-        assert set(state) == set(expected), case
-        assert_close_to_eager((losses, state, 1), eager, case)
+        assert_weights_close(state, expected, case)
     assert [compiled for _, compiled in per_rank] == [len(cases)] * 2, "each rank compiles its stage once per case"
