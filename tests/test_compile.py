@@ -121,6 +121,13 @@ def test_new_batch_and_sequence_sizes_compile_within_the_bound(one_thread):
     assert added[0] == 2 and all(n <= 2 for n in added[:firsts]), added
     assert sum(added) <= 2 * 4, f"more than 4 graphs per stage: {added}"
     assert added[firsts:] == [0] * (len(sizes) - firsts), f"later sizes recompiled: {added}"
+    # predict (eval mode, no autograd) is a mode of its own: its graphs start where training left the
+    # dimensions, symbolic, so two new sizes compile one graph per stage between them (it is compiled too).
+    before = graphs()
+    for size, length in [(5, 9), (7, 13)]:
+        x, _ = lm_batch(size, length, 99)
+        torch.testing.assert_close(compiled.predict(x), eager.predict(x), atol=1e-5, rtol=1e-5)
+    assert graphs() - before == 2, f"predict compiled {graphs() - before} graphs for 2 stages"
 
 
 def distributed_training(rank, world, cases):
