@@ -11,6 +11,7 @@ from partitioners.memory_model import SETTINGS
 from partitioners.partition import METHODS as PARTITIONERS
 from pipetrain.allreduce.reducer import ALGORITHMS as ALLREDUCE
 from pipetrain.comm.engine import ENGINES
+from pipetrain.runtime.compiled import compile_arguments
 from pipetrain.runtime.nonfinite import NONFINITE
 from pipetrain.runtime.precision import PRECISIONS
 from pipetrain.runtime.staleness import PREDICTING, SPECTRAIN_VARIANTS, STALENESS
@@ -63,6 +64,8 @@ class PipelineOptions:
     # Activation recomputation: "none" | "except-last" | "always" | "auto" (per stage, the cheapest
     # setting that fits memory_limit).
     recompute: str = "none"
+    # torch.compile each stage's module: False, True or a dict of torch.compile arguments (see runtime/compiled.py).
+    compile: bool | dict = False
     dynamic_shapes: bool = False
     timeout: float = 30.0              # seconds a rank waits for another before it stops with an error
     # Hybrid mode: how each stage's gradients are averaged over its data-parallel replicas.
@@ -129,6 +132,12 @@ class PipelineOptions:
                 f"staleness={self.staleness!r} with precision={self.precision!r}: autocast saves low-precision "
                 "copies of the weights for the backward, so the backward could not see the latest/predicted "
                 "weights; use precision='fp32' or staleness='stash'")
+        if compile_arguments(self.compile) is not None and self.schedule == "zb-h1":
+            raise ValueError("compile=... with schedule='zb-h1': zero-bubble splits each backward into input "
+                             "gradients (B) and weight gradients (W) by walking the autograd graph, but a "
+                             "compiled stage's backward is one autograd node that computes both at once, so it "
+                             "cannot be split; use schedule='1f1b' (or 'interleaved-1f1b') with compile, or "
+                             "compile=False with zb-h1")
         if self.schedule == "interleaved-1f1b" and self.chunks < 2:
             raise ValueError(f"interleaved-1f1b needs chunks >= 2 virtual stages per device, got {self.chunks}")
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):

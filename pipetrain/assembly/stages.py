@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import partitioners
+from pipetrain.runtime.compiled import compile_arguments, compile_stage
 from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
@@ -34,12 +35,15 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
                  autocast_dtype: torch.dtype | None, tensors: StageTensors) -> dict[int, StageRuntime]:
     """The runtimes of the virtual stages this process runs (every one locally; its rank's under torchrun)."""
     V, held = topology.num_stages, set(engine.positions())
+    compiling = compile_arguments(options.compile)
     stages = {}
     for v in range(V):
         if topology.position_of(v) not in held:
             continue
         device = engine.torch_device(topology.position_of(v))
         module = tensors.materialise(plan.build_stage(v), device)
+        if compiling is not None:
+            compile_stage(module, compiling)
         optimizer = make_optimizer(list(module.parameters()), options.optimizer)
         policy = POLICIES[options.policy_name](module, optimizer, v, V, micro_batches=options.micro_batches,
                                                lookahead=options.lookahead)
