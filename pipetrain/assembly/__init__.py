@@ -79,8 +79,8 @@ def reconnect(parts: Parts) -> None:
     """After a step that raised under torchrun: new process groups and connections (every rank calls this at
     its next step); the stages, their optimizers and loss scalers stay as they are."""
     parts.links = parts.engine.reconnect(parts.topology, parts.stages, parts.plan.tied_groups())
-    for stepper in parts.steppers.values():
-        stepper.connect(parts.links.tied, parts.links.agreement)
+    for d, stepper in parts.steppers.items():
+        stepper.connect(parts.links.tied, parts.links.agreement, parts.links.reducers.get(d))
 
 
 def model_io(model: nn.Module, example_inputs: Any, plan: partitioners.Plan) -> ModelIO:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import partitioners
+from pipetrain.comm.replicas import stage_owners, trainable
 from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
@@ -30,6 +31,15 @@ def make_optimizer(params: list[nn.Parameter], factory: Callable) -> torch.optim
     return optimizer
 
 
+def stepped_parameters(module: nn.Module, engine: Engine, options: PipelineOptions) -> list[nn.Parameter]:
+    """The parameters this process's optimizer of ``module`` steps: all of them, or with ZeRO the tensors
+    its replica owns (the others are stepped by their owners and all-gathered after the step)."""
+    if not options.zero:
+        return list(module.parameters())
+    owners = stage_owners(module, options.data_parallel)
+    return [p for p, owner in zip(trainable(module), owners) if owner == engine.world.replica]
+
+
 def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, options: PipelineOptions,
                  autocast_dtype: torch.dtype | None, tensors: StageTensors) -> dict[int, StageRuntime]:
     """The runtimes of the virtual stages this process runs (every one locally; its rank's under torchrun)."""
@@ -40,7 +50,7 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
             continue
         device = engine.torch_device(topology.position_of(v))
         module = tensors.materialise(plan.build_stage(v), device)
-        optimizer = make_optimizer(list(module.parameters()), options.optimizer)
+        optimizer = make_optimizer(stepped_parameters(module, engine, options), options.optimizer)
         policy = POLICIES[options.policy_name](module, optimizer, v, V, micro_batches=options.micro_batches,
                                                lookahead=options.lookahead)
         stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed)
@@ -54,5 +64,6 @@ def build_steppers(stages: dict[int, StageRuntime], topology: Topology, links: C
     process_stages = [(v, rt.module) for v, rt in sorted(stages.items())]
     return {d: OptimizerStep([stages[v] for v in topology.stages_at(d)], links.tied,
                              DynamicLossScaler() if options.precision == "fp16" else None,
-                             links.agreement, options.nonfinite, options.precision, d, process_stages)
+                             links.agreement, options.nonfinite, options.precision, d, process_stages,
+                             links.reducers.get(d) if options.zero else None)
             for d in positions}

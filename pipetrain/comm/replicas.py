@@ -10,6 +10,8 @@ from torch.utils import _pytree as pytree
 
 from pipetrain.allreduce.hierarchy import Hierarchy
 from pipetrain.allreduce.reducer import MiB, GradientReducer
+from pipetrain.allreduce.sharded import ShardedReducer
+from pipetrain.allreduce.sharding import shard_owners
 from pipetrain.runtime.batching import batch_size
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.stage import StageRuntime
@@ -58,6 +60,7 @@ class ReductionSettings:
     compress: str | None           # "bf16" | "fp16": gradients sent in low precision
     cluster: str | None            # allreduce="hybrid": the cluster whose cost model picks per bucket
     overlap: bool                  # buckets reduced during the last backward
+    zero: int = 0                  # 1: optimizer state sharded over the replicas; 2: gradients too
 
     @classmethod
     def of(cls, options: Any) -> ReductionSettings:
@@ -66,7 +69,18 @@ class ReductionSettings:
         # zero-bubble W passes set the weight gradients.
         overlap = (options.overlap and options.staleness == "none" and options.chunks_per_device == 1
                    and options.schedule != "zb-h1")
-        return cls(options.bucket_mb, options.allreduce, options.compress, options.cluster, overlap)
+        return cls(options.bucket_mb, options.allreduce, options.compress, options.cluster, overlap, options.zero)
+
+
+def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of ``module`` that take gradients, in registration order (what ZeRO shards)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def stage_owners(module: torch.nn.Module, replicas: int) -> list[int]:
+    """The replica owning each of ``trainable(module)`` under ZeRO: the same answer on every replica, so
+    the optimizer (built per stage) and the reducer (built per device) agree without talking."""
+    return shard_owners(trainable(module), replicas)
 
 
 class StageReducer:
@@ -74,15 +88,22 @@ class StageReducer:
 
     def __init__(self, stages: list[StageRuntime], group, hierarchy, settings: ReductionSettings,
                  counter: CommCounter):
-        self.params = [p for s in stages for p in s.module.parameters() if p.requires_grad]
+        self.params = [p for s in stages for p in trainable(s.module)]
         self.stage = stages[0].index
         self.counter = counter
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
-        self.reducer = GradientReducer(self.params, group, bucket_bytes=int(settings.bucket_mb * MiB),
-                                       hierarchy=hierarchy, algorithm=settings.algorithm,
-                                       compress=COMPRESS[settings.compress],
-                                       choose_hierarchical=bucket_choice(settings.cluster, hierarchy)
-                                       ) if self.params else None
+        common = dict(bucket_bytes=int(settings.bucket_mb * MiB), hierarchy=hierarchy, algorithm=settings.algorithm,
+                      compress=COMPRESS[settings.compress],
+                      choose_hierarchical=bucket_choice(settings.cluster, hierarchy))
+        self.zero = settings.zero
+        if not self.params:
+            self.reducer = None
+        elif self.zero:
+            replicas = torch.distributed.get_world_size(group)
+            owners = [o for s in stages for o in stage_owners(s.module, replicas)]
+            self.reducer = ShardedReducer(self.params, owners, group, free_unowned=self.zero >= 2, **common)
+        else:
+            self.reducer = GradientReducer(self.params, group, **common)
         self.overlap = settings.overlap and self.reducer is not None
         if self.overlap:
             self.reducer.enable_overlap()
@@ -100,6 +121,15 @@ class StageReducer:
         else:
             self.reducer.reduce_now()
         self.counter.add("data_parallel", self.stage, self.payload)
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether this replica steps ``param`` (always without ZeRO)."""
+        return not self.zero or self.reducer is None or self.reducer.owns(param)
+
+    def gather(self) -> None:
+        """ZeRO: after the owners stepped, every replica takes their updated tensors (nothing without ZeRO)."""
+        if self.zero and self.reducer is not None:
+            self.reducer.gather()
 
     def abandon(self) -> None:
         """A step raised: forget the buckets filled for it (all ranks abandon the same step)."""
