@@ -1,0 +1,261 @@
+"""ZeRO-1 and ZeRO-2 in hybrid mode: sharded optimizer state (and gradients) train exactly like zero=0.
+
+The reference of every case is the same pipeline with zero=0 on the same gloo world, which
+test_hybrid checks against one process on the global batch. Sharding moves whole tensors between
+replicas and sums each gradient over the same replicas, so the parameters agree to float rounding
+of a differently ordered sum (1e-6 is ~10 ulps of weights of order 1).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipetrain
+from dist_harness import run_world
+from pipetrain.optim import LARS, linear_warmup
+from runtime_models import data, make, sgd
+from test_nonfinite import poison
+
+TOL = 1e-6
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def lars(params):
+    return LARS(params, lr=0.1, weight_decay=1e-4)
+
+
+OPTIMIZERS = {"sgd": sgd, "adam": adam, "adamw": adamw, "lars": lars}
+
+
+def batches(steps=3, size=13, seed=1):
+    # 13 samples: uneven replica shards and micro-batches.
+    x, y = data("mlp", steps * size, seed=seed)
+    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
+
+
+def wrap(world, zero, **kw):
+    options = dict(stages=2, micro_batches=2, data_parallel=world // 2, optimizer=adam, partitioner="uniform",
+                   profile=False, engine="distributed", zero=zero)
+    options.update(kw)
+    return pipetrain.wrap(make("mlp"), data("mlp", 2)[0], **options)
+
+
+def state_bytes(pipe) -> int:
+    return sum(t.numel() * t.element_size() for rt in pipe.held_stages.values() if rt.optimizer is not None
+               for s in rt.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def measured(pipe, steps) -> dict:
+    """Parameters after ``steps``, with what the rank held and sent doing it."""
+    reducer = pipe.gradient_reducer
+    sent_before = getattr(reducer, "sent_bytes", 0)
+    for x, y in steps:
+        pipe.step(x, y)
+    return {"state": pipe.state_dict(), "optimizer_bytes": state_bytes(pipe), "grad_bytes": reducer.gradient_bytes,
+            "sent": getattr(reducer, "sent_bytes", 0) - sent_before, "payload": sum(
+                p.numel() * p.element_size() for rt in pipe.held_stages.values() for p in rt.module.parameters()),
+            "largest": max(p.numel() * p.element_size() for rt in pipe.held_stages.values()
+                           for p in rt.module.parameters())}
+
+
+def training_cases(world) -> dict[str, dict]:
+    """Case name -> wrap options: every optimizer, every sync schedule, bf16, the hierarchical reduction."""
+    cases = {f"{name}-1f1b": dict(optimizer=opt) for name, opt in OPTIMIZERS.items()}
+    cases.update({f"adam-{s}": dict(schedule=s) for s in ("gpipe", "interleaved-1f1b", "zb-h1")})
+    cases.update({"adam-bf16": dict(precision="bf16"), "sgd-gpipe-bf16": dict(optimizer=sgd, schedule="gpipe",
+                                                                               precision="bf16")})
+    cases["adam-hierarchical"] = dict(allreduce="hierarchical", hierarchy=(world // 4, 2) if world >= 4 else None)
+    cases["adamw-compressed-no-overlap"] = dict(optimizer=adamw, compress="bf16", overlap=False)
+    return cases
+
+
+def zero_scenarios(rank, world, checkpoint_dir):
+    out = {}
+    for case, kw in training_cases(world).items():
+        for zero in (0, 1, 2):
+            out[(case, zero)] = measured(wrap(world, zero, **kw), batches())
+    # A learning-rate schedule on each stage's optimizer (what a replica owns) follows zero=0's.
+    for zero in (0, 2):
+        pipe = wrap(world, zero)
+        schedulers = [linear_warmup(rt.optimizer, 3, 0.1) for rt in pipe.held_stages.values() if rt.optimizer]
+        for x, y in batches():
+            pipe.step(x, y)
+            for s in schedulers:
+                s.step()
+        out[("warmup", zero)] = {"state": pipe.state_dict()}
+    # fp16: an overflow on one rank skips the same step everywhere and halves the scale everywhere.
+    for zero in (0, 1):
+        pipe = wrap(world, zero, precision="fp16")
+        if rank == world - 1:
+            param = next(iter(pipe.held_stages[1].module.parameters()))
+            param.register_hook(lambda g, pipe=pipe: g * float("inf") if pipe.updates == 1 else g)
+        skipped = []
+        for x, y in batches():
+            pipe.step(x, y)
+            skipped.append(pipe.last_result.skipped)
+        out[("fp16", zero)] = {"state": pipe.state_dict(), "skipped": skipped, "scale": pipe.loss_scale}
+    # A NaN on one replica's last stage: skipped everywhere, or raised everywhere before anything moves.
+    for zero, mode in ((0, "skip"), (2, "skip"), (1, "raise")):
+        pipe = wrap(world, zero, nonfinite=mode)
+        if rank == world - 1:
+            poison(pipe, 1, lambda g, pipe=pipe: pipe.updates == 1)
+        skipped, error, before = [], None, None
+        try:
+            for r in pipe.train(batches()):
+                skipped.append(r.skipped)
+                before = pipe.state_dict()
+        except pipetrain.NonFiniteError as e:
+            error = str(e)
+        out[(f"nonfinite-{mode}", zero)] = {"state": pipe.state_dict(), "skipped": skipped, "error": error,
+                                            "before": before}
+    if checkpoint_dir is not None:
+        out.update(checkpoint_scenarios(world, checkpoint_dir))
+    return out
+
+
+def checkpoint_scenarios(world, root) -> dict:
+    """Save after 2 steps at one zero level, resume at another, take the 3rd step: equals 3 steps straight."""
+    out = {}
+    bs = batches()
+    for saved_zero, loaded_zero in ((1, 0), (0, 2), (2, 1)):
+        path = f"{root}/z{saved_zero}-d{world // 2}"
+        pipe = wrap(world, saved_zero)
+        for x, y in bs[:2]:
+            pipe.step(x, y)
+        pipe.save(path)
+        resumed = wrap(world, loaded_zero)
+        resumed.load(path)
+        resumed.step(*bs[2])
+        out[("resume", saved_zero, loaded_zero)] = {"state": resumed.state_dict(), "updates": resumed.updates}
+    return out
+
+
+def resume_other_replica_count(rank, world, root):
+    """A checkpoint saved by 2 replicas per stage (zero=1) resumed by 4 (zero=2), and by 4 with zero=0."""
+    out = {}
+    for zero in (2, 0):
+        pipe = wrap(world, zero)
+        pipe.load(f"{root}/z1-d2")
+        pipe.step(*batches()[2])
+        out[zero] = pipe.state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero-checkpoints")
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory, checkpoints):
+    return run_world(4, "test_zero", "zero_scenarios", tmp_path_factory.mktemp("zero2x2"), str(checkpoints))
+
+
+def assert_same(state, reference, tolerance=TOL, what=""):
+    assert state.keys() == reference.keys(), what
+    for k in reference:
+        torch.testing.assert_close(state[k], reference[k], atol=tolerance, rtol=0, msg=f"{what} {k}")
+
+
+@pytest.mark.parametrize("case", list(training_cases(4)))
+def test_zero_trains_exactly_like_zero_0(two_replicas, case):
+    for rank, out in enumerate(two_replicas):
+        for zero in (1, 2):
+            assert_same(out[(case, zero)]["state"], out[(case, 0)]["state"], what=f"rank {rank} zero={zero}")
+
+
+def test_zero_moves_the_parameters(two_replicas):
+    # Guards the comparison above: after 3 steps the weights are far from where they started.
+    initial = make("mlp").state_dict()
+    for out in two_replicas:
+        state = out[("adam-1f1b", 1)]["state"]
+        assert all((state[k] - initial[k]).abs().max() > 1e-3 for k in state)
+
+
+def test_optimizer_state_and_gradients_are_sharded(two_replicas):
+    D = 2
+    for rank, out in enumerate(two_replicas):
+        full = out[("adam-1f1b", 0)]
+        for zero in (1, 2):
+            mine = out[("adam-1f1b", zero)]
+            # Whole tensors are owned: a share is at most 1/D of the state plus one tensor's state (Adam: 2x).
+            assert 0 < mine["optimizer_bytes"] <= full["optimizer_bytes"] / D + 2 * mine["largest"], (rank, zero)
+        assert full["grad_bytes"] == full["payload"]
+        assert out[("adam-1f1b", 1)]["grad_bytes"] == full["payload"]  # ZeRO-1 keeps the (unreduced) rest
+        assert 0 < out[("adam-1f1b", 2)]["grad_bytes"] <= full["payload"] / D + out[("adam-1f1b", 2)]["largest"]
+    # The replicas of a stage own disjoint tensors that cover the stage: their shares add up to zero=0's.
+    for stage_rank in (0, 1):
+        shares = [two_replicas[stage_rank + 2 * r][("adam-1f1b", 1)]["optimizer_bytes"] for r in range(D)]
+        assert sum(shares) == two_replicas[stage_rank][("adam-1f1b", 0)]["optimizer_bytes"]
+        grads = [two_replicas[stage_rank + 2 * r][("adam-1f1b", 2)]["grad_bytes"] for r in range(D)]
+        assert sum(grads) == two_replicas[stage_rank][("adam-1f1b", 0)]["payload"]
+
+
+def test_bytes_on_the_wire_equal_a_ring_all_reduce(two_replicas):
+    # Reduce-scatter + all-gather send (D-1) N each over the group: 2 (D-1) N per step, a ring all-reduce's.
+    D, steps = 2, 3
+    for stage_rank in (0, 1):
+        for case in ("adam-1f1b", "adam-hierarchical"):
+            sent = sum(two_replicas[stage_rank + 2 * r][(case, 1)]["sent"] for r in range(D))
+            assert sent == steps * 2 * (D - 1) * two_replicas[stage_rank][(case, 0)]["payload"], case
+
+
+def test_learning_rate_schedule_follows_zero_0(two_replicas):
+    for out in two_replicas:
+        assert_same(out[("warmup", 2)]["state"], out[("warmup", 0)]["state"])
+        # ... and the schedule did act: the weights differ from training at the constant rate.
+        warm, constant = out[("warmup", 2)]["state"], out[("adam-1f1b", 2)]["state"]
+        assert all((warm[k] - constant[k]).abs().max() > 1e-4 for k in warm)
+
+
+def test_fp16_overflow_on_one_rank_skips_the_same_step_everywhere(two_replicas):
+    for rank, out in enumerate(two_replicas):
+        assert out[("fp16", 1)]["skipped"] == [False, True, False], rank
+        assert out[("fp16", 1)]["scale"] == out[("fp16", 0)]["scale"] == 2.0 ** 15
+        assert_same(out[("fp16", 1)]["state"], out[("fp16", 0)]["state"], what=f"rank {rank}")
+
+
+def test_nonfinite_gradient_on_one_replica_is_agreed_by_every_rank(two_replicas):
+    for rank, out in enumerate(two_replicas):
+        assert out[("nonfinite-skip", 2)]["skipped"] == [False, True, False], rank
+        assert_same(out[("nonfinite-skip", 2)]["state"], out[("nonfinite-skip", 0)]["state"], what=f"rank {rank}")
+        raised = out[("nonfinite-raise", 1)]
+        assert raised["skipped"] == [False] and "optimizer step 2" in raised["error"], (rank, raised["error"])
+        assert_same(raised["state"], raised["before"], tolerance=0.0, what=f"rank {rank}")  # nothing applied
+
+
+def test_checkpoints_resume_at_another_zero_level(two_replicas):
+    for rank, out in enumerate(two_replicas):
+        straight = {0: out[("adam-1f1b", 0)]["state"], 1: out[("adam-1f1b", 1)]["state"],
+                    2: out[("adam-1f1b", 2)]["state"]}
+        for saved, loaded in ((1, 0), (0, 2), (2, 1)):
+            resumed = out[("resume", saved, loaded)]
+            assert resumed["updates"] == 3
+            assert_same(resumed["state"], straight[0], what=f"rank {rank} saved zero={saved} loaded zero={loaded}")
+
+
+def test_checkpoint_resumes_with_another_replica_count(two_replicas, checkpoints, tmp_path):
+    results = run_world(8, "test_zero", "resume_other_replica_count", tmp_path, str(checkpoints))
+    for rank, out in enumerate(results):
+        reference = two_replicas[rank % 2][("adam-1f1b", 0)]["state"]  # 3 straight steps, 2 replicas
+        for zero in (2, 0):
+            assert_same(out[zero], reference, what=f"rank {rank} zero={zero}")
+
+
+@pytest.mark.parametrize("options, reason", [
+    (dict(engine="local", data_parallel=2), "engine='local' runs no replicas"),
+    (dict(engine="local", data_parallel=1), "data_parallel=1 has none"),
+    (dict(schedule="async-1f1b", staleness="stash", data_parallel=2, engine="distributed"), "async-1f1b"),
+    (dict(zero=3), "zero must be 0"),
+])
+def test_zero_is_refused_where_there_is_nothing_to_shard(options, reason):
+    options = {"zero": 1, **options}
+    with pytest.raises(ValueError, match=reason):
+        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, profile=False, **options)
