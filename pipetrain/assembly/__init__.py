@@ -106,7 +106,7 @@ def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, e
     if decides:
         method = list(options.partitioner) if isinstance(options.partitioner, (list, tuple)) else options.partitioner
         memory = memory_model(book.planning_actions(), options.stages, options.policy_name, options.recompute,
-                              options.optimizer)
+                              options.optimizer, options.zero, options.data_parallel)
         plan = partitioners.partition(graph, options.virtual_stages, method=method, bandwidth=options.bandwidth,
                                       memory_limit=options.memory_limit, memory=memory)
     return engine.agree_on_plan(plan, graph)
