@@ -45,9 +45,14 @@ def worker(args: argparse.Namespace) -> None:
     from pipetrain.apps.models import TransformerClassifier
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TransformerClassifier(num_classes=10, in_features=4, width=args.width, depth=args.depth,
-                                  heads=max(1, args.width // 64), max_len=args.seq)
+    class Classifier(TransformerClassifier):
+        def reset_parameters(self) -> None:  # the learned positions, which the model initialises inline
+            torch.nn.init.normal_(self.pos, std=0.02)
+
+    # Built on the meta device: each rank materialises only its stage, so its peak is its stage's own.
+    with torch.device("meta"):
+        model = Classifier(num_classes=10, in_features=4, width=args.width, depth=args.depth,
+                           heads=max(1, args.width // 64), max_len=args.seq)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.seq, 4, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)

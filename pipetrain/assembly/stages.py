@@ -51,8 +51,10 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         device = engine.torch_device(topology.position_of(v))
         module = tensors.materialise(plan.build_stage(v), device)
         optimizer = make_optimizer(stepped_parameters(module, engine, options), options.optimizer)
-        policy = POLICIES[options.policy_name](module, optimizer, v, V, micro_batches=options.micro_batches,
-                                               lookahead=options.lookahead)
+        # With ZeRO the optimizer holds only this replica's share: a policy (stash, 2bw, vanilla; the predicting
+        # ones are refused) then sees none, and reports its prediction error without a unit (NaN).
+        policy = POLICIES[options.policy_name](module, None if options.zero else optimizer, v, V,
+                                               micro_batches=options.micro_batches, lookahead=options.lookahead)
         stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed)
     return stages
 

@@ -109,7 +109,8 @@ class OptimizerStep:
         else:
             grads_bad = check_and_unscale_([p.grad for p in params], 1.0, self.device)
         flags = torch.cat([grads_bad, losses_nonfinite(losses, self.device)])
-        if self.stream and self.nonfinite == "raise":
+        # With ZeRO every replica must take the same decision before stepping: each all-gathers its update.
+        if self.stream and self.nonfinite == "raise" and self.shards is None:
             result = self.agreement.post(t, self.position, flags)
             if result is not None:
                 return self._step_then_agree(t, flags, result)
