@@ -233,8 +233,9 @@ def test_bytes_on_the_wire_equal_a_ring_all_reduce(two_replicas):
     D, steps = 2, 3
     for stage_rank in (0, 1):
         for case in ("adam-1f1b", "adam-hierarchical"):
-            sent = sum(two_replicas[stage_rank + 2 * r][(case, 1)]["sent"] for r in range(D))
-            assert sent == steps * 2 * (D - 1) * two_replicas[stage_rank][(case, 0)]["payload"], case
+            for zero in levels(case):
+                sent = sum(two_replicas[stage_rank + 2 * r][(case, zero)]["sent"] for r in range(D))
+                assert sent == steps * 2 * (D - 1) * two_replicas[stage_rank][(case, 0)]["payload"], (case, zero)
 
 
 @pytest.mark.parametrize("staleness", ["stash", "2bw", "vanilla"])
@@ -248,13 +249,13 @@ def test_async_policies_without_prediction_train_like_zero_0(two_replicas, stale
 
 def test_wire_bytes_measured_per_rank_equal_zero_0(two_replicas):
     # Everything the ranks wrote to their sockets over 3 steps (activations and reports included, the same at
-    # every level): reduce-scatter + all-gather put on the wire what gloo's all-reduce does, up to the
-    # per-message headers of the one more collective per bucket (well under 1% here).
+    # every level): reduce-scatter + all-gather put on the wire what gloo's all-reduce does, up to gloo's
+    # per-message headers (~1.5% of these 2.4 kB buckets; 0.01% for bench_zero's 100 MB stages).
     for case in ("adam-1f1b", "sgd-1f1b"):
         for zero in levels(case):
             sharded = sum(out[(case, zero)]["wire"] for out in two_replicas)
             full = sum(out[(case, 0)]["wire"] for out in two_replicas)
-            assert sharded == pytest.approx(full, rel=0.01), (case, zero, sharded, full)
+            assert sharded == pytest.approx(full, rel=0.03), (case, zero, sharded, full)
 
 
 def test_learning_rate_schedule_follows_zero_0(two_replicas):
