@@ -13,7 +13,7 @@ import torch
 import pipetrain
 from dist_harness import run_world
 from pipetrain.optim import LARS, linear_warmup
-from runtime_models import data, make, sgd
+from runtime_models import data, lm_loss, make, sgd
 from test_nonfinite import poison
 
 TOL = 1e-6
@@ -131,6 +131,15 @@ def zero_scenarios(rank, world, checkpoint_dir):
             error = str(e)
         out[(f"nonfinite-{mode}", zero)] = {"state": pipe.state_dict(), "skipped": skipped, "error": error,
                                             "before": before}
+    # A weight tied across the two stages (embedding and output projection).
+    for zero in (0, 1, 2):
+        x, y = data("tied", 39)
+        pipe = pipetrain.wrap(make("tied"), x[:2], stages=2, micro_batches=2, data_parallel=world // 2,
+                              optimizer=adam, loss_fn=lm_loss, partitioner="uniform", profile=False,
+                              engine="distributed", zero=zero)
+        for i in range(3):
+            pipe.step(x[13 * i:13 * (i + 1)], y[13 * i:13 * (i + 1)])
+        out[("tied", zero)] = {"state": pipe.state_dict(), "tied": pipe.plan.tied_groups()}
     # async-1f1b: the policies without prediction, replicated and sharded.
     for staleness in ("stash", "2bw", "vanilla"):
         for zero in (0, 1 + (staleness == "2bw")):
@@ -191,6 +200,13 @@ def test_zero_trains_exactly_like_zero_0(two_replicas, case):
     for rank, out in enumerate(two_replicas):
         for zero in levels(case):
             assert_same(out[(case, zero)]["state"], out[(case, 0)]["state"], what=f"rank {rank} zero={zero}")
+
+
+def test_tied_weights_on_two_stages_train_like_zero_0(two_replicas):
+    for rank, out in enumerate(two_replicas):
+        assert out[("tied", 0)]["tied"], "the split must put the tied copies on both stages"
+        for zero in (1, 2):
+            assert_same(out[("tied", zero)]["state"], out[("tied", 0)]["state"], what=f"rank {rank} zero={zero}")
 
 
 def test_zero_moves_the_parameters(two_replicas):
@@ -337,3 +353,16 @@ def test_layout_planner_takes_zero_where_it_makes_a_layout_fit():
         assert best.zero == 1 and best.replicas > 1
     with pytest.raises(ValueError, match="ZeRO levels"):
         search_layouts(g, CLUSTER, batch_size=32, profiled_batch=4, zeros=(3,))
+
+
+def test_owners_are_balanced_whole_tensors_around_fixed_ones():
+    from pipetrain.allreduce.sharding import shard_owners
+
+    tensors = [torch.zeros(n) for n in (10, 40, 30, 20, 5)]
+    # Largest first to the least loaded: 40 -> 0, 30 -> 1, 20 -> 1, 10 -> 0, 5 -> 0 (50 and 55 bytes / 4).
+    assert shard_owners(tensors, 2) == [0, 0, 1, 1, 0]
+    # 30 on 0 first: 40 -> 1, 20 -> 0 (30 < 40), 10 -> 1 (40 < 50), 5 -> 0 (a tie at 50: the lower index).
+    assert shard_owners(tensors, 2, {2: 0}) == [1, 1, 0, 0, 0]
+    assert shard_owners(tensors, 1) == [0] * 5
+    with pytest.raises(ValueError, match="fixed owners"):
+        shard_owners(tensors, 2, {0: 2})

@@ -7,25 +7,27 @@ same tensor list without talking to the others.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 
-def shard_owners(tensors: Sequence[torch.Tensor], parts: int) -> list[int]:
-    """The owner (0 .. parts-1) of each of ``tensors``, balanced by bytes and deterministic."""
+def shard_owners(tensors: Sequence[torch.Tensor], parts: int, fixed: Mapping[int, int] | None = None) -> list[int]:
+    """The owner (0 .. parts-1) of each of ``tensors``, balanced by bytes and deterministic; ``fixed``
+    (tensor index -> owner) assigns some beforehand, and the others are balanced around them."""
     if parts < 1:
         raise ValueError(f"shard_owners: parts must be >= 1, got {parts}")
+    fixed = dict(fixed or {})
+    if any(not 0 <= o < parts for o in fixed.values()):
+        raise ValueError(f"shard_owners: fixed owners must be in 0..{parts - 1}, got {sorted(set(fixed.values()))}")
     sizes = [t.numel() * t.element_size() for t in tensors]
     load = [0] * parts
     owners = [0] * len(tensors)
-    for i in sorted(range(len(tensors)), key=lambda i: (-sizes[i], i)):
+    for i, owner in fixed.items():
+        owners[i] = owner
+        load[owner] += sizes[i]
+    for i in sorted((i for i in range(len(tensors)) if i not in fixed), key=lambda i: (-sizes[i], i)):
         owner = min(range(parts), key=lambda r: (load[r], r))
         owners[i] = owner
         load[owner] += sizes[i]
     return owners
-
-
-def owned_parameters(params: Sequence[torch.Tensor], parts: int, owner: int) -> list[torch.Tensor]:
-    """The tensors of ``params`` that replica ``owner`` of ``parts`` owns, in their order."""
-    return [p for p, o in zip(params, shard_owners(params, parts)) if o == owner]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import partitioners
-from pipetrain.comm.replicas import stage_owners, trainable
+from pipetrain.comm.replicas import stage_owners, tied_owners, trainable
 from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
@@ -31,12 +31,14 @@ def make_optimizer(params: list[nn.Parameter], factory: Callable) -> torch.optim
     return optimizer
 
 
-def stepped_parameters(module: nn.Module, engine: Engine, options: PipelineOptions) -> list[nn.Parameter]:
-    """The parameters this process's optimizer of ``module`` steps: all of them, or with ZeRO the tensors
-    its replica owns (the others are stepped by their owners and all-gathered after the step)."""
+def stepped_parameters(module: nn.Module, stage: int, plan: partitioners.Plan, engine: Engine,
+                       options: PipelineOptions) -> list[nn.Parameter]:
+    """The parameters this process's optimizer of ``module`` (virtual stage ``stage``) steps: all of them, or
+    with ZeRO the tensors its replica owns (the others are stepped by their owners and all-gathered after)."""
     if not options.zero:
         return list(module.parameters())
-    owners = stage_owners(module, options.data_parallel)
+    D = options.data_parallel
+    owners = stage_owners(module, D, tied_owners(plan.tied_groups(), stage, D))
     return [p for p, owner in zip(trainable(module), owners) if owner == engine.world.replica]
 
 
@@ -50,7 +52,7 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
             continue
         device = engine.torch_device(topology.position_of(v))
         module = tensors.materialise(plan.build_stage(v), device)
-        optimizer = make_optimizer(stepped_parameters(module, engine, options), options.optimizer)
+        optimizer = make_optimizer(stepped_parameters(module, v, plan, engine, options), options.optimizer)
         # With ZeRO the optimizer holds only this replica's share: a policy (stash, 2bw, vanilla; the predicting
         # ones are refused) then sees none, and reports its prediction error without a unit (NaN).
         policy = POLICIES[options.policy_name](module, None if options.zero else optimizer, v, V,

@@ -186,15 +186,9 @@ class DistributedEngine:
         agreement = DistributedOverflowAgreement(world.agreement, world.device, describe)
         reducers = {}
         if self.reduction is not None:
-            if self.reduction.zero and tied:
-                raise ValueError(
-                    f"zero={self.reduction.zero} with tied parameters on several stages ({tied[0]} ...) is not "
-                    "supported yet: their gradients are summed across stages after the data-parallel reduction, "
-                    "which under ZeRO leaves each replica only the tensors it owns; use zero=0 for this model, "
-                    "or a split that keeps the tied modules on one stage")
             held = [stages[v] for v in topology.stages_at(world.position)]
             reducers[world.position] = StageReducer(held, world.data_parallel_group, world.hierarchy,
-                                                    self.reduction, counter)
+                                                    self.reduction, counter, tied)
         return Connections(transport, tied_sync, agreement, reporter, reducers, counter)
 
     def explain_failure(self, error: BaseException) -> BaseException:

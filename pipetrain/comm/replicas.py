@@ -77,17 +77,27 @@ def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def stage_owners(module: torch.nn.Module, replicas: int) -> list[int]:
-    """The replica owning each of ``trainable(module)`` under ZeRO: the same answer on every replica, so
-    the optimizer (built per stage) and the reducer (built per device) agree without talking."""
-    return shard_owners(trainable(module), replicas)
+def tied_owners(tied: list[list[tuple[int, str]]], stage: int, replicas: int) -> dict[str, int]:
+    """Under ZeRO, by parameter name in ``stage``: the replica owning each tied parameter, the same on every
+    stage holding a copy. That replica's ranks then hold every copy's reduced gradient, so the sum across
+    stages (pipetrain.comm.tied) that both copies step with is exact; elsewhere it sums what nobody steps."""
+    return {name: i % replicas for i, copies in enumerate(tied) for s, name in copies if s == stage}
+
+
+def stage_owners(module: torch.nn.Module, replicas: int, fixed: dict[str, int] | None = None) -> list[int]:
+    """The replica owning each of ``trainable(module)`` under ZeRO (``fixed``: owners by name, e.g.
+    `tied_owners`): the same answer on every replica, so the optimizer (built per stage) and the reducer
+    (built per device) agree without talking."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    fixed = fixed or {}
+    return shard_owners([p for _, p in named], replicas, {i: fixed[n] for i, (n, _) in enumerate(named) if n in fixed})
 
 
 class StageReducer:
     """Averages one device's gradients over the replicas of its stage at the REDUCE action."""
 
     def __init__(self, stages: list[StageRuntime], group, hierarchy, settings: ReductionSettings,
-                 counter: CommCounter):
+                 counter: CommCounter, tied: list[list[tuple[int, str]]] | None = None):
         self.params = [p for s in stages for p in trainable(s.module)]
         self.stage = stages[0].index
         self.counter = counter
@@ -100,7 +110,8 @@ class StageReducer:
             self.reducer = None
         elif self.zero:
             replicas = torch.distributed.get_world_size(group)
-            owners = [o for s in stages for o in stage_owners(s.module, replicas)]
+            owners = [o for s in stages
+                      for o in stage_owners(s.module, replicas, tied_owners(tied or [], s.index, replicas))]
             self.reducer = ShardedReducer(self.params, owners, group, free_unowned=self.zero >= 2, **common)
         else:
             self.reducer = GradientReducer(self.params, group, **common)
