@@ -168,14 +168,18 @@ def checkpoint_scenarios(world, root) -> dict:
     return out
 
 
-def resume_other_replica_count(rank, world, root):
-    """A checkpoint saved by 2 replicas per stage (zero=1) resumed by 4 (zero=2), and by 4 with zero=0."""
+def four_replicas(rank, world, root):
+    """A checkpoint saved by 2 replicas per stage (zero=1) resumed by 4 (zero=2), and by 4 with zero=0; and
+    both levels of the hierarchical reduction (2 nodes x 2 replicas) sharded and not."""
     out = {}
     for zero in (2, 0):
         pipe = wrap(world, zero)
         pipe.load(f"{root}/z1-d2")
         pipe.step(*batches()[2])
         out[zero] = pipe.state_dict()
+    for zero in (0, 1):
+        pipe = wrap(world, zero, allreduce="hierarchical", hierarchy=(2, 2))
+        out[("hierarchical", zero)] = measured(pipe, batches())
     return out
 
 
@@ -308,12 +312,28 @@ def test_checkpoints_resume_at_another_zero_level(two_replicas):
             assert_same(resumed["state"], straight[0], what=f"rank {rank} saved zero={saved} loaded zero={loaded}")
 
 
-def test_checkpoint_resumes_with_another_replica_count(two_replicas, checkpoints, tmp_path):
-    results = run_world(8, "test_zero", "resume_other_replica_count", tmp_path, str(checkpoints))
-    for rank, out in enumerate(results):
+@pytest.fixture(scope="module")
+def four(two_replicas, checkpoints, tmp_path_factory):
+    return run_world(8, "test_zero", "four_replicas", tmp_path_factory.mktemp("zero2x4"), str(checkpoints))
+
+
+def test_checkpoint_resumes_with_another_replica_count(two_replicas, four):
+    for rank, out in enumerate(four):
         reference = two_replicas[rank % 2][("adam-1f1b", 0)]["state"]  # 3 straight steps, 2 replicas
         for zero in (2, 0):
             assert_same(out[zero], reference, what=f"rank {rank} zero={zero}")
+
+
+def test_two_level_hierarchy_with_four_replicas(two_replicas, four):
+    # Reduce-scatter inside each (emulated) node, then across the two; all-gather back the same way.
+    for rank, out in enumerate(four):
+        sharded, full = out[("hierarchical", 1)], out[("hierarchical", 0)]
+        assert_same(sharded["state"], full["state"], what=f"rank {rank}")
+        assert_same(full["state"], two_replicas[rank % 2][("adam-1f1b", 0)]["state"], what=f"rank {rank}")
+        assert sharded["optimizer_bytes"] <= full["optimizer_bytes"] / 4 + 2 * sharded["largest"]
+    for stage_rank in (0, 1):
+        sent = sum(four[stage_rank + 2 * r][("hierarchical", 1)]["sent"] for r in range(4))
+        assert sent == 3 * 2 * (4 - 1) * four[stage_rank][("hierarchical", 0)]["payload"]
 
 
 @pytest.mark.parametrize("options, reason", [
