@@ -25,11 +25,10 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from pipetrain.allreduce.algorithms import Step
 from pipetrain.allreduce.buckets import BucketSpec
 from pipetrain.allreduce.hierarchy import Hierarchy
 from pipetrain.allreduce.reducer import GradientReducer, _Bucket
-
-Step = tuple[Callable[[], dist.Work], Callable[[], None]]
 
 
 class _ShardedBucket(_Bucket):
@@ -40,7 +39,6 @@ class _ShardedBucket(_Bucket):
         per_node = hierarchy.per_node if hierarchy is not None else parts
         # Gather order: by (local rank, node), so each node-local rank's segments are contiguous.
         key = (lambda o: (o % per_node, o // per_node))
-        self.order = sorted(range(parts), key=key)
         indices = sorted(spec.indices, key=lambda i: key(owners[id(params[i])]))
         self.params = [params[i] for i in indices]
         self.owner = [owners[id(p)] for p in self.params]
@@ -196,7 +194,8 @@ class ShardedReducer(GradientReducer):
 
     @torch.no_grad()
     def gather(self) -> None:
-        """Copy every owner's (updated) tensors into every replica: the all-gather after the step."""
+        """Copy every owner's (updated) tensors into every replica: the all-gather after the step, one bucket
+        after the other (each waits for the last, not overlapped with the next forward)."""
         for b in self.buckets:
             mine = [b.params[k].detach().reshape(-1) for k in b.owned]
             packed = torch.cat(mine) if mine else torch.empty(0, dtype=b.dtype, device=b.device)
