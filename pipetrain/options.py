@@ -163,11 +163,6 @@ class PipelineOptions:
                 f"zero={self.zero} shards a stage's optimizer state over its data-parallel replicas, and "
                 + ("data_parallel=1 has none" if self.data_parallel == 1 else "engine='local' runs no replicas")
                 + ": use zero=0, or data_parallel > 1 under torchrun (engine='distributed' or 'auto')")
-        if self.staleness in PREDICTING:
-            raise ValueError(
-                f"zero={self.zero} with staleness={self.staleness!r} is not supported yet: the prediction reads the "
-                "optimizer's smoothed update v of every parameter, and under ZeRO a replica holds v only for the "
-                "tensors it owns; use zero=0 with this policy, or staleness='stash', '2bw' or 'vanilla' with zero")
 
     @property
     def chunks_per_device(self) -> int:

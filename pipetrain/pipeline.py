@@ -108,6 +108,8 @@ class Pipeline:
         """Resume from the newest checkpoint under ``path`` (or a step directory), re-partitioning
         parameters and optimizer state when it was saved with another stage count or engine."""
         self._runner.updates = ckpt.load_pipeline(self._checkpoint_view(), path)
+        for reducer in self._parts.links.reducers.values():
+            reducer.share_updates()  # ZeRO with a predicting policy: v of the loaded state, from each owner
 
     def resume(self, path: str | os.PathLike) -> bool:
         """Load the newest checkpoint under ``path`` if there is one (``--resume auto``); True if it did."""

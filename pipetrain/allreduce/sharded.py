@@ -20,7 +20,7 @@ of the tensors it does not own.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -196,8 +196,25 @@ class ShardedReducer(GradientReducer):
     def gather(self) -> None:
         """Copy every owner's (updated) tensors into every replica: the all-gather after the step, one bucket
         after the other (each waits for the last, not overlapped with the next forward)."""
+        for b, full in self._gathered(lambda p: p.detach()):
+            for k, p in enumerate(b.params):
+                if b.owner[k] != b.me:
+                    p.copy_(full[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p))
+
+    @torch.no_grad()
+    def gather_values(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+        """id(parameter) -> ``value_of(parameter)`` (a tensor of its shape) as computed by its owner, for every
+        parameter: an all-gather like the parameters'."""
+        out = {}
+        for b, full in self._gathered(value_of):
+            for k, p in enumerate(b.params):
+                out[id(p)] = full[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p)
+        return out
+
+    def _gathered(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[_ShardedBucket, torch.Tensor]]:
+        """Per bucket, the flat buffer of every owner's ``value_of`` of its tensors."""
         for b in self.buckets:
-            mine = [b.params[k].detach().reshape(-1) for k in b.owned]
+            mine = [value_of(b.params[k]).reshape(-1).to(b.dtype) for k in b.owned]
             packed = torch.cat(mine) if mine else torch.empty(0, dtype=b.dtype, device=b.device)
             full = torch.empty(b.numel, dtype=b.dtype, device=b.device)
             h = b.hierarchy
@@ -216,9 +233,7 @@ class ShardedReducer(GradientReducer):
                 if h.intra_gather is not None:
                     self.sent_bytes += (h.per_node - 1) * region.numel() * region.element_size()
                     _gather(region.clone(), full, local, h.local_rank, h.intra_gather).wait()
-            for k, p in enumerate(b.params):
-                if b.owner[k] != b.me:
-                    p.copy_(full[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p))
+            yield b, full
 
     def shard_bytes(self) -> int:
         """Bytes of gradient this replica owns (what ZeRO-2 keeps after the reduction)."""

@@ -11,7 +11,7 @@ from pipetrain.comm.replicas import stage_owners, tied_owners, trainable
 from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
-from pipetrain.runtime.staleness import POLICIES
+from pipetrain.runtime.staleness import POLICIES, PREDICTING
 from pipetrain.runtime.topology import Topology
 
 if TYPE_CHECKING:
@@ -42,6 +42,19 @@ def stepped_parameters(module: nn.Module, stage: int, plan: partitioners.Plan, e
     return [p for p, owner in zip(trainable(module), owners) if owner == engine.world.replica]
 
 
+def policy_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                     options: PipelineOptions) -> torch.optim.Optimizer | None:
+    """The optimizer a staleness policy reads. With ZeRO the stage's optimizer holds only this replica's share:
+    a predicting policy (spectrain, nesterov) gets one over every parameter that never steps (no state: its
+    hyper-parameters only) and receives lr * v of every parameter all-gathered after each step; the others
+    get none and report their prediction error without a unit (NaN)."""
+    if not options.zero:
+        return optimizer
+    if options.staleness in PREDICTING:
+        return make_optimizer(list(module.parameters()), options.optimizer)
+    return None
+
+
 def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, options: PipelineOptions,
                  autocast_dtype: torch.dtype | None, tensors: StageTensors) -> dict[int, StageRuntime]:
     """The runtimes of the virtual stages this process runs (every one locally; its rank's under torchrun)."""
@@ -53,9 +66,7 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         device = engine.torch_device(topology.position_of(v))
         module = tensors.materialise(plan.build_stage(v), device)
         optimizer = make_optimizer(stepped_parameters(module, v, plan, engine, options), options.optimizer)
-        # With ZeRO the optimizer holds only this replica's share: a policy (stash, 2bw, vanilla; the predicting
-        # ones are refused) then sees none, and reports its prediction error without a unit (NaN).
-        policy = POLICIES[options.policy_name](module, None if options.zero else optimizer, v, V,
+        policy = POLICIES[options.policy_name](module, policy_optimizer(module, optimizer, options), v, V,
                                                micro_batches=options.micro_batches, lookahead=options.lookahead)
         stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed)
     return stages

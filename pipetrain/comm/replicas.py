@@ -14,7 +14,9 @@ from pipetrain.allreduce.sharded import ShardedReducer
 from pipetrain.allreduce.sharding import shard_owners
 from pipetrain.runtime.batching import batch_size
 from pipetrain.runtime.metrics import CommCounter
+from pipetrain.optim import smoothed_update
 from pipetrain.runtime.stage import StageRuntime
+from pipetrain.runtime.staleness import PREDICTING
 from schedules.cluster import load_cluster
 from schedules.cluster.reductions import Group, prefers_hierarchical
 
@@ -61,6 +63,7 @@ class ReductionSettings:
     cluster: str | None            # allreduce="hybrid": the cluster whose cost model picks per bucket
     overlap: bool                  # buckets reduced during the last backward
     zero: int = 0                  # 1: optimizer state sharded over the replicas; 2: gradients too
+    shares_updates: bool = False   # zero with a predicting policy: lr * v all-gathered after each step
 
     @classmethod
     def of(cls, options: Any) -> ReductionSettings:
@@ -69,7 +72,8 @@ class ReductionSettings:
         # zero-bubble W passes set the weight gradients.
         overlap = (options.overlap and options.staleness == "none" and options.chunks_per_device == 1
                    and options.schedule != "zb-h1")
-        return cls(options.bucket_mb, options.allreduce, options.compress, options.cluster, overlap, options.zero)
+        return cls(options.bucket_mb, options.allreduce, options.compress, options.cluster, overlap, options.zero,
+                   bool(options.zero) and options.staleness in PREDICTING)
 
 
 def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -106,6 +110,10 @@ class StageReducer:
                       compress=COMPRESS[settings.compress],
                       choose_hierarchical=bucket_choice(settings.cluster, hierarchy))
         self.zero = settings.zero
+        # A predicting policy (spectrain, nesterov) reads v of every parameter: its owner's, all-gathered.
+        self.stages, self.shares_updates = stages, settings.shares_updates
+        self._groups = {id(p): (s.optimizer, g) for s in stages if s.optimizer is not None
+                        for g in s.optimizer.param_groups for p in g["params"]}
         if not self.params:
             self.reducer = None
         elif self.zero:
@@ -141,6 +149,21 @@ class StageReducer:
         """ZeRO: after the owners stepped, every replica takes their updated tensors (nothing without ZeRO)."""
         if self.zero and self.reducer is not None:
             self.reducer.gather()
+            self.share_updates()
+
+    def share_updates(self) -> None:
+        """ZeRO with spectrain or nesterov: every replica's policies get lr * v of every parameter from its
+        owner (after each step, and after a checkpoint load); collective over the stage's replicas."""
+        if self.shares_updates and self.reducer is not None:
+            updates = self.reducer.gather_values(self._update_of)
+            for s in self.stages:
+                s.policy.receive_updates([updates[id(p)] for _, p in s.policy.params])
+
+    def _update_of(self, param: torch.Tensor) -> torch.Tensor:
+        """``lr * v`` of a parameter this replica steps (zeros before its first step: no prediction)."""
+        optimizer, group = self._groups[id(param)]
+        v = smoothed_update(optimizer, param, group)
+        return torch.zeros_like(param) if v is None else v * group["lr"]
 
     def abandon(self) -> None:
         """A step raised: forget the buckets filled for it (all ranks abandon the same step)."""
