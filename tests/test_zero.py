@@ -168,6 +168,17 @@ def checkpoint_scenarios(world, root) -> dict:
         resumed.load(path)
         resumed.step(*bs[2])
         out[("resume", saved_zero, loaded_zero)] = {"state": resumed.state_dict(), "updates": resumed.updates}
+    # SpecTrain predicts from the first mini-batch after a load: the resumed replicas need v at once.
+    stream = batches(steps=4)
+    for zero in (0, 1):
+        path = f"{root}/spectrain-z{zero}-d{world // 2}"
+        pipe = wrap(world, zero, schedule="async-1f1b", staleness="spectrain")
+        list(pipe.train(stream[:2]))
+        pipe.save(path)
+        resumed = wrap(world, zero, schedule="async-1f1b", staleness="spectrain")
+        resumed.load(path)
+        list(resumed.train(stream[2:]))
+        out[("resume-spectrain", zero)] = {"state": resumed.state_dict()}
     return out
 
 
@@ -318,6 +329,11 @@ def test_checkpoints_resume_at_another_zero_level(two_replicas):
 @pytest.fixture(scope="module")
 def four(two_replicas, checkpoints, tmp_path_factory):
     return run_world(8, "test_zero", "four_replicas", tmp_path_factory.mktemp("zero2x4"), str(checkpoints))
+
+
+def test_spectrain_resumes_with_the_owners_v(two_replicas):
+    for rank, out in enumerate(two_replicas):
+        assert_same(out[("resume-spectrain", 1)]["state"], out[("resume-spectrain", 0)]["state"], what=f"rank {rank}")
 
 
 def test_checkpoint_resumes_with_another_replica_count(two_replicas, four):
