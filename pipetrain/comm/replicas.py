@@ -1,5 +1,6 @@
 """Hybrid mode glue: each replica's shard of a mini-batch, and averaging a stage's gradients
-over its replicas with the fused/hierarchical reducer."""
+over its replicas with the fused/hierarchical reducer (under ZeRO: which replica owns which tensor,
+the reduce-scatter to the owners and the all-gather of what they stepped)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,9 +13,9 @@ from pipetrain.allreduce.hierarchy import Hierarchy
 from pipetrain.allreduce.reducer import MiB, GradientReducer
 from pipetrain.allreduce.sharded import ShardedReducer
 from pipetrain.allreduce.sharding import shard_owners
+from pipetrain.optim import smoothed_update
 from pipetrain.runtime.batching import batch_size
 from pipetrain.runtime.metrics import CommCounter
-from pipetrain.optim import smoothed_update
 from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.staleness import PREDICTING
 from schedules.cluster import load_cluster
@@ -98,7 +99,9 @@ def stage_owners(module: torch.nn.Module, replicas: int, fixed: dict[str, int] |
 
 
 class StageReducer:
-    """Averages one device's gradients over the replicas of its stage at the REDUCE action."""
+    """Averages one device's gradients over the replicas of its stage at the REDUCE action; with ZeRO
+    (``settings.zero``) reduce-scatters them to the replicas owning each tensor, and all-gathers the
+    stepped tensors at STEP (``gather``)."""
 
     def __init__(self, stages: list[StageRuntime], group, hierarchy, settings: ReductionSettings,
                  counter: CommCounter, tied: list[list[tuple[int, str]]] | None = None):
