@@ -246,6 +246,11 @@ def test_optimizer_state_and_gradients_are_sharded(two_replicas):
         assert full["grad_bytes"] == full["payload"]
         assert out[("adam-1f1b", 1)]["grad_bytes"] == full["payload"]  # ZeRO-1 keeps the (unreduced) rest
         assert 0 < out[("adam-1f1b", 2)]["grad_bytes"] <= full["payload"] / D + out[("adam-1f1b", 2)]["largest"]
+    # Every schedule, interleaved-1f1b's two chunks per device included (balanced together), and bf16.
+    for case in ("adam-gpipe", "adam-interleaved-1f1b", "adam-zb-h1", "adam-bf16"):
+        for rank, out in enumerate(two_replicas):
+            mine, full = out[(case, levels(case)[0])], out[(case, 0)]
+            assert 0 < mine["optimizer_bytes"] <= full["optimizer_bytes"] / D + 2 * mine["largest"], (case, rank)
     # The replicas of a stage own disjoint tensors that cover the stage: their shares add up to zero=0's.
     for stage_rank in (0, 1):
         shares = [two_replicas[stage_rank + 2 * r][("adam-1f1b", 1)]["optimizer_bytes"] for r in range(D)]

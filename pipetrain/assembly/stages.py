@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import partitioners
-from pipetrain.comm.replicas import stage_owners, tied_owners, trainable
+from pipetrain.comm.replicas import device_owners, trainable
 from pipetrain.runtime.optimizer_step import OptimizerStep
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
@@ -31,14 +31,12 @@ def make_optimizer(params: list[nn.Parameter], factory: Callable) -> torch.optim
     return optimizer
 
 
-def stepped_parameters(module: nn.Module, stage: int, plan: partitioners.Plan, engine: Engine,
-                       options: PipelineOptions) -> list[nn.Parameter]:
-    """The parameters this process's optimizer of ``module`` (virtual stage ``stage``) steps: all of them, or
-    with ZeRO the tensors its replica owns (the others are stepped by their owners and all-gathered after)."""
-    if not options.zero:
+def stepped_parameters(module: nn.Module, owners: list[int] | None, engine: Engine) -> list[nn.Parameter]:
+    """The parameters this process's optimizer of ``module`` steps: all of them, or with ZeRO (``owners``: the
+    replica owning each trainable tensor) the tensors its replica owns; the others are stepped by their
+    owners and all-gathered after the step."""
+    if owners is None:
         return list(module.parameters())
-    D = options.data_parallel
-    owners = stage_owners(module, D, tied_owners(plan.tied_groups(), stage, D))
     return [p for p, owner in zip(trainable(module), owners) if owner == engine.world.replica]
 
 
@@ -59,13 +57,18 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
                  autocast_dtype: torch.dtype | None, tensors: StageTensors) -> dict[int, StageRuntime]:
     """The runtimes of the virtual stages this process runs (every one locally; its rank's under torchrun)."""
     V, held = topology.num_stages, set(engine.positions())
+    modules = {v: tensors.materialise(plan.build_stage(v), engine.torch_device(topology.position_of(v)))
+               for v in range(V) if topology.position_of(v) in held}
+    owners: dict[int, list[int]] = {}
+    if options.zero:  # balanced over each device's virtual stages together, as its reducer's buckets hold them
+        for d in held:
+            order = topology.stages_at(d)
+            owners.update(zip(order, device_owners([modules[v] for v in order], order, plan.tied_groups(),
+                                                   options.data_parallel)))
     stages = {}
-    for v in range(V):
-        if topology.position_of(v) not in held:
-            continue
+    for v, module in modules.items():
         device = engine.torch_device(topology.position_of(v))
-        module = tensors.materialise(plan.build_stage(v), device)
-        optimizer = make_optimizer(stepped_parameters(module, v, plan, engine, options), options.optimizer)
+        optimizer = make_optimizer(stepped_parameters(module, owners.get(v), engine), options.optimizer)
         policy = POLICIES[options.policy_name](module, policy_optimizer(module, optimizer, options), v, V,
                                                micro_batches=options.micro_batches, lookahead=options.lookahead)
         stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed)

@@ -89,13 +89,22 @@ def tied_owners(tied: list[list[tuple[int, str]]], stage: int, replicas: int) ->
     return {name: i % replicas for i, copies in enumerate(tied) for s, name in copies if s == stage}
 
 
-def stage_owners(module: torch.nn.Module, replicas: int, fixed: dict[str, int] | None = None) -> list[int]:
-    """The replica owning each of ``trainable(module)`` under ZeRO (``fixed``: owners by name, e.g.
-    `tied_owners`): the same answer on every replica, so the optimizer (built per stage) and the reducer
+def device_owners(modules: list[torch.nn.Module], indices: list[int], tied: list[list[tuple[int, str]]],
+                  replicas: int) -> list[list[int]]:
+    """Under ZeRO, per module of one pipeline device (its virtual stages ``indices``, in order), the replica
+    owning each of ``trainable(module)``: balanced over the device's tensors together, tied copies fixed
+    (`tied_owners`). The same answer on every replica, so the optimizers (built per stage) and the reducer
     (built per device) agree without talking."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    fixed = fixed or {}
-    return shard_owners([p for _, p in named], replicas, {i: fixed[n] for i, (n, _) in enumerate(named) if n in fixed})
+    named = [(v, n, p) for module, v in zip(modules, indices) for n, p in module.named_parameters() if p.requires_grad]
+    fixed_names = {v: tied_owners(tied, v, replicas) for v in indices}
+    fixed = {i: fixed_names[v][n] for i, (v, n, _) in enumerate(named) if n in fixed_names[v]}
+    owners = shard_owners([p for _, _, p in named], replicas, fixed)
+    out, start = [], 0
+    for module in modules:
+        count = len(trainable(module))
+        out.append(owners[start:start + count])
+        start += count
+    return out
 
 
 class StageReducer:
@@ -121,8 +130,8 @@ class StageReducer:
             self.reducer = None
         elif self.zero:
             replicas = torch.distributed.get_world_size(group)
-            owners = [o for s in stages
-                      for o in stage_owners(s.module, replicas, tied_owners(tied or [], s.index, replicas))]
+            per_stage = device_owners([s.module for s in stages], [s.index for s in stages], tied or [], replicas)
+            owners = [o for shares in per_stage for o in shares]
             self.reducer = ShardedReducer(self.params, owners, group, free_unowned=self.zero >= 2, **common)
         else:
             self.reducer = GradientReducer(self.params, group, **common)
