@@ -1,8 +1,8 @@
 """The predicted peak memory of each stage of a split, and which recomputation setting fits a limit.
 
 A stage of P parameter bytes holds its weights, their optimizer state (``state_per_param_byte`` x P:
-1 for SGD with momentum, 2 for Adam) and its extra weight versions (``weight_versions[k]`` x P:
-stashing, 2BW, SpecTrain), and on top of that, at the moments the schedule makes its held bytes
+1 for SGD with momentum, 2 for Adam; divided by the replicas sharing it under ZeRO) and its extra
+weight versions (``weight_versions[k]`` x P: stashing, 2BW, SpecTrain), and on top of that, at the moments the schedule makes its held bytes
 peak, its gradients (P, absent until the step's first backward) and the activations it holds: a
 micro-batch kept whole costs its activation bytes, one that will be recomputed its boundary bytes
 (chain.py). The moments come from the action lists (``schedules.held_activations.held_activations``), as

@@ -73,6 +73,10 @@ class CheckpointRole:
     engine: str            # "local" | "distributed", recorded in the manifest
     barrier: Callable[[], None]
     streaming: bool        # an async-1f1b stream is running: micro-batches are in flight
+    # ZeRO: each replica holds the optimizer state of the tensors it owns; this merges the replicas' shares
+    # (by name) onto replica 0, collectively over the stage's replicas, so the file holds the whole state and
+    # loads at any zero level or replica count. None without ZeRO.
+    merge_optimizer: Callable[[dict], dict | None] | None = None
 
 
 @dataclass
@@ -237,6 +241,13 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: dict
     return {"state": state, "groups": groups}
 
 
+def merge_optimizer_shares(shares: list[dict]) -> dict:
+    """One stage's optimizer state by name from the replicas' ZeRO shares (each holds the names it owns)."""
+    state = {name: value for share in shares for name, value in share["state"].items()}
+    groups = next((share["groups"] for share in shares if share["groups"]), [])
+    return {"state": state, "groups": groups}
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer | None, by_name: dict[str, dict],
                          groups: list[dict], names: dict[int, str]) -> None:
     """Put each parameter's saved state back, by name; hyper-parameters from the saved groups."""
@@ -391,9 +402,15 @@ def save_pipeline(pipe: PipelineView, path: str | os.PathLike) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     if new_root:
         fsync_dir(root.parent)
+    merged = {}
+    if role.merge_optimizer is not None:  # every replica takes part, in stage order
+        for v, stage in sorted(pipe.stages.items()):
+            merged[v] = role.merge_optimizer(optimizer_state_by_name(stage.optimizer, _param_names(stage.module)))
     if role.writes_stages:
         for v, stage in pipe.stages.items():
             payload = _stage_payload(stage)
+            if v in merged:
+                payload["optimizer"] = merged[v]
             entry = {"file": atomic_save(payload, target / f"stage{v}.pt"), "keys": list(payload["module"])}
             atomic_write_text(json.dumps(entry), target / f"stage{v}.entry")  # rank 0 puts it into the manifest
         fsync_dir(target)

@@ -70,6 +70,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "and a hierarchical all-reduce")
     p.add_argument("--no-overlap", action="store_true", help="reduce only after the backward")
     p.add_argument("--max-stages", type=int, help="largest pipeline depth to consider")
+    p.add_argument("--zero", choices=("0", "1", "auto"), default="0",
+                   help="ZeRO: 1 shards the optimizer state over each stage's replicas; auto ranks both "
+                        "(zero=0 first where equally fast, so sharding is chosen where it makes a layout fit)")
     p.add_argument("--profile", action="store_true",
                    help="time each node here instead of estimating (not for a model on the meta device)")
     p.add_argument("--seq-len", type=int,
@@ -151,7 +154,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                           hierarchical={"hybrid": None, "flat": False, "hierarchical": True}[args.allreduce],
                           overlap=not args.no_overlap)
     layouts = search_layouts(graph, cluster, batch_size=args.batch_size, profiled_batch=x.shape[0],
-                             reduction=reduction, max_stages=args.max_stages)
+                             reduction=reduction, max_stages=args.max_stages,
+                             zeros={"0": (0,), "1": (1,), "auto": (0, 1)}[args.zero])
     how = "measured here" if args.profile else "estimated (profile=False)"
     print(f"global batch {args.batch_size}, costs {how}; cluster {cluster.name}: "
           f"{cluster.nodes} x {cluster.devices_per_node} devices, speed {cluster.speed:g}; "

@@ -23,6 +23,7 @@ from schedules.cluster import load_cluster
 SCHEDULES = tuple(BUILDERS)
 SYNC_SCHEDULES = tuple(k for k in SCHEDULES if k != "async-1f1b")
 RECOMPUTE = SETTINGS + ("auto",)  # "auto": per stage, the cheapest setting that fits memory_limit
+ZERO = (0, 1, 2)
 
 
 def _default_optimizer(params):
@@ -75,6 +76,9 @@ class PipelineOptions:
     hierarchy: tuple[int, int] | None = None  # (nodes, replicas per node); None: from LOCAL_WORLD_SIZE
     overlap: bool = True                      # reduce buckets during the last backward, not after it
     compress: str | None = None               # "bf16" | "fp16": send gradients in low precision
+    # ZeRO over the replicas of each stage: 1 shards the optimizer state (each replica steps the tensors it
+    # owns, gradients reduce-scattered, parameters all-gathered); 2 also drops the gradients it does not own.
+    zero: int = 0
 
     def validate(self) -> None:
         def choose(name: str, value: Any, valid) -> None:
@@ -106,6 +110,7 @@ class PipelineOptions:
         if self.hierarchy is not None and (len(self.hierarchy) != 2 or self.hierarchy[0] * self.hierarchy[1] != self.data_parallel):
             raise ValueError(f"hierarchy={self.hierarchy} must be (nodes, replicas per node) with "
                              f"nodes x replicas per node = data_parallel = {self.data_parallel}")
+        self._check_zero()
         if not isinstance(self.partitioner, (list, tuple)):
             choose("partitioner", self.partitioner, PARTITIONERS)
         if self.schedule in SYNC_SCHEDULES and self.staleness != "none":
@@ -156,6 +161,17 @@ class PipelineOptions:
             raise TypeError(f"optimizer must be a factory: params -> torch.optim.Optimizer, got "
                             f"{type(self.optimizer).__name__}; fix: optimizer=lambda params: "
                             "torch.optim.SGD(params, lr=0.05, momentum=0.9)")
+
+    def _check_zero(self) -> None:
+        if self.zero not in ZERO:
+            raise ValueError(f"zero must be 0 (off), 1 (optimizer state sharded) or 2 (gradients too), got {self.zero!r}")
+        if not self.zero:
+            return
+        if self.data_parallel == 1 or self.engine == "local":
+            raise ValueError(
+                f"zero={self.zero} shards a stage's optimizer state over its data-parallel replicas, and "
+                + ("data_parallel=1 has none" if self.data_parallel == 1 else "engine='local' runs no replicas")
+                + ": use zero=0, or data_parallel > 1 under torchrun (engine='distributed' or 'auto')")
 
     @property
     def chunks_per_device(self) -> int:

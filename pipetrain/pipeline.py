@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,8 @@ class Pipeline:
         """Resume from the newest checkpoint under ``path`` (or a step directory), re-partitioning
         parameters and optimizer state when it was saved with another stage count or engine."""
         self._runner.updates = ckpt.load_pipeline(self._checkpoint_view(), path)
+        for reducer in self._parts.links.reducers.values():
+            reducer.share_updates()  # ZeRO with a predicting policy: v of the loaded state, from each owner
 
     def resume(self, path: str | os.PathLike) -> bool:
         """Load the newest checkpoint under ``path`` if there is one (``--resume auto``); True if it did."""
@@ -139,8 +141,9 @@ class Pipeline:
         if world is None:
             role = ckpt.CheckpointRole(True, True, "local", lambda: None, streaming)
         else:
+            merge = _merge_over(world.data_parallel_group) if parts.options.zero else None
             role = ckpt.CheckpointRole(world.replica == 0, world.rank == 0, "distributed",
-                                       lambda: dist.barrier(group=world.checkpoint), streaming)
+                                       lambda: dist.barrier(group=world.checkpoint), streaming, merge)
         return ckpt.PipelineView(parts.plan, parts.options, self._runner.updates, stages, role, parts.pretrained)
 
     def close(self) -> None:
@@ -161,7 +164,8 @@ class Pipeline:
 
     @property
     def gradient_reducer(self) -> Any:
-        """Hybrid mode: this rank's GradientReducer (its buckets and algorithm choices); None otherwise."""
+        """Hybrid mode: this rank's GradientReducer (its buckets and algorithm choices, ``gradient_bytes`` held
+        after the last reduction; with ``zero`` a ShardedReducer, also ``owned`` and ``sent_bytes``); None otherwise."""
         reducers = [r.reducer for r in self._parts.links.reducers.values()]
         return reducers[0] if reducers else None
 
@@ -170,3 +174,12 @@ class Pipeline:
         """fp16: the current loss scale (every device agrees on it); None in other precisions."""
         scalers = [s.scaler for s in self._parts.steppers.values() if s.scaler is not None]
         return scalers[0].scale_value if scalers else None
+
+
+def _merge_over(group: dist.ProcessGroup) -> Callable[[dict], dict | None]:
+    """ZeRO checkpoints: gathers the replicas' optimizer shares onto replica 0 (group rank 0), merged."""
+    def merge(share: dict) -> dict | None:
+        shares = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+        dist.gather_object(share, shares, group=group, group_dst=0)
+        return ckpt.merge_optimizer_shares(shares) if shares is not None else None
+    return merge

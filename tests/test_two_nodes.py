@@ -1,6 +1,7 @@
 """A hierarchical reduction inside a pipeline across two "machines": two torchrun agents on
 127.0.0.1 (--nnodes 2, c10d rendezvous), 2 stages x 2 replicas (one per machine) and 2 stages x 4
-replicas (two per machine: both levels of the hierarchy), equal to one process."""
+replicas (two per machine: both levels of the hierarchy), equal to one process; the latter also with
+ZeRO-2 (reduce-scatter within the node then across, all-gather back)."""
 from __future__ import annotations
 
 import os
@@ -17,12 +18,12 @@ from test_hybrid import batches, reference_global
 TESTS = Path(__file__).resolve().parent
 
 
-def _two_agents(out: Path, allreduce: str, replicas: int) -> None:
+def _two_agents(out: Path, allreduce: str, replicas: int, zero: int) -> None:
     port = free_port()
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nnodes", "2", "--nproc-per-node", str(replicas), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{allreduce}-{replicas}",
-               str(TESTS / "two_node_worker.py"), str(out), allreduce, str(replicas)]
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{allreduce}-{replicas}-{zero}",
+               str(TESTS / "two_node_worker.py"), str(out), allreduce, str(replicas), str(zero)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
               for _ in range(2)]
@@ -30,9 +31,10 @@ def _two_agents(out: Path, allreduce: str, replicas: int) -> None:
     assert all(agent.returncode == 0 for agent in agents), "\n".join(log[-3000:] for log in logs)
 
 
-@pytest.mark.parametrize("allreduce, replicas", [("hybrid", 2), ("hierarchical", 4)])
-def test_two_agents_two_stages_equal_one_process(tmp_path, allreduce, replicas):
-    _two_agents(tmp_path, allreduce, replicas)
+@pytest.mark.parametrize("allreduce, replicas, zero", [("hybrid", 2, 0), ("hierarchical", 4, 0),
+                                                       ("hierarchical", 4, 2)])
+def test_two_agents_two_stages_equal_one_process(tmp_path, allreduce, replicas, zero):
+    _two_agents(tmp_path, allreduce, replicas, zero)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2 * replicas)]
     # torchrun's LOCAL_WORLD_SIZE puts replicas / 2 pipelines on each agent, so every stage's
     # data-parallel group spans the two nodes with replicas / 2 ranks on each.

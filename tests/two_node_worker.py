@@ -3,7 +3,7 @@ REPLICAS / 2 replicas each).
 
 Run by tests/test_two_nodes.py on each of two agents:
     torchrun --nnodes 2 --nproc-per-node REPLICAS --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT \
-        tests/two_node_worker.py OUT_DIR ALLREDUCE REPLICAS
+        tests/two_node_worker.py OUT_DIR ALLREDUCE REPLICAS [ZERO]
 """
 import sys
 from pathlib import Path
@@ -17,10 +17,11 @@ from test_hybrid import batches, data
 
 def main() -> None:
     out, allreduce, replicas = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    zero = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     torch.set_num_threads(1)
     pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=replicas,
                           allreduce=allreduce, optimizer=sgd, partitioner="uniform", profile=False,
-                          engine="distributed", timeout=60)
+                          engine="distributed", timeout=60, zero=zero)
     losses = [r.loss for r in pipe.train(batches("convbn"))]
     world = pipe.world
     reducer = pipe.gradient_reducer

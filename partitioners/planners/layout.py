@@ -8,8 +8,11 @@ partitioner's optimal split (slowest stage minimised). Compute and activation by
 micro-batch scale linearly with its size (the graph was profiled at `profiled_batch`
 samples). A layout fits when every stage's memory is within cluster.memory: its parameter
 bytes x param_memory_factor (one copy for the weights, one for the gradients, the rest for the
-optimizer state: 4 for Adam's two moments) plus what its in-flight micro-batches keep for the
-backward (StageMemory). Only each shape's best cuts are kept.
+optimizer state: 4 for Adam's two moments; with ZeRO (`zero` >= 1, replicas > 1) each replica keeps
+1/replicas of that state) plus what its in-flight micro-batches keep for the backward
+(StageMemory). Only each shape's best cuts are kept; `zeros` adds the ZeRO level as one more choice
+(equal step times rank zero=0 first: the model charges sharding nothing, so it is chosen where it
+makes a layout fit).
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class Layout:
     result: ClusterStepResult
     fits: bool
     stage_memory: list[StageMemory]  # what result.memory adds up, per stage
+    zero: int = 0                    # ZeRO level: 1 and 2 keep 1/replicas of the optimizer state per replica
 
     @property
     def stages(self) -> int:
@@ -82,7 +86,7 @@ class Layout:
 
     def key(self) -> tuple:
         """Ranking key: fitting layouts first, then faster, then fewer devices and stages."""
-        return (not self.fits, self.step_time, self.result.devices, self.stages, self.micro_batches,
+        return (not self.fits, self.step_time, self.zero, self.result.devices, self.stages, self.micro_batches,
                 self.schedule, self.cuts)
 
 
@@ -146,10 +150,12 @@ def _grad_tensors(graph: CostGraph | nx.DiGraph, names: list[str], nodes: list[d
 def evaluate_layout(model: _Model | CostGraph | nx.DiGraph, cluster: Cluster, cuts: Sequence[int], *,
                     replicas: int, micro_batches: int, schedule: str, batch_size: int,
                     profiled_batch: int, reduction: Reduction = DEFAULT_REDUCTION,
-                    param_memory_factor: float = 4.0) -> Layout:
+                    param_memory_factor: float = 4.0, zero: int = 0) -> Layout:
     """Predict one layout: global batch_size split over replicas x micro_batches.
     param_memory_factor: bytes a stage keeps per parameter byte (weights 1 + gradients 1 + optimizer
-    state: 4 with Adam's two moments, 3 with SGD's momentum)."""
+    state: 4 with Adam's two moments, 3 with SGD's momentum). zero >= 1: each replica keeps
+    1/replicas of the optimizer state (ZeRO-2's gradient shard does not lower the peak: gradients
+    accumulate whole over the micro-batches); the bytes on the wire, and so the time, are zero=0's."""
     if not param_memory_factor >= 2:
         raise ValueError(f"param_memory_factor {param_memory_factor!r} counts less than the weights and their "
                          "gradients; fix: 2 + the optimizer's state copies (4 for Adam)")
@@ -159,29 +165,32 @@ def evaluate_layout(model: _Model | CostGraph | nx.DiGraph, cluster: Cluster, cu
         raise ValueError(f"batch_size {batch_size} does not split into {replicas} replicas x "
                          f"{micro_batches} micro-batches; fix: pick counts that divide it")
     scale = per_micro / profiled_batch
-    work = [m.work(cuts[k], cuts[k + 1], scale, param_memory_factor) for k in range(len(cuts) - 1)]
+    state_factor = (param_memory_factor - 2) / (replicas if zero else 1)
+    work = [m.work(cuts[k], cuts[k + 1], scale, 2 + state_factor) for k in range(len(cuts) - 1)]
     result = simulate_cluster_step(work, cluster, replicas=replicas, micro_batches=micro_batches,
                              schedule=schedule, reduction=reduction)
     fits = cluster.memory is None or max(result.memory) <= cluster.memory
     memory = []
     for k, (w, in_flight) in enumerate(zip(work, result.sim.peak_in_flight)):
         params = m.params(cuts[k], cuts[k + 1])  # the terms of simulate_cluster_step's memory, apart
-        memory.append(StageMemory(weights=params, gradients=params, optimizer=params * (param_memory_factor - 2),
+        memory.append(StageMemory(weights=params, gradients=params, optimizer=params * state_factor,
                                   activations=in_flight * w.activation_memory, in_flight=in_flight))
-    return Layout(list(cuts), replicas, micro_batches, schedule, batch_size, result, fits, memory)
+    return Layout(list(cuts), replicas, micro_batches, schedule, batch_size, result, fits, memory, zero)
 
 
 def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_size: int,
                    profiled_batch: int, schedules: Sequence[str] = CLUSTER_SCHEDULES,
                    micro_batches: Sequence[int] = MICRO_BATCHES, max_stages: int | None = None,
                    reduction: Reduction = DEFAULT_REDUCTION, param_memory_factor: float = 4.0,
-                   exhaustive_limit: int = 64) -> list[Layout]:
+                   exhaustive_limit: int = 64, zeros: Sequence[int] = (0,)) -> list[Layout]:
     """The best layout of every shape (stages, replicas, micro-batches, schedule), best first
     (see the module docstring for the search space)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if not profiled_batch > 0:
         raise ValueError(f"profiled_batch must be > 0 samples, got {profiled_batch!r}")
+    if not zeros or any(z not in (0, 1, 2) for z in zeros):
+        raise ValueError(f"zeros must list ZeRO levels among 0, 1, 2, got {list(zeros)}")
     bad = [k for k in schedules if k not in CLUSTER_SCHEDULES]
     if bad:
         raise ValueError(f"schedules {bad} cannot be planned; choose from {CLUSTER_SCHEDULES}")
@@ -197,12 +206,13 @@ def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_siz
                 for m in micro_batches:
                     if (batch_size // replicas) % m:
                         continue
-                    for kind in schedules:  # even one stage: they differ in memory
+                    for kind, zero in itertools.product(schedules, zeros if replicas > 1 else (0,)):
+                        # every schedule even with one stage: they differ in memory
                         lay = evaluate_layout(
                             model, cluster, cuts, replicas=replicas, micro_batches=m, schedule=kind,
                             batch_size=batch_size, profiled_batch=profiled_batch,
-                            reduction=reduction, param_memory_factor=param_memory_factor)
-                        shape = (stages, replicas, m, kind)
+                            reduction=reduction, param_memory_factor=param_memory_factor, zero=zero)
+                        shape = (stages, replicas, m, kind, zero)
                         if shape not in best or lay.key() < best[shape].key():
                             best[shape] = lay
     if not best:
@@ -287,8 +297,9 @@ def format_ranking(layouts: Sequence[Layout], top: int = 10) -> str:
              f"{'step ms':>10} {'samples/s':>10} {'efficiency':>10} {'reduce ms':>9} {'mem GB':>7} fits"]
     for i, lay in enumerate(layouts[:top], 1):
         r = lay.result
+        schedule = lay.schedule + (f"/zero{lay.zero}" if lay.zero else "")  # one cell: the columns stay as they were
         lines.append(f"{i:>4} {lay.stages:>6} {lay.replicas:>8} {r.devices:>7} {lay.micro_batches:>5} "
-                     f"{lay.schedule:>8} {1e3 * lay.step_time:>10.3f} {lay.throughput:>10.1f} "
+                     f"{schedule:>8} {1e3 * lay.step_time:>10.3f} {lay.throughput:>10.1f} "
                      f"{100 * r.scaling_efficiency:>9.1f}% {1e3 * max(r.reduction_exposed):>9.3f} "
                      f"{max(r.memory) / 1e9:>7.2f} {'yes' if lay.fits else 'NO'}")
     return "\n".join(lines)

@@ -93,6 +93,12 @@ class _Bucket:
         return self.launched == len(self.steps) and self.work is None
 
 
+def _sent_as(dtype: torch.dtype, compress: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a bucket of `dtype` travels in when `compress` is asked (None: its own)."""
+    wider = dtype.is_floating_point and compress is not None and dtype.itemsize > compress.itemsize
+    return compress if wider else None
+
+
 class GradientReducer:
     """Averages gradients over a data-parallel group in flat buckets (see module docstring).
 
@@ -150,20 +156,21 @@ class GradientReducer:
             specs = assign_buckets(self.params, 0, 0)
         else:
             specs = assign_buckets(self.params, bucket_bytes, first_bucket_bytes)
-        self.buckets: list[_Bucket] = []
-        for spec in specs:
-            hierarchical = self._hierarchical(spec.nbytes, choose_hierarchical)
-            wider = spec.dtype.is_floating_point and compress is not None and spec.dtype.itemsize > compress.itemsize
-            pad = self.hierarchy.per_node if hierarchical else 1
-            bucket = _Bucket(spec, self.params, pad, compress if wider else None)
-            bucket.hierarchical = hierarchical
-            bucket.steps = hierarchical_steps(bucket.comm, self.hierarchy) if hierarchical else flat_steps(bucket.comm, group)
-            self.buckets.append(bucket)
+        self.buckets = [self._make_bucket(spec, self._hierarchical(spec.nbytes, choose_hierarchical),
+                                          _sent_as(spec.dtype, compress)) for spec in specs]
         self._where = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
+        self.gradient_bytes = 0  # bytes of gradients held once the last reduction finished (measured)
         self._hooks: list = []
         self._reset_round()
 
     # --- set-up -------------------------------------------------------------
+    def _make_bucket(self, spec: BucketSpec, hierarchical: bool, compress: torch.dtype | None) -> _Bucket:
+        """A bucket of `spec` with its reduction chain (subclasses shard it: pipetrain.allreduce.sharded)."""
+        bucket = _Bucket(spec, self.params, self.hierarchy.per_node if hierarchical else 1, compress)
+        bucket.hierarchical = hierarchical
+        bucket.steps = hierarchical_steps(bucket.comm, self.hierarchy) if hierarchical else flat_steps(bucket.comm, self.group)
+        return bucket
+
     def _resolve_hierarchy(self, hierarchy: Hierarchy | tuple[int, int] | None) -> Hierarchy | None:
         if isinstance(hierarchy, Hierarchy):
             if hierarchy.nodes * hierarchy.per_node != self.size:
@@ -220,7 +227,7 @@ class GradientReducer:
             return
         if weight < 0:
             raise ValueError(f"GradientReducer: weight must be >= 0, got {weight}")
-        total = torch.tensor([float(weight)], dtype=torch.float64, device=self.buckets[0].buffer.device)
+        total = torch.tensor([float(weight)], dtype=torch.float64, device=self.params[0].device)
         dist.all_reduce(total, group=self.group)
         if total.item() <= 0:
             raise ValueError("GradientReducer: the weights of all replicas sum to 0; at least one replica needs samples")
@@ -315,7 +322,12 @@ class GradientReducer:
                     p.grad = reduced.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(reduced)
+        self._note_gradient_bytes()
         self._reset_round()
+
+    def _note_gradient_bytes(self) -> None:
+        # Measured when the reduced gradients are in place: the moment the optimizer steps them.
+        self.gradient_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
 
     def abandon(self) -> None:
         """Forget the round in progress (the backward that filled it raised). A reduction already on the wire

@@ -79,8 +79,8 @@ def reconnect(parts: Parts) -> None:
     """After a step that raised under torchrun: new process groups and connections (every rank calls this at
     its next step); the stages, their optimizers and loss scalers stay as they are."""
     parts.links = parts.engine.reconnect(parts.topology, parts.stages, parts.plan.tied_groups())
-    for stepper in parts.steppers.values():
-        stepper.connect(parts.links.tied, parts.links.agreement)
+    for d, stepper in parts.steppers.items():
+        stepper.connect(parts.links.tied, parts.links.agreement, parts.links.reducers.get(d))
 
 
 def model_io(model: nn.Module, example_inputs: Any, plan: partitioners.Plan) -> ModelIO:
@@ -106,7 +106,7 @@ def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, e
     if decides:
         method = list(options.partitioner) if isinstance(options.partitioner, (list, tuple)) else options.partitioner
         memory = memory_model(book.planning_actions(), options.stages, options.policy_name, options.recompute,
-                              options.optimizer)
+                              options.optimizer, options.zero, options.data_parallel)
         plan = partitioners.partition(graph, options.virtual_stages, method=method, bandwidth=options.bandwidth,
                                       memory_limit=options.memory_limit, memory=memory)
     return engine.agree_on_plan(plan, graph)

@@ -188,7 +188,7 @@ class DistributedEngine:
         if self.reduction is not None:
             held = [stages[v] for v in topology.stages_at(world.position)]
             reducers[world.position] = StageReducer(held, world.data_parallel_group, world.hierarchy,
-                                                    self.reduction, counter)
+                                                    self.reduction, counter, tied)
         return Connections(transport, tied_sync, agreement, reporter, reducers, counter)
 
     def explain_failure(self, error: BaseException) -> BaseException:

@@ -1,5 +1,6 @@
 """Hybrid mode glue: each replica's shard of a mini-batch, and averaging a stage's gradients
-over its replicas with the fused/hierarchical reducer."""
+over its replicas with the fused/hierarchical reducer (under ZeRO: which replica owns which tensor,
+the reduce-scatter to the owners and the all-gather of what they stepped)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,9 +11,13 @@ from torch.utils import _pytree as pytree
 
 from pipetrain.allreduce.hierarchy import Hierarchy
 from pipetrain.allreduce.reducer import MiB, GradientReducer
+from pipetrain.allreduce.sharded import ShardedReducer
+from pipetrain.allreduce.sharding import shard_owners
+from pipetrain.optim import smoothed_update
 from pipetrain.runtime.batching import batch_size
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.stage import StageRuntime
+from pipetrain.runtime.staleness import PREDICTING
 from schedules.cluster import load_cluster
 from schedules.cluster.reductions import Group, prefers_hierarchical
 
@@ -58,6 +63,8 @@ class ReductionSettings:
     compress: str | None           # "bf16" | "fp16": gradients sent in low precision
     cluster: str | None            # allreduce="hybrid": the cluster whose cost model picks per bucket
     overlap: bool                  # buckets reduced during the last backward
+    zero: int = 0                  # 1: optimizer state sharded over the replicas; 2: gradients too
+    shares_updates: bool = False   # zero with a predicting policy: lr * v all-gathered after each step
 
     @classmethod
     def of(cls, options: Any) -> ReductionSettings:
@@ -66,23 +73,68 @@ class ReductionSettings:
         # zero-bubble W passes set the weight gradients.
         overlap = (options.overlap and options.staleness == "none" and options.chunks_per_device == 1
                    and options.schedule != "zb-h1")
-        return cls(options.bucket_mb, options.allreduce, options.compress, options.cluster, overlap)
+        return cls(options.bucket_mb, options.allreduce, options.compress, options.cluster, overlap, options.zero,
+                   bool(options.zero) and options.staleness in PREDICTING)
+
+
+def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of ``module`` that take gradients, in registration order (what ZeRO shards)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def tied_owners(tied: list[list[tuple[int, str]]], stage: int, replicas: int) -> dict[str, int]:
+    """Under ZeRO, by parameter name in ``stage``: the replica owning each tied parameter, the same on every
+    stage holding a copy. That replica's ranks then hold every copy's reduced gradient, so the sum across
+    stages (pipetrain.comm.tied) that both copies step with is exact; elsewhere it sums what nobody steps."""
+    return {name: i % replicas for i, copies in enumerate(tied) for s, name in copies if s == stage}
+
+
+def device_owners(modules: list[torch.nn.Module], indices: list[int], tied: list[list[tuple[int, str]]],
+                  replicas: int) -> list[list[int]]:
+    """Under ZeRO, per module of one pipeline device (its virtual stages ``indices``, in order), the replica
+    owning each of ``trainable(module)``: balanced over the device's tensors together, tied copies fixed
+    (`tied_owners`). The same answer on every replica, so the optimizers (built per stage) and the reducer
+    (built per device) agree without talking."""
+    named = [(v, n, p) for module, v in zip(modules, indices) for n, p in module.named_parameters() if p.requires_grad]
+    fixed_names = {v: tied_owners(tied, v, replicas) for v in indices}
+    fixed = {i: fixed_names[v][n] for i, (v, n, _) in enumerate(named) if n in fixed_names[v]}
+    owners = shard_owners([p for _, _, p in named], replicas, fixed)
+    out, start = [], 0
+    for module in modules:
+        count = len(trainable(module))
+        out.append(owners[start:start + count])
+        start += count
+    return out
 
 
 class StageReducer:
-    """Averages one device's gradients over the replicas of its stage at the REDUCE action."""
+    """Averages one device's gradients over the replicas of its stage at the REDUCE action; with ZeRO
+    (``settings.zero``) reduce-scatters them to the replicas owning each tensor, and all-gathers the
+    stepped tensors at STEP (``gather``)."""
 
     def __init__(self, stages: list[StageRuntime], group, hierarchy, settings: ReductionSettings,
-                 counter: CommCounter):
-        self.params = [p for s in stages for p in s.module.parameters() if p.requires_grad]
+                 counter: CommCounter, tied: list[list[tuple[int, str]]] | None = None):
+        self.params = [p for s in stages for p in trainable(s.module)]
         self.stage = stages[0].index
         self.counter = counter
         self.payload = sum(p.numel() * p.element_size() for p in self.params)
-        self.reducer = GradientReducer(self.params, group, bucket_bytes=int(settings.bucket_mb * MiB),
-                                       hierarchy=hierarchy, algorithm=settings.algorithm,
-                                       compress=COMPRESS[settings.compress],
-                                       choose_hierarchical=bucket_choice(settings.cluster, hierarchy)
-                                       ) if self.params else None
+        common = dict(bucket_bytes=int(settings.bucket_mb * MiB), hierarchy=hierarchy, algorithm=settings.algorithm,
+                      compress=COMPRESS[settings.compress],
+                      choose_hierarchical=bucket_choice(settings.cluster, hierarchy))
+        self.zero = settings.zero
+        # A predicting policy (spectrain, nesterov) reads v of every parameter: its owner's, all-gathered.
+        self.stages, self.shares_updates = stages, settings.shares_updates
+        self._groups = {id(p): (s.optimizer, g) for s in stages if s.optimizer is not None
+                        for g in s.optimizer.param_groups for p in g["params"]}
+        if not self.params:
+            self.reducer = None
+        elif self.zero:
+            replicas = torch.distributed.get_world_size(group)
+            per_stage = device_owners([s.module for s in stages], [s.index for s in stages], tied or [], replicas)
+            owners = [o for shares in per_stage for o in shares]
+            self.reducer = ShardedReducer(self.params, owners, group, free_unowned=self.zero >= 2, **common)
+        else:
+            self.reducer = GradientReducer(self.params, group, **common)
         self.overlap = settings.overlap and self.reducer is not None
         if self.overlap:
             self.reducer.enable_overlap()
@@ -100,6 +152,30 @@ class StageReducer:
         else:
             self.reducer.reduce_now()
         self.counter.add("data_parallel", self.stage, self.payload)
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether this replica steps ``param`` (always without ZeRO)."""
+        return not self.zero or self.reducer is None or self.reducer.owns(param)
+
+    def gather(self) -> None:
+        """ZeRO: after the owners stepped, every replica takes their updated tensors (nothing without ZeRO)."""
+        if self.zero and self.reducer is not None:
+            self.reducer.gather()
+            self.share_updates()
+
+    def share_updates(self) -> None:
+        """ZeRO with spectrain or nesterov: every replica's policies get lr * v of every parameter from its
+        owner (after each step, and after a checkpoint load); collective over the stage's replicas."""
+        if self.shares_updates and self.reducer is not None:
+            updates = self.reducer.gather_values(self._update_of)
+            for s in self.stages:
+                s.policy.receive_updates([updates[id(p)] for _, p in s.policy.params])
+
+    def _update_of(self, param: torch.Tensor) -> torch.Tensor:
+        """``lr * v`` of a parameter this replica steps (zeros before its first step: no prediction)."""
+        optimizer, group = self._groups[id(param)]
+        v = smoothed_update(optimizer, param, group)
+        return torch.zeros_like(param) if v is None else v * group["lr"]
 
     def abandon(self) -> None:
         """A step raised: forget the buckets filled for it (all ranks abandon the same step)."""

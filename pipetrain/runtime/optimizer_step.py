@@ -55,6 +55,15 @@ class OverflowAgreement(Protocol):
         agreement cannot run in the background (one process: the devices wait in the executor loop)."""
 
 
+class Shards(Protocol):
+    """ZeRO: which parameters this replica steps, and the all-gather of the owners' updates
+    (pipetrain.comm.replicas.StageReducer)."""
+
+    def owns(self, param: torch.Tensor) -> bool: ...
+
+    def gather(self) -> None: ...
+
+
 class OptimizerStep:
     """What one device does at STEP t for all of its stages; the generator returns whether t was skipped.
 
@@ -63,12 +72,16 @@ class OptimizerStep:
     non-finite gradient is a loss-scale overflow, always skipped (the scale backs off); a non-finite
     loss is not (scaling happens after the loss), so it follows ``nonfinite`` there too.
     ``process_stages``: every (stage, module) this process holds, to name the bad parameter.
+    ``shards`` (ZeRO): this device checks and steps only the tensors its replica owns, then all-gathers;
+    the agreement still spans every rank, so all replicas skip, raise or step together.
     """
 
     def __init__(self, stages: list[StageRuntime], tied: TiedSync, scaler: DynamicLossScaler | None,
                  agreement: OverflowAgreement, nonfinite: str = "raise", precision: str = "fp32",
-                 position: int = 0, process_stages: Sequence[tuple[int, nn.Module]] | None = None):
+                 position: int = 0, process_stages: Sequence[tuple[int, nn.Module]] | None = None,
+                 shards: Shards | None = None):
         self.stages = stages
+        self.shards = shards
         self.indices = [s.index for s in stages]
         self.tied = tied
         self.scaler = scaler
@@ -89,13 +102,15 @@ class OptimizerStep:
     def __call__(self, t: int, losses: list[torch.Tensor]) -> Generator[str, None, bool]:
         """STEP t, given the losses of mini-batch t's micro-batches computed on this device (if any)."""
         yield from self.tied.sync(self.indices, t)
-        params = [p for s in self.stages for p in s.module.parameters() if p.grad is not None]
+        params = [p for s in self.stages for p in s.module.parameters()
+                  if p.grad is not None and (self.shards is None or self.shards.owns(p))]
         if self.scaler is not None:
             grads_bad = self.scaler.unscale_local_(params, self.device)
         else:
             grads_bad = check_and_unscale_([p.grad for p in params], 1.0, self.device)
         flags = torch.cat([grads_bad, losses_nonfinite(losses, self.device)])
-        if self.stream and self.nonfinite == "raise":
+        # With ZeRO every replica must take the same decision before stepping: each all-gathers its update.
+        if self.stream and self.nonfinite == "raise" and self.shards is None:
             result = self.agreement.post(t, self.position, flags)
             if result is not None:
                 return self._step_then_agree(t, flags, result)
@@ -121,8 +136,13 @@ class OptimizerStep:
                     s.policy.before_step()
                     s.optimizer.step()
                 s.optimizer.zero_grad(set_to_none=True)
-            elif skip:  # a stage without an optimizer still must not carry bad gradients into the next step
+            if skip or self.shards is not None:
+                # A stage without an optimizer still must not carry bad gradients into the next step; with
+                # ZeRO the optimizer holds only the owned tensors, and the others' gradients go too.
                 s.module.zero_grad(set_to_none=True)
+        if not skip and self.shards is not None:
+            self.shards.gather()  # before on_step: a policy that copies the weights sees the updated ones
+        for s in self.stages:
             if skip:
                 s.policy.on_skip()
             else:
@@ -155,9 +175,11 @@ class OptimizerStep:
                 "the update was not applied on any stage",
                 "stages whose gradients were finite applied it (an async stream learns of it one step later)"))
 
-    def connect(self, tied: TiedSync, agreement: OverflowAgreement) -> None:
+    def connect(self, tied: TiedSync, agreement: OverflowAgreement, shards: Shards | None = None) -> None:
         """Use new connections to the other devices (the engine reconnected after a failed step)."""
         self.tied, self.agreement = tied, agreement
+        if self.shards is not None:
+            self.shards = shards
 
     def start(self, first_update: int, stream: bool) -> None:
         """Called before each step() (stream=False) or train() stream: the update number of its

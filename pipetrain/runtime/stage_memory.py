@@ -51,9 +51,13 @@ def optimizer_state_factor(optimizer: Callable[[list[torch.nn.Parameter]], torch
 
 
 def memory_model(actions: list[list[schedules.Action]], stages: int, policy: str, recompute: str,
-                 optimizer: Callable) -> partitioners.MemoryModel:
-    """The memory model of a pipeline running ``actions`` (one list per device)."""
+                 optimizer: Callable, zero: int = 0, data_parallel: int = 1) -> partitioners.MemoryModel:
+    """The memory model of a pipeline running ``actions`` (one list per device). With ``zero`` >= 1 a
+    replica holds 1/``data_parallel`` of the optimizer state. ZeRO-2's gradient shard does not lower
+    the peak: gradients accumulate whole over a step's micro-batches and are sharded only after the
+    last backward, so the moments the gradients are counted at are the same."""
     moments = schedule_moments(actions, stages)
     virtual = len(moments["none"])
     versions = weight_versions(policy, virtual, recompute)
-    return partitioners.MemoryModel(moments, optimizer_state_factor(optimizer), versions, recompute)
+    shards = data_parallel if zero else 1
+    return partitioners.MemoryModel(moments, optimizer_state_factor(optimizer) / shards, versions, recompute)

@@ -176,6 +176,12 @@ class StalenessPolicy:
         if self._update_size is not None:
             self._update_size.invalidate()
 
+    def receive_updates(self, updates: list[torch.Tensor]) -> None:
+        """ZeRO: ``lr * v`` of each of this stage's parameters (in ``params`` order), all-gathered from the
+        replicas that step them after every update, for the prediction (see Extrapolation.provide)."""
+        if self._update_size is not None:
+            self._update_size.provide(updates)
+
     def on_skip(self) -> None:
         """Called instead of ``before_step`` and ``on_step`` when a step is skipped on every stage
         (nonfinite="skip", fp16 overflow): the weights and the optimizer state did not move."""

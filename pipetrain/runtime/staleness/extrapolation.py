@@ -44,13 +44,25 @@ class Extrapolation:
                        for group in optimizer.param_groups]
         self.groups = [(group, members) for group, members in self.groups if members]
         self._directions: list[torch.Tensor | None] | None = None
+        self._updates: list[torch.Tensor] | None = None  # ZeRO: lr * v of every parameter, from its owner
 
     def invalidate(self) -> None:
         """The optimizer stepped (or its state was loaded): recompute v at the next use."""
         self._directions = None
 
+    def provide(self, updates: list[torch.Tensor]) -> None:
+        """ZeRO: each parameter's ``lr * v``, computed by the replica that steps it and all-gathered (this
+        replica's optimizer holds the state of its own tensors only); used from now on instead of the
+        optimizer's state, until the next ``provide``."""
+        self._updates = updates
+
+    def _lr(self, group: dict) -> float:
+        return 1.0 if self._updates is not None else group["lr"]  # provided updates carry their lr
+
     def directions(self) -> list[torch.Tensor | None]:
         """Each parameter's smoothed update (None before its first step)."""
+        if self._updates is not None:
+            return self._updates
         if self._directions is None:
             directions: list[torch.Tensor | None] = [None] * len(self.params)
             for group, members in self.groups:
@@ -66,7 +78,7 @@ class Extrapolation:
         with torch.no_grad():
             torch._foreach_copy_([o.data for o in outs], [p.detach() for p in self.params])
             for group, members in self.groups:
-                alpha = -steps(group) * group["lr"]
+                alpha = -steps(group) * self._lr(group)
                 moving = [i for i in members if directions[i] is not None]
                 if alpha != 0.0 and moving:
                     torch._foreach_add_([outs[i].data for i in moving], [directions[i] for i in moving], alpha=alpha)
@@ -79,5 +91,5 @@ class Extrapolation:
         for group, members in self.groups:
             moving = [directions[i] for i in members if directions[i] is not None]
             if moving:
-                squares.append((group["lr"] * torch.linalg.vector_norm(torch.stack(torch._foreach_norm(moving)))) ** 2)
+                squares.append((self._lr(group) * torch.linalg.vector_norm(torch.stack(torch._foreach_norm(moving)))) ** 2)
         return torch.stack(squares).sum().sqrt()
