@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import transformers

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from partitioners import Plan
 from pipetrain.options import PipelineOptions

@@ -8,7 +8,6 @@ a shorter last batch (shape headers again), dynamic shapes, and hybrid mode (2 s
 from collections import Counter
 
 import pytest
-import torch
 
 import pipetrain
 from dist_harness import run_world

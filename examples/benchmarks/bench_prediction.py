@@ -101,8 +101,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"| stage | optimizer | parameters (tensors) | forward+backward | prediction | per-parameter | "
-          f"prediction / f+b | per-parameter / f+b |")
+    print("| stage | optimizer | parameters (tensors) | forward+backward | prediction | per-parameter | "
+          "prediction / f+b | per-parameter / f+b |")
     print("|---|---|---|---|---|---|---|---|")
     for name in CASES:
         for opt in ("sgd", "adam"):
