@@ -101,8 +101,11 @@ def test_tiny_config_plans_and_stage_weights_sum_to_the_model(tmp_path, capsys, 
 def test_llama_default_config_plans_on_meta_in_little_memory():
     # The default Llama config is the 6.7 B model: 27 GB in fp32, more than this machine has. Built on the
     # meta device, the whole plan stays within the memory of importing torch and transformers.
-    script = ("import resource, sys; from pipetrain.cli import main; code = main(sys.argv[1:]); "
-              "print('peak RSS kB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+    # The peak of the new process's own memory (VmHWM): ru_maxrss would keep the peak of the process it was
+    # forked from (a pytest worker), which Linux carries across exec.
+    script = ("import re, sys; from pipetrain.cli import main; code = main(sys.argv[1:]); "
+              "print('peak RSS kB', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]); "
+              "sys.exit(code)")
     proc = subprocess.run([sys.executable, "-c", script, "plan", "llama", "--cluster", "nvlink8-100g",
                            "--batch-size", "8", "--max-stages", "4", "--seq-len", "512", "--dtype", "bf16",
                            "--top", "3"], cwd=REPO, capture_output=True, text=True, timeout=300)

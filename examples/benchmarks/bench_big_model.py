@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -50,8 +51,13 @@ def checkpoint(args: argparse.Namespace) -> Path:
 
 
 def rss_gib() -> float:
-    """The process's peak resident memory so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    """The process's peak resident memory so far: its own (VmHWM), where Linux has it; ru_maxrss also counts
+    the peak of the process it was forked from, which Linux carries across exec."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read())[1]) * 1024 / GIB
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
 def rss_now_gib() -> float:
