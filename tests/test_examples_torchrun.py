@@ -32,7 +32,8 @@ def test_huggingface_example_fine_tunes_its_saved_model_under_torchrun(tmp_path)
     import transformers
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    common = [*COMMON, "--model", "gpt2", "--width", "16", "--depth", "1", "--micro-batches", "2", "--lr", "0.1"]
+    common = [*COMMON, "--model", "gpt2", "--width", "16", "--depth", "1", "--micro-batches", "2", "--lr", "0.1",
+              "--epochs", "1", "--train-samples", "96"]
     first = subprocess.run([sys.executable, str(EXAMPLES / "huggingface.py"), *common, "--schedule", "1f1b",
                             "--save-pretrained", str(tmp_path / "pretrained")],
                            capture_output=True, text=True, env=env, timeout=300)

@@ -85,18 +85,27 @@ def test_every_checkpoint_form_gives_the_same_training(form: str, tmp_path: Path
     assert_same_state(pipe.state_dict(), reference_training("gpt2", batches).state_dict(), exact=False)
 
 
-def ranks_train_from_weights(rank: int, world: int, weights: str) -> dict:
-    pipe, batches = train_from("gpt2", Path(weights), world, "distributed")
+def ranks_on_meta(rank: int, world: int, gpt2_weights: str) -> dict:
+    """Everything the tests ask of 2 gloo ranks, in one world (starting one takes seconds): the bytes wrap
+    allocates, initial weights without a checkpoint, training from GPT-2's checkpoint, and a Llama given it."""
+    pipe, batches = train_from("gpt2", Path(gpt2_weights), world, "distributed")
     # The reference on the rank itself: the same thread settings, so the same float sums as the pipeline's.
     reference = reference_training("gpt2", batches).state_dict() if rank == 0 else None
-    return {"state": pipe.state_dict(), "reference": reference}
+    return {"bytes": count_bytes(world), "initial": initial_state("llama", world, "distributed"),
+            "trained": pipe.state_dict(), "reference": reference,
+            "wrong checkpoint": wrap_a_checkpoint_of_another_model(world, gpt2_weights)}
 
 
-def test_every_rank_reads_its_own_stage_from_the_checkpoint(tmp_path: Path) -> None:
-    weights = save_checkpoint("gpt2", "sharded", tmp_path / "hf")
-    per_rank = run_world(2, "test_meta_models", "ranks_train_from_weights", tmp_path, str(weights))
-    state = {k: v for r in per_rank for k, v in r["state"].items()}
-    assert_same_state(state, per_rank[0]["reference"], exact=False)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    root = tmp_path_factory.mktemp("ranks")
+    weights = save_checkpoint("gpt2", "sharded", root / "hf")
+    return run_world(2, "test_meta_models", "ranks_on_meta", root, str(weights))
+
+
+def test_every_rank_reads_its_own_stage_from_the_checkpoint(two_ranks: list[dict]) -> None:
+    state = {k: v for r in two_ranks for k, v in r["trained"].items()}
+    assert_same_state(state, two_ranks[0]["reference"], exact=False)
 
 
 def initial_state(name: str, stages: int, engine: str = "local") -> dict[str, torch.Tensor]:
@@ -116,13 +125,8 @@ def test_initial_weights_without_a_checkpoint_are_the_same_at_every_stage_count(
     assert all(one[k].shape == reference[k].shape and one[k].dtype == reference[k].dtype for k in one)
 
 
-def ranks_initial_state(rank: int, world: int) -> dict:
-    return initial_state("llama", world, "distributed")
-
-
-def test_initial_weights_are_the_same_under_torchrun(tmp_path: Path) -> None:
-    per_rank = run_world(2, "test_meta_models", "ranks_initial_state", tmp_path)
-    state = {k: v for r in per_rank for k, v in r.items()}
+def test_initial_weights_are_the_same_under_torchrun(two_ranks: list[dict]) -> None:
+    state = {k: v for r in two_ranks for k, v in r["initial"].items()}
     assert_same_state(state, initial_state("llama", 1), exact=True)
 
 
@@ -154,7 +158,7 @@ def _bigger_llama() -> torch.nn.Module:
                                               max_position_embeddings=32))
 
 
-def ranks_count_bytes(rank: int, world: int) -> dict:
+def count_bytes(world: int) -> dict:
     with torch.device("meta"):
         model = _bigger_llama()
     ids = torch.randint(0, 256, (2, 8))
@@ -167,8 +171,8 @@ def ranks_count_bytes(rank: int, world: int) -> dict:
             "whole": sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))}
 
 
-def test_a_rank_creates_only_its_own_stage(tmp_path: Path) -> None:
-    per_rank = run_world(2, "test_meta_models", "ranks_count_bytes", tmp_path)
+def test_a_rank_creates_only_its_own_stage(two_ranks: list[dict]) -> None:
+    per_rank = [r["bytes"] for r in two_ranks]
     smallest_matrix = 64 * 32 * 4  # k_proj: hidden x (2 key/value heads x 16) in fp32
     for r in per_rank:
         # The stage's tensors plus a few small temporaries: no weight matrix of the other stage fits in between.
@@ -236,7 +240,7 @@ def test_a_meta_capture_predicts_the_memory_of_the_materialised_one() -> None:
     assert 0 <= total(meta, "act_bytes") - total(real, "act_bytes") <= 0.02 * total(real, "act_bytes")
 
 
-def ranks_wrap_a_checkpoint_of_another_model(rank: int, world: int, weights: str) -> str:
+def wrap_a_checkpoint_of_another_model(world: int, weights: str) -> str:
     case = CASES["llama"]
     try:
         pipetrain.wrap(on_meta("llama"), case.batch(2, 0)[0], stages=world, micro_batches=MICRO,
@@ -246,11 +250,10 @@ def ranks_wrap_a_checkpoint_of_another_model(rank: int, world: int, weights: str
     return "no error"
 
 
-def test_a_checkpoint_that_does_not_fit_is_the_same_error_on_every_rank(tmp_path: Path) -> None:
+def test_a_checkpoint_that_does_not_fit_is_the_same_error_on_every_rank(two_ranks: list[dict]) -> None:
     # GPT-2's checkpoint for a Llama: every Llama tensor missing, every GPT-2 key unexpected; each rank checks
     # the whole model's names, so each raises before building anything, with the same message.
-    weights = save_checkpoint("gpt2", "sharded", tmp_path / "gpt2")
-    messages = run_world(2, "test_meta_models", "ranks_wrap_a_checkpoint_of_another_model", tmp_path, str(weights))
+    messages = [r["wrong checkpoint"] for r in two_ranks]
     assert messages[0] == messages[1] != "no error"
     assert "21 tensors of the model missing: model.embed_tokens.weight" in messages[0]
     assert "unexpected keys, no name of the model: transformer." in messages[0]
