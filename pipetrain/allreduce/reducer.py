@@ -306,15 +306,7 @@ class GradientReducer:
         p.grad, or zeros when it is None; afterwards every parameter's p.grad
         holds the group average.
         """
-        if not self._final:
-            raise RuntimeError("GradientReducer.finish called inside no_sync()/prepare(final=False); leave it first")
-        for bucket in self.buckets:
-            for k, p in enumerate(bucket.params):
-                if not bucket.ready[k]:
-                    bucket.fill(k, p.grad)
-        self._launch_ready()
-        self._advance(block=False)  # put every bucket on the wire before blocking on the first
-        self._advance(block=True)
+        self._complete_round()
         for bucket in self.buckets:
             for k, p in enumerate(bucket.params):
                 reduced = bucket.comm[bucket.offsets[k] : bucket.offsets[k] + p.numel()].view_as(p)
@@ -324,6 +316,19 @@ class GradientReducer:
                     p.grad.copy_(reduced)
         self._note_gradient_bytes()
         self._reset_round()
+
+    def _complete_round(self) -> None:
+        """Launch the buckets the hooks have not, and wait for every one (the step's last reduction)."""
+        if not self._final:
+            raise RuntimeError(f"{type(self).__name__}.finish called inside no_sync()/prepare(final=False); "
+                               "leave it first")
+        for bucket in self.buckets:
+            for k, p in enumerate(bucket.params):
+                if not bucket.ready[k]:
+                    bucket.fill(k, p.grad)
+        self._launch_ready()
+        self._advance(block=False)  # put every bucket on the wire before blocking on the first
+        self._advance(block=True)
 
     def _note_gradient_bytes(self) -> None:
         # Measured when the reduced gradients are in place: the moment the optimizer steps them.

@@ -167,15 +167,7 @@ class ShardedReducer(GradientReducer):
 
     def finish(self) -> None:
         """Reduce-scatter what the hooks have not launched, wait; owned ``p.grad`` get the group's mean."""
-        if not self._final:
-            raise RuntimeError("ShardedReducer.finish called inside no_sync()/prepare(final=False); leave it first")
-        for bucket in self.buckets:
-            for k, p in enumerate(bucket.params):
-                if not bucket.ready[k]:
-                    bucket.fill(k, p.grad)
-        self._launch_ready()
-        self._advance(block=False)
-        self._advance(block=True)
+        self._complete_round()
         for bucket in self.buckets:
             base = bucket.start[bucket.me]
             for k in bucket.owned:
