@@ -88,10 +88,11 @@ def test_every_checkpoint_form_gives_the_same_training(form: str, tmp_path: Path
 def ranks_on_meta(rank: int, world: int, gpt2_weights: str) -> dict:
     """Everything the tests ask of 2 gloo ranks, in one world (starting one takes seconds): the bytes wrap
     allocates, initial weights without a checkpoint, training from GPT-2's checkpoint, and a Llama given it."""
+    allocated = count_bytes(world)  # first: no other pipeline of this process runs meanwhile
     pipe, batches = train_from("gpt2", Path(gpt2_weights), world, "distributed")
     # The reference on the rank itself: the same thread settings, so the same float sums as the pipeline's.
     reference = reference_training("gpt2", batches).state_dict() if rank == 0 else None
-    return {"bytes": count_bytes(world), "initial": initial_state("llama", world, "distributed"),
+    return {"bytes": allocated, "initial": initial_state("llama", world, "distributed"),
             "trained": pipe.state_dict(), "reference": reference,
             "wrong checkpoint": wrap_a_checkpoint_of_another_model(world, gpt2_weights)}
 

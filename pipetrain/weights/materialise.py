@@ -56,29 +56,25 @@ class StageTensors:
         """``stage`` (a stage module the plan built: copies of the model's tensors, meta ones when the model
         has no data) with its tensors made on ``device`` and filled (module doc)."""
         retarget_devices(stage, device)
-        state = {**dict(stage.named_parameters(remove_duplicate=False)),
-                 **dict(stage.named_buffers(remove_duplicate=False))}
         if not self.without_data:
             stage.to(device)
             if self.source is not None:
-                moved = {**dict(stage.named_parameters(remove_duplicate=False)),
-                         **dict(stage.named_buffers(remove_duplicate=False))}
-                copy_into(self.source, {n: t for n, t in moved.items() if n in self.keys}, self.keys)
+                copy_into(self.source, {n: t for n, t in _state(stage).items() if n in self.keys}, self.keys)
             return stage
+        state = _state(stage)
         groups: dict[int, list[str]] = {}  # names that are one tensor
         for name, t in state.items():
             groups.setdefault(id(t), []).append(name)
         read = [names for names in groups.values() if any(n in self.keys for n in names)]
         made = initial_tensors(self.model, [n for names in groups.values() if names not in read for n in names],
                                self.seed)
-        for names in read:
-            empty = _empty_like(state[names[0]])
+        for names in read:  # made empty where they live; the checkpoint fills them
+            empty = torch.empty(state[names[0]].shape, dtype=state[names[0]].dtype, device=device)
             made.update(dict.fromkeys(names, empty))
         fresh = _replace(stage, state, made, device)
         if read:
             copy_into(self.source, {n: fresh[n] for names in read for n in names if n in self.keys}, self.keys)
         return stage
-
 
     def close(self) -> None:
         """Release the checkpoint once every stage is made (its memory-mapped pages count until then)."""
@@ -86,15 +82,16 @@ class StageTensors:
             self.source.close()
 
 
-def _empty_like(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialised CPU tensor in ``t``'s place; a checkpoint fills it."""
-    return torch.empty(t.shape, dtype=t.dtype)
+def _state(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``stage`` under every name it has."""
+    return {**dict(stage.named_parameters(remove_duplicate=False)),
+            **dict(stage.named_buffers(remove_duplicate=False))}
 
 
 def _replace(stage: nn.Module, state: dict[str, torch.Tensor], made: dict[str, torch.Tensor],
              device: torch.device) -> dict[str, torch.Tensor]:
-    """Put ``made``'s tensors, moved to ``device``, in place of ``stage``'s meta ones under every name; names
-    that were one tensor stay one tensor."""
+    """Put ``made``'s tensors, moved to ``device`` (initial values are made on the CPU, so every device gets the
+    same), in place of ``stage``'s meta ones under every name; names that were one tensor stay one tensor."""
     moved: dict[int, torch.Tensor] = {}
     out = {}
     for name, old in state.items():
