@@ -345,7 +345,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict[str, Any], dev: torch.dev
                              "in order does not reproduce its output; fix: pass split points or make "
                              "forward() traceable")
         _check_eval_mode(runner, run_gm, dev_args, dev_kwargs, inputs, capture, training)
-    graph = _build(model, gm, run_gm, interp, dev, profile, repeats, auto)
+    graph = _build(model, gm, run_gm, interp, dev, profile, repeats, auto, meta)
     graph.example_output = torch.utils._pytree.tree_map(
         lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v,
         got if meta else expected)
@@ -377,7 +377,7 @@ def _check_eval_mode(runner: nn.Module, run_gm: fx.GraphModule, args: tuple, kwa
 
 
 def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp: fx.Interpreter,
-           dev: torch.device, profile: bool, repeats: int, auto: list[str]) -> CostGraph:
+           dev: torch.device, profile: bool, repeats: int, auto: list[str], on_meta: bool) -> CostGraph:
     g = nx.DiGraph()
     # Parameters and buffers are passed to the profiler as they are: only activations become grad
     # leaves (a buffer made to require grad breaks F.batch_norm(x, self.running_mean, ...)).
@@ -386,7 +386,6 @@ def _build(model: nn.Module, gm: fx.GraphModule, run_gm: fx.GraphModule, interp:
     seen: dict[int, str] = {}  # id(parameter) -> first name
     users_of: dict[str, list[str]] = {}  # first param name -> nodes using it
     run_nodes = dict(zip((n.name for n in gm.graph.nodes), run_gm.graph.nodes))
-    on_meta = holds_meta_tensors(run_gm)
     for idx, node in enumerate(gm.graph.nodes):
         value = interp.env.get(run_nodes[node.name])
         named = _node_params(gm, node)
