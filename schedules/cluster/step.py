@@ -136,6 +136,22 @@ def _check(stages: int, replicas: int, micro_batches: int, kind: str, cluster: C
                          f"cluster {cluster.name!r} has {cluster.devices}; fix: fewer stages or replicas")
 
 
+def action_costs(work: Sequence[StageWork], cluster: Cluster, split: bool = False) -> Costs:
+    """Seconds of each stage's F, B (and, split, W) on the cluster's devices, runtime overhead included,
+    and of each message between neighbouring stages over the link it crosses (stage k is rank k)."""
+    extra = cluster.overheads
+    comm = []
+    for k in range(len(work) - 1):
+        bandwidth, latency = cluster.link(k, k + 1)
+        comm.append(latency + work[k].send_bytes / bandwidth)
+    slow = cluster.interference / cluster.speed  # interference is 1 unless cores are shared
+    w_share = [w.weight_fraction if split else 0.0 for w in work]
+    return Costs(forward=[w.forward * slow + extra.action for w in work],
+                 backward=[w.backward * (1 - f) * slow + extra.action for w, f in zip(work, w_share)],
+                 weight=[w.backward * f * slow + (extra.action if split else 0.0) for w, f in zip(work, w_share)],
+                 comm=comm)
+
+
 def simulate_cluster_step(work: Sequence[StageWork], cluster: Cluster, *, replicas: int = 1,
                     micro_batches: int = 1, schedule: str = "1f1b",
                     reduction: Reduction = Reduction()) -> ClusterStepResult:
@@ -145,17 +161,8 @@ def simulate_cluster_step(work: Sequence[StageWork], cluster: Cluster, *, replic
     _check(p, replicas, micro_batches, schedule, cluster)
     speed = cluster.speed
     extra = cluster.overheads
-    comm = []
-    for k in range(p - 1):
-        bandwidth, latency = cluster.link(k, k + 1)
-        comm.append(latency + work[k].send_bytes / bandwidth)
-    slow = cluster.interference / speed  # interference is 1 unless cores are shared
     split = schedule == "zb-h1"  # B: the input-gradient part; W: the weight-gradient part
-    w_share = [w.weight_fraction if split else 0.0 for w in work]
-    costs = Costs(forward=[w.forward * slow + extra.action for w in work],
-                  backward=[w.backward * (1 - f) * slow + extra.action for w, f in zip(work, w_share)],
-                  weight=[w.backward * f * slow + (extra.action if split else 0.0) for w, f in zip(work, w_share)],
-                  comm=comm)
+    costs = action_costs(work, cluster, split)
     # with shared cores the reduction's CPU is simulated as a REDUCE action of each stage
     reduce_on_cores = cluster.cores is not None and replicas > 1
     plan = build(schedule, p, micro_batches)
