@@ -50,6 +50,15 @@ def test_compare_writes_runs_png_and_table(tmp_path, capsys):
     assert max(scalars(tmp_path / "2bw", "stage0/prediction_distance")) == 0
     png = tmp_path / "compare.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # Every run records its per-stage compute and bytes and the speed predicted from them, named as such.
+    for method, record in json.loads((tmp_path / "results.json").read_text()).items():
+        run = record["runs"][0]
+        stages = 1 if method == "data-parallel" else 2
+        assert len(run["stage_seconds_per_step"]) == stages and min(run["stage_seconds_per_step"]) > 0
+        assert (sum(run["stage_activation_bytes"]) > 0) == (stages > 1)
+        assert run["predicted_samples_per_second"] > 0 and run["predicted_for"].startswith("2 of this machine's cores")
+        assert run["measured_samples_per_second"] > 0 and run["measured_on"].startswith("local engine")
+    assert "predicted samples/s: on 2 of this machine's cores" in out and "| local-engine samples/s |" in out
     assert f"tensorboard --logdir {tmp_path}" in out
     # A second comparison into the same directory would mix curves in TensorBoard.
     with pytest.raises(SystemExit, match="already holds runs"):
@@ -144,3 +153,43 @@ def test_a_seed_that_diverged_before_its_first_epoch_still_gives_a_table():
     bad.diverged = "NonFiniteError: the loss is NaN"
     row = format_table({"stash": MethodResult({(0.3, 0): good, (0.3, 1): bad})}).splitlines()[2]
     assert "| nan ± nan | nan ± nan | 25.00% ± 35.36% |" in row, row  # acc: mean of 50 and 0, sd 50/sqrt(2)
+
+
+def test_the_png_shows_predicted_speed_for_the_named_cluster_readably(tmp_path):
+    from pipetrain.apps.compare import compare_figure, plot
+    from pipetrain.apps.throughput import local_cluster
+    from pipetrain.apps.training import EpochRecord, RunSummary
+
+    summaries, predicted = {}, {}
+    for i, method in enumerate(METHODS):
+        stages = 1 if method == "data-parallel" else 4
+        s = RunSummary(RunConfig(model="vgg", dataset="digits", stages=stages, batch_size=64, lr=0.05),
+                       step_losses=[2.0, 1.0, 0.5])
+        s.epochs = [EpochRecord(1, 3, 1.0, 0.9, 0.5, 10.0, 0)]
+        summaries[method], predicted[method] = s, 1000.0 + 250 * i
+    predicted["2bw"] = float("nan")  # a run that measured nothing
+    cluster = local_cluster(4)
+    fig = compare_figure(summaries, predicted, cluster)
+    fig.canvas.draw()
+    speed_ax = next(ax for ax in fig.axes if "predicted" in ax.get_title())
+    assert cluster.name in " ".join(speed_ax.get_title().split())  # wrapped, but whole
+    labels = [t.get_text() for t in speed_ax.get_yticklabels()]
+    assert labels == list(METHODS)
+    printed = [t.get_text() for t in speed_ax.texts]
+    assert "1,000" in printed and "not measured" in printed and f"{1000 + 250 * 6:,}" in printed
+    # Readable: every panel (with its title, labels and printed values) and the figure title lie inside
+    # the figure and overlap no other panel, and no two texts of the throughput panel overlap.
+    renderer = fig.canvas.get_renderer()
+    inside = fig.bbox.padded(1)
+    panels = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    for box in [*panels, fig._suptitle.get_window_extent(renderer)]:
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, box
+    for i, box in enumerate(panels):
+        assert not any(box.overlaps(other) for other in panels[i + 1:]), i
+    panel = [speed_ax.title, *speed_ax.get_yticklabels(), *speed_ax.texts, speed_ax.xaxis.label]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in panel if t.get_text()]
+    for i, (a, box_a) in enumerate(boxes):
+        for b, box_b in boxes[i + 1:]:
+            assert not box_a.overlaps(box_b), (a, b)
+    png = plot(summaries, predicted, cluster, tmp_path / "compare.png", dpi=80)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,6 +14,12 @@ A fair comparison gives every method the same chances: with several learning rat
 accuracy over the seeds), and with several ``seeds`` the table shows mean and spread. Each run
 gets its own TensorBoard run under one log directory (so TensorBoard overlays them), and the
 comparison ends with a PNG of the curves and the table the SpecTrain paper reports.
+
+Speed: the local engine runs the stages one after another in one process, so the samples/s it
+measures are the runtime's overhead, not pipeline speed. The table keeps them under that name; the
+PNG's throughput panel and the table's last column show what each method would reach on a named
+cluster of one device per stage, predicted from its run's measured per-stage costs
+(pipetrain.apps.throughput).
 """
 from __future__ import annotations
 
@@ -24,13 +30,16 @@ import math
 import os
 import statistics
 from pathlib import Path
+import textwrap
 from typing import Sequence
 
 from pipetrain import NonFiniteError
 from pipetrain.apps.models import MODELS
+from pipetrain.apps.throughput import local_cluster, predicted_samples_per_second, stage_seconds
 from pipetrain.apps.training import (RunConfig, RunSummary, add_arguments, config_from_args, human_bytes,
                                       is_rank_zero, run)
 from pipetrain.options import PREDICTING, STALENESS
+from schedules import Cluster
 
 ASYNC = tuple(s for s in STALENESS if s != "none")
 METHODS = ["data-parallel", "1f1b", *ASYNC]
@@ -147,23 +156,54 @@ def compare(base: RunConfig, methods: Sequence[str], logdir: str | os.PathLike,
     return results
 
 
-def format_table(results: dict[str, MethodResult]) -> str:
+@dataclasses.dataclass(frozen=True)
+class SpeedPrediction:
+    """Every run's samples/s predicted on ``cluster`` (pipetrain.apps.throughput), by method and (lr, seed)."""
+
+    cluster: Cluster
+    runs: dict[str, dict[tuple[float, int], float]]
+
+    def of_best(self, method: str, result: MethodResult) -> float:
+        """Mean over the seeds of the method's best rate (NaN where none measured anything)."""
+        values = [v for (lr, _), v in self.runs[method].items() if lr == result.best_lr and v == v]
+        return statistics.fmean(values) if values else math.nan
+
+
+def predict_speed(results: dict[str, MethodResult], cluster: Cluster | None = None) -> SpeedPrediction:
+    """Each run's speed on one device per stage of the deepest pipeline compared (the data-parallel
+    baseline: as many replicas), on ``cluster`` or, by default, throughput.local_cluster."""
+    devices = max(s.config.stages for r in results.values() for s in r.runs.values())
+    cluster = cluster or local_cluster(devices)
+    return SpeedPrediction(cluster, {m: {key: predicted_samples_per_second(s, cluster, devices)
+                                         for key, s in r.runs.items()} for m, r in results.items()})
+
+
+def measured_speed_label() -> str:
+    """What the measured samples/s are: the local engine's overhead, or a torchrun measurement."""
+    world = os.environ.get("WORLD_SIZE")
+    return f"samples/s, torchrun {world} processes" if world else "local-engine samples/s"
+
+
+def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None = None) -> str:
     """The SpecTrain paper's table (min train loss, min val loss, max val accuracy) at each method's best
-    learning rate, mean +- standard deviation over the seeds, plus throughput and traffic; with a
-    learning-rate grid, each rate's mean accuracy too."""
+    learning rate, mean +- standard deviation over the seeds, plus measured throughput and traffic and,
+    given ``speed``, the predicted throughput; with a learning-rate grid, each rate's mean accuracy too."""
     grid = any(len(r.lrs) > 1 for r in results.values())
     seeds = max(len(r.best) for r in results.values())
     pm = (lambda mean, sd, f: f"{f(mean)} ± {f(sd)}") if seeds > 1 else (lambda mean, sd, f: f(mean))
-    head = ["method", "schedule", "min train loss", "min val loss", "max val acc", "samples/s", "sent/step"]
+    head = ["method", "schedule", "min train loss", "min val loss", "max val acc", measured_speed_label(), "sent/step"]
     if grid:
         head[2:2] = ["best lr"]
         head.append("val acc by lr")
+    if speed is not None:
+        head.append("predicted samples/s")
     rows = []
     for m, r in results.items():
         best = r.best
+        predicted = [] if speed is None else [_count(speed.of_best(m, r))]
         if all(s.diverged for s in best):
             rows.append([m, best[0].config.describe()] + (["-"] if grid else []) + ["diverged"] * 3 + ["-", "-"]
-                        + (["every rate diverged"] if grid else []))
+                        + (["every rate diverged"] if grid else []) + predicted)
             continue
         acc = spread([100 * _finite(s.max_val_accuracy) for s in best])
         row = [m, best[0].config.describe(),
@@ -176,55 +216,90 @@ def format_table(results: dict[str, MethodResult]) -> str:
             row[2:2] = [f"{r.best_lr:g}"]
             row.append(", ".join(f"{lr:g}: {statistics.fmean(100 * _finite(s.max_val_accuracy) for s in r.at(lr)):.1f}"
                                  for lr in r.lrs))
-        rows.append(row)
+        rows.append(row + predicted)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     if seeds > 1:
         lines.append(f"\nmean ± sample standard deviation over {seeds} seeds, each method at its best learning rate")
+    if not os.environ.get("WORLD_SIZE"):
+        lines.append("\nlocal-engine samples/s: one process runs the stages one after another, so they measure the "
+                     "runtime's overhead, not pipeline speed")
+    if speed is not None:
+        lines.append(f"predicted samples/s: on {speed.cluster.name}, from each run's measured per-stage compute "
+                     "and bytes (pipetrain.apps.throughput)")
     return "\n".join(lines)
 
 
-def plot(summaries: dict[str, RunSummary], path: str | os.PathLike) -> Path:
-    """Train loss per step, val loss and val accuracy per epoch, and throughput, one line per method
-    (one run each: with a grid, the caller passes each method's first seed at its best rate)."""
+def _count(value: float) -> str:
+    return f"{value:.0f}" if value == value else "-"
+
+
+def speed_title(cluster: Cluster) -> str:
+    """The throughput panel's title: what the bars are and where they are predicted for."""
+    return f"samples/s predicted for {cluster.name}, from measured per-stage costs"
+
+
+def compare_figure(summaries: dict[str, RunSummary], predicted: dict[str, float], cluster: Cluster):
+    """Train loss per step, val loss and val accuracy per epoch, one line per method (one run each: with a
+    grid, the caller passes each method's first seed at its best rate), and each method's ``predicted``
+    samples/s on ``cluster`` (horizontal bars, values printed). Returns the matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))
     (loss_ax, val_ax), (acc_ax, speed_ax) = axes
     for m, s in summaries.items():
         loss_ax.plot(range(1, len(s.step_losses) + 1), _smooth(s.step_losses), label=m)
         epochs = [e.epoch for e in s.epochs]
         val_ax.plot(epochs, [e.val_loss for e in s.epochs], marker="o", label=m)
         acc_ax.plot(epochs, [100 * e.val_accuracy for e in s.epochs], marker="o", label=m)
-    speed_ax.bar(list(summaries), [s.samples_per_second for s in summaries.values()])
-    first = next(iter(summaries.values())).config
-    stages = max(s.config.stages for s in summaries.values())  # the baseline runs one stage
-    # The local engine runs the stages one after another in one process: its samples/s measure the
-    # cost of each method's bookkeeping, not pipeline speed, and must not be read as such.
-    world = os.environ.get("WORLD_SIZE")
-    speed = (f"throughput, torchrun with {world} processes" if world else
-             "throughput of the local engine\n(stages run one after another: overhead, not pipeline speed)")
     for ax, title, ylabel in ((loss_ax, "train loss (smoothed)", "loss"), (val_ax, "validation loss", "loss"),
-                              (acc_ax, "validation accuracy", "%"), (speed_ax, speed, "samples/s")):
+                              (acc_ax, "validation accuracy", "%")):
         ax.set_title(title)
         ax.set_ylabel(ylabel)
-        if ax is not speed_ax:
-            ax.legend()
+        ax.legend(fontsize="small")
     loss_ax.set_xlabel("step")
-    val_ax.set_xlabel("epoch")
-    acc_ax.set_xlabel("epoch")
+    for ax in (val_ax, acc_ax):
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     loss_ax.set_yscale("log")
     val_ax.set_yscale("log")
+    _speed_panel(speed_ax, summaries, predicted, cluster)
+    first = next(iter(summaries.values())).config
+    stages = max(s.config.stages for s in summaries.values())  # the baseline runs one stage
     rates = {s.config.lr for s in summaries.values()}
     lr = f"lr {first.lr:g}" if len(rates) == 1 else "each method at its best lr"
     fig.suptitle(f"{first.model} on {first.dataset}: {stages} stages, {lr}, batch {first.batch_size}")
     fig.tight_layout()
+    return fig
+
+
+def _speed_panel(ax, summaries: dict[str, RunSummary], predicted: dict[str, float], cluster: Cluster) -> None:
+    names = list(summaries)
+    values = [predicted[m] for m in names]
+    bars = ax.barh(range(len(names)), [v if v == v else 0.0 for v in values], color="tab:blue")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()  # the methods top-down in the legends' order
+    ax.bar_label(bars, labels=[f"{v:,.0f}" if v == v else "not measured" for v in values], padding=3)
+    top = max((v for v in values if v == v), default=1.0)
+    ax.set_xlim(0, 1.25 * top)  # room for the printed values
+    ax.set_title(textwrap.fill(speed_title(cluster), 52, break_on_hyphens=False))
+    replicas = max(s.config.stages for s in summaries.values())
+    ax.set_xlabel(f"samples/s (data-parallel: {replicas} replicas; pipelines: {replicas} stages)")
+
+
+def plot(summaries: dict[str, RunSummary], predicted: dict[str, float], cluster: Cluster,
+         path: str | os.PathLike, dpi: int = 100) -> Path:
+    """Write compare_figure as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = compare_figure(summaries, predicted, cluster)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
 
@@ -290,12 +365,22 @@ def run_compare(args: argparse.Namespace) -> tuple[dict[str, MethodResult], Path
     results = compare(base, methods, args.logdir, args.async_micro_batches, lrs, seeds)
     if not is_rank_zero():
         return results, None
-    png = plot({m: r.best[0] for m, r in results.items()}, args.png or Path(args.logdir) / "compare.png")
+    speed = predict_speed(results)
+    firsts = {m: (r.best_lr, r.best[0].config.seed) for m, r in results.items()}
+    png = plot({m: r.best[0] for m, r in results.items()}, {m: speed.runs[m][firsts[m]] for m in results},
+               speed.cluster, args.png or Path(args.logdir) / "compare.png")
+    measured_on = ("torchrun, one process per rank" if os.environ.get("WORLD_SIZE") else
+                   "local engine: one process runs the stages one after another (its overhead, not pipeline speed)")
     record = {m: {"best_lr": r.best_lr,
                   "runs": [{"lr": lr, "seed": seed, "summary": s.line(), "diverged": s.diverged,
                             "min_train_loss": s.min_train_loss,
                             "min_val_loss": s.min_val_loss, "max_val_accuracy": s.max_val_accuracy,
-                            "samples_per_second": s.samples_per_second, "bytes_per_step": s.bytes_per_step,
+                            "measured_samples_per_second": s.samples_per_second, "measured_on": measured_on,
+                            "predicted_samples_per_second": speed.runs[m][(lr, seed)],
+                            "predicted_for": speed.cluster.name,
+                            "stage_seconds_per_step": stage_seconds(s),
+                            "stage_activation_bytes": s.stage_activation_bytes,
+                            "bytes_per_step": s.bytes_per_step,
                             "version_lag": s.version_lag, "weight_version_bytes": s.weight_version_bytes,
                             "prediction_distance": s.prediction_distance, "prediction_error": s.prediction_error,
                             "config": dataclasses.asdict(s.config), "epochs": [dataclasses.asdict(e) for e in s.epochs]}
@@ -306,7 +391,7 @@ def run_compare(args: argparse.Namespace) -> tuple[dict[str, MethodResult], Path
         for s in r.runs.values():
             print(s.line())
     print()
-    print(format_table(results))
+    print(format_table(results, speed))
     print(f"\ncurves: {png}\nTensorBoard: tensorboard --logdir {args.logdir}")
     return results, png
 

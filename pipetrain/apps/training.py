@@ -195,6 +195,13 @@ class RunSummary:
     weight_version_bytes: list[float] = field(default_factory=list)  # per stage, mean over steps
     prediction_distance: list[float] = field(default_factory=list)  # per stage, mean over steps
     prediction_error: list[float] = field(default_factory=list)  # per stage, mean over the measured steps
+    # What the cost model needs to predict the run's speed elsewhere (pipetrain.apps.throughput): per step
+    # and stage, seconds of compute (every F and B, as the runner times them); per stage, bytes of activations
+    # sent to later stages, summed over the steps; and the bytes of each trainable parameter, last registered
+    # first (about the order a backward finishes their gradients).
+    step_busy_seconds: list[list[float]] = field(default_factory=list)
+    stage_activation_bytes: list[float] = field(default_factory=list)
+    gradient_bytes: list[int] = field(default_factory=list)
     samples: int = 0
     train_seconds: float = 0.0
     bytes_sent: int = 0
@@ -394,6 +401,7 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
     info = dataset_info(c.dataset, data_dir=c.data_dir)
     torch.manual_seed(c.seed)  # same initial weights for every method and engine
     model = build_model(c.model, num_classes=info.num_classes, width=c.width, depth=c.depth)
+    gradient_bytes = [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
     loader = make_loader(train, c.batch_size, shuffle=True, seed=c.seed, drop_last=True)
     x0, _ = default_collate([train[i] for i in range(c.batch_size)])
     example = x0[:max(1, c.batch_size // (c.micro_batches * c.data_parallel))]
@@ -408,7 +416,7 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
         from torch.utils.tensorboard import SummaryWriter
 
         val_log = SummaryWriter(c.logdir, filename_suffix=".val")  # same run directory as the runtime's scalars
-    summary = RunSummary(c)
+    summary = RunSummary(c, gradient_bytes=gradient_bytes)
     try:
         if c.resume == "auto" and pipe.resume(c.checkpoint_dir) and rank0:
             print(f"resumed from {c.checkpoint_dir} at step {pipe.updates}", flush=True)
@@ -430,6 +438,8 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
                 seconds += result.seconds
                 sent += sum(result.bytes_sent)
                 per_stage.add(result)
+                summary.step_busy_seconds.append([f * result.seconds for f in result.busy_fraction])
+                _add_into(summary.stage_activation_bytes, result.comm_bytes.get("activations", []))
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{result.samples_per_second:.0f}")
                 if agreement is not None and feed.limit is None and agreement.stop_after(result, request):
@@ -481,6 +491,14 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
         pipe.close()
     summary.wall_seconds = time.perf_counter() - wall_start
     return summary
+
+
+def _add_into(totals: list[float], values: Sequence[float]) -> None:
+    """Add ``values`` to ``totals`` element by element (``totals`` starts empty)."""
+    if not totals:
+        totals.extend([0.0] * len(values))
+    for k, value in enumerate(values):
+        totals[k] += value
 
 
 def optimizer_factory(name: str, lr: float, momentum: float) -> Callable[[Any], torch.optim.Optimizer]:
