@@ -29,8 +29,8 @@ import json
 import math
 import os
 import statistics
-from pathlib import Path
 import textwrap
+from pathlib import Path
 from typing import Sequence
 
 from pipetrain import NonFiniteError
@@ -200,7 +200,7 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
     rows = []
     for m, r in results.items():
         best = r.best
-        predicted = [] if speed is None else [_count(speed.of_best(m, r))]
+        predicted = [] if speed is None else [_rounded(speed.of_best(m, r))]
         if all(s.diverged for s in best):
             rows.append([m, best[0].config.describe()] + (["-"] if grid else []) + ["diverged"] * 3 + ["-", "-"]
                         + (["every rate diverged"] if grid else []) + predicted)
@@ -230,7 +230,7 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
     return "\n".join(lines)
 
 
-def _count(value: float) -> str:
+def _rounded(value: float) -> str:
     return f"{value:.0f}" if value == value else "-"
 
 
