@@ -5,6 +5,8 @@ stages, are trained by data parallelism (the sync baseline), sync 1F1B and async
 (PipeDream), 2bw (PipeDream-2BW), spectrain and nesterov weights, with the same data, seed and
 micro-batches (8 per mini-batch; 4 for ResNet, whose BatchNorm needs a few samples per micro-batch):
 a few minutes on 2 CPU cores. It prints the paper-style tables, the PNGs and the TensorBoard command.
+The PNGs' throughput is predicted for one core per stage from each run's measured per-stage costs
+(pipetrain.apps.throughput): the local engine's own samples/s are its overhead, not pipeline speed.
 """
 from __future__ import annotations
 
