@@ -122,18 +122,18 @@ class Reporter:
     def collect(self, result: StepResult, exchange: SumExchange) -> StepResult:
         """Finish ``post``: the global mean loss; per-stage numbers averaged over replicas (bytes summed)."""
         with peers_answer("the end-of-step report (loss and metrics summed over every rank)"):
-            total = exchange.wait().cpu()
+            total = exchange.wait().tolist()
         host_sync.note("step report")
         V, D = self.num_stages, self.replicas
-        result.loss = float(total[0] / total[1])
+        result.loss = total[0] / total[1]
         result.samples = int(total[1])
-        part = lambda i: [float(x) for x in total[2 + i * V: 2 + (i + 1) * V]]  # noqa: E731
+        part = lambda i: total[2 + i * V: 2 + (i + 1) * V]  # noqa: E731
         for i, f in enumerate(self._fields):
             kind = f.metadata["per_stage"]
             setattr(result, f.name, [kind(x / D) for x in part(i)])
         n = len(self._fields)
         result.comm_bytes = {k: [int(x) for x in part(n + i)] for i, k in enumerate(COMM_KINDS)}
-        result.stop_requested = float(total[-1]) > 0
+        result.stop_requested = total[-1] > 0
         return result
 
 

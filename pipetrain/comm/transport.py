@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -117,9 +117,20 @@ class DistributedTransport:
         self.pending_sends: list[tuple[_Posted, list, list]] = []  # (its group, tensors kept alive, recorded ids)
         self.posted: dict[tuple, tuple] = {}  # (link, kind, micro-batch) -> (its group, buffers, meta, recorded ids)
         self.recorder = recording.active()  # None unless a test records what is posted
+        # Per link: whether both ends are this rank, and per direction (communicator, its group, the peer
+        # rank): looked up for every message, resolved once.
+        self.local_links = {l.index: self.rank_of(l.src) == self.rank_of(l.dst) for l in topology.links}
+        self.routes: dict[tuple[int, str], _Route] = {}
+        for l in topology.links:
+            if not self.local_links[l.index]:
+                for kind in (ACT, GRAD):
+                    comm = link_comm(l.index, l.src, l.dst, kind, self.chunks)
+                    src, dst = (l.src, l.dst) if kind == ACT else (l.dst, l.src)
+                    other = self.rank_of(dst) if self.rank_of(src) == self.rank else self.rank_of(src)
+                    self.routes[(l.index, kind)] = _Route(comm, groups.get(comm), other)
 
     def _is_local(self, link: Link) -> bool:
-        return self.rank_of(link.src) == self.rank_of(link.dst)
+        return self.local_links[link.index]
 
     def exchange(self, messages: list[Message]) -> None:
         """Post the sends and receives of one comm batch: per communicator a group of the headers
@@ -154,14 +165,9 @@ class DistributedTransport:
             self.recorder.group(comm, recorded)
         works.works.extend(dist.batch_isend_irecv(p2p))  # NCCL: one work for the group; gloo: one per op
 
-    def _peer(self, link: Link, kind: str, sending: bool) -> int:
-        src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
-        return self.rank_of(dst if sending else src)
-
     def _add_send(self, m: Message, batch: _Batch) -> None:
         link, kind = m.link, m.kind
-        comm = link_comm(link.index, link.src, link.dst, kind, self.chunks)
-        peer, group = self._peer(link, kind, sending=True), self.groups[comm]
+        comm, group, peer = self.routes[(link.index, kind)]
         if kind == ACT:
             leaves, spec = pytree.tree_flatten(m.values)
             meta = (_describe(leaves), spec)  # the spec is serialised only for a header
@@ -197,11 +203,10 @@ class DistributedTransport:
         else:
             meta = None if self.dynamic_shapes else self.agreed_received.get(m.link.index, m.shape_key)
         if meta is None:
-            comm = link_comm(m.link.index, m.link.src, m.link.dst, m.kind, self.chunks)
-            peer = self._peer(m.link, m.kind, sending=False)
+            comm, group, peer = self.routes[(m.link.index, m.kind)]
             header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
             message = self._message("header", m.link, m.micro_batch)
-            works = batch.add(batch.headers, comm, dist.P2POp(dist.irecv, header, peer, self.groups[comm]),
+            works = batch.add(batch.headers, comm, dist.P2POp(dist.irecv, header, peer, group),
                               Op(False, peer, message))
             reads.append((m, header, works, [message]))
             return
@@ -213,8 +218,7 @@ class DistributedTransport:
         described, spec = meta
         wanted = (lambda d: d[0] == "t") if kind == ACT else (lambda d: d[0] == "t" and d[2].is_floating_point)
         buffers = [torch.empty(d[1], dtype=d[2], device=self.device) for d in described if wanted(d)]
-        comm = link_comm(link.index, link.src, link.dst, kind, self.chunks)
-        peer, group = self._peer(link, kind, sending=False), self.groups[comm]
+        comm, group, peer = self.routes[(link.index, kind)]
         message = self._message(kind, link, m.micro_batch)
         works = _Posted()
         for i, b in enumerate(buffers):
@@ -323,6 +327,14 @@ class AgreedShapes:
         known[key] = meta
         if len(known) > self.kept:
             known.popitem(last=False)
+
+
+class _Route(NamedTuple):
+    """Where the messages of one direction of a link go: communicator key, its process group, the peer rank."""
+
+    comm: Hashable
+    group: Any
+    peer: int
 
 
 class _Posted:

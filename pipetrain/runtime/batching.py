@@ -33,6 +33,10 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
         raise ValueError(
             f"the mini-batch has {size} samples but micro_batches={micro_batches}; "
             f"use micro_batches <= {size} or a larger batch")
+    if type(batch) is tuple and all(
+            isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size for v in batch):
+        # The usual positional inputs, split on every step: no tree to flatten and rebuild.
+        return list(zip(*(torch.tensor_split(v, micro_batches, dim=0) for v in batch)))
     leaves, spec = pytree.tree_flatten(batch)
     pieces = [
         torch.tensor_split(leaf, micro_batches, dim=0)

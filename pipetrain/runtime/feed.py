@@ -29,6 +29,7 @@ class Feed:
         self._shapes: dict[int, list[tuple]] = {}
         self._targets: dict[int, list] = {}
         self._sizes: dict[int, list[int]] = {}
+        self._weights: dict[int, list[float]] = {}
         self._grad_scale: dict[int, float] = {}
 
     def add(self, t: int, x: tuple, y: Any = None, grad_scale: float = 1.0) -> None:
@@ -41,11 +42,13 @@ class Feed:
                 input_sizes.check(name, values[i], limits)
         self._inputs[t] = xs
         self._shapes[t] = [_shapes(v) for v in xs]
-        self._sizes[t] = [batch_size(v) for v in xs]
+        sizes = self._sizes[t] = [batch_size(v) for v in xs]
+        total = sum(sizes)
+        self._weights[t] = [n / total for n in sizes]
         self._targets[t] = split_micro_batches(y, self.micro_batches) if y is not None else [None] * self.micro_batches
 
     def release(self, t: int) -> None:
-        for d in (self._inputs, self._shapes, self._targets, self._sizes, self._grad_scale):
+        for d in (self._inputs, self._shapes, self._targets, self._sizes, self._weights, self._grad_scale):
             d.pop(t, None)
 
     def _at(self, g: int) -> tuple[int, int]:
@@ -72,7 +75,7 @@ class Feed:
     def weight(self, g: int) -> float:
         """Share of micro-batch ``g`` in its mini-batch's mean loss (uneven splits weigh by size)."""
         t, j = self._at(g)
-        return self._sizes[t][j] / sum(self._sizes[t])
+        return self._weights[t][j]
 
     def grad_weight(self, g: int) -> float:
         """Factor on micro-batch ``g``'s loss for the backward."""
@@ -83,6 +86,8 @@ class Feed:
 
 
 def _shapes(inputs: tuple) -> tuple[Hashable, ...]:
+    if type(inputs) is tuple and all(isinstance(v, torch.Tensor) for v in inputs):  # no tree walk per micro-batch
+        return tuple((tuple(v.shape), v.dtype) for v in inputs)
     return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(inputs))
 
 

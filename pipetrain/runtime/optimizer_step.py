@@ -102,7 +102,7 @@ class OptimizerStep:
     def __call__(self, t: int, losses: list[torch.Tensor]) -> Generator[str, None, bool]:
         """STEP t, given the losses of mini-batch t's micro-batches computed on this device (if any)."""
         yield from self.tied.sync(self.indices, t)
-        params = [p for s in self.stages for p in s.module.parameters()
+        params = [p for s in self.stages for p in s.params
                   if p.grad is not None and (self.shards is None or self.shards.owns(p))]
         if self.scaler is not None:
             grads_bad = self.scaler.unscale_local_(params, self.device)

@@ -83,13 +83,12 @@ class StageRuntime:
         self.version_lags: dict[int, int] = {}  # micro-batch -> optimizer steps between its forward and backward
         # Zero-bubble: micro-batch -> (what its W needs, activation bytes held until then).
         self.weight_pending: dict[int, tuple[list, int]] = {}
+        self._held_bytes = 0  # activation bytes of in_flight and weight_pending, kept as they change
+        self.is_last = self.index == self.num_stages - 1
         self._split_ok: bool | None = None  # whether this stage's graph splits into B and W (checked once)
-        self._params = list(self.module.parameters())  # for grad_bytes on every action
+        self.params = list(self.module.parameters())  # walked on every action and step: listed once
         self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value) at step start
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
+        self._resident: tuple[tuple[int, int], int] | None = None  # (what it was counted for, resident bytes)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -123,12 +122,13 @@ class StageRuntime:
 
     def _hold(self, micro_batch: int, flight: InFlight) -> None:
         self.in_flight[micro_batch] = flight
+        self._held_bytes += flight.activation_bytes
         self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
         self._note_peak(self.activation_bytes())
 
     def _note_peak(self, activations: int) -> None:
         self.peak_activation_bytes = max(self.peak_activation_bytes, activations)
-        self.peak_working_bytes = max(self.peak_working_bytes, activations + grad_bytes(self._params))
+        self.peak_working_bytes = max(self.peak_working_bytes, activations + grad_bytes(self.params))
 
     def _traced(self, inputs: tuple, weights: dict | None, target: Any, weight: float, seed: int):
         """The forward with autograd recording: outputs, loss, what to differentiate, the input leaves
@@ -217,6 +217,7 @@ class StageRuntime:
         returns, per input, the gradients of its floating tensors (zeros where unused). With
         ``split`` (zero-bubble B) the weight gradients wait for ``backward_weight``."""
         saved = self.in_flight.pop(micro_batch)
+        self._held_bytes -= saved.activation_bytes
         if saved.replay is not None:
             saved = self._replay(micro_batch, saved)
         self.policy.before_backward(micro_batch)
@@ -231,6 +232,7 @@ class StageRuntime:
         if tensors and split and self._splits(tensors, inputs):
             groups = split_backward.backward_input(tensors, grads, inputs, self._weights())
             self.weight_pending[micro_batch] = (groups, saved.activation_bytes)
+            self._held_bytes += saved.activation_bytes
         elif tensors:
             torch.autograd.backward(tensors, grads)
             self._note_peak(self.activation_bytes() + saved.activation_bytes)
@@ -244,6 +246,7 @@ class StageRuntime:
             split_backward.backward_weight(self._weights(), pending[0])
             self._note_peak(self.activation_bytes())
             del self.weight_pending[micro_batch]
+            self._held_bytes -= pending[1]
 
     def begin_step(self) -> None:
         """Remember the buffers a forward may update (batch-norm statistics), so that a step that raises
@@ -260,6 +263,7 @@ class StageRuntime:
         buffers of ``begin_step``: the stage is as it was before the step."""
         self.in_flight.clear()
         self.weight_pending.clear()
+        self._held_bytes = 0
         self.version_lags.clear()
         self.module.zero_grad(set_to_none=True)
         self.policy.abandon()
@@ -278,8 +282,8 @@ class StageRuntime:
         return self._split_ok
 
     def activation_bytes(self) -> int:
-        return (sum(f.activation_bytes for f in self.in_flight.values())
-                + sum(held for _, held in self.weight_pending.values()))
+        """Bytes held for the micro-batches in flight (until their backward, or their W when split)."""
+        return self._held_bytes
 
     def report(self, micro_batches: range) -> StageReport:
         """This stage's numbers for the mini-batch of ``micro_batches``; its peaks start a new period."""
@@ -293,6 +297,16 @@ class StageRuntime:
     def _take_peak_memory(self) -> int:
         """Measured peak bytes since the last call: the allocator's on CUDA, else the stage's tensors (see
         pipetrain.runtime.tensor_bytes); starts the next period."""
-        peak = resident_bytes(self._params, self.optimizer, self.policy.extra_weight_bytes()) + self.peak_working_bytes
-        self.peak_working_bytes = self.activation_bytes() + grad_bytes(self._params)
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak
+        working = self.peak_working_bytes
+        self.peak_working_bytes = self.activation_bytes() + grad_bytes(self.params)
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._resident_bytes() + working
+
+    def _resident_bytes(self) -> int:
+        """``resident_bytes``, counted again only when the optimizer created state or the policy holds another
+        number of weight copies: shapes never change, and walking every state tensor each step costs."""
+        key = (len(self.optimizer.state) if self.optimizer is not None else 0, self.policy.extra_weight_bytes())
+        if self._resident is None or self._resident[0] != key:
+            self._resident = (key, resident_bytes(self.params, self.optimizer, key[1]))
+        return self._resident[1]

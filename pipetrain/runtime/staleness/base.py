@@ -126,6 +126,7 @@ class StalenessPolicy:
         self.micro_batches = micro_batches
         self.lookahead = lookahead
         self.params = _named_params(module)
+        self._version_bytes = sum(p.numel() * p.element_size() for _, p in self.params)  # one weight copy
         self.updates = 0  # optimizer steps taken by this stage
         self.distances: dict[int, float] = {}  # micro-batch -> prediction distance (updates) of its forward
         self.errors: dict[int, torch.Tensor | float] = {}  # sampled micro-batch -> prediction error (updates)
@@ -211,8 +212,8 @@ class StalenessPolicy:
 
     def extra_weight_bytes(self) -> int:
         """Bytes held in weight copies beyond the live parameters."""
-        per_version = sum(p.numel() * p.element_size() for _, p in self.params)
-        return per_version * self.versions_held()
+        held = self.versions_held()
+        return self._version_bytes * held if held else 0
 
     def versions_held(self) -> int:
         return 0
