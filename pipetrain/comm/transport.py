@@ -147,6 +147,7 @@ class DistributedTransport:
             self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch)
         for comm, group in batch.payloads.items():
             self._post(comm, group)
+        self._prune()
 
     def _post(self, comm: Hashable, group: tuple[list, list, list]) -> None:
         p2p, recorded, works = group
@@ -189,7 +190,6 @@ class DistributedTransport:
         src = link.src if kind == ACT else link.dst
         self.counter.add(COMM_KIND[kind], src, sum(t.numel() * t.element_size() for t in tensors))
         self.pending_sends.append((works, tensors, [message + (i,) for i in range(len(tensors))]))
-        self._prune()
 
     def _add_receive(self, m: Message, batch: _Batch, reads: list) -> None:
         if m.kind == GRAD:  # gradients flow back along the link: the receiver of a gradient sent the activation
@@ -231,7 +231,9 @@ class DistributedTransport:
         """Let go of sends that completed. gloo marks a send complete only once it is waited on, so an
         async-1f1b stream (never flushed) would otherwise keep every message it ever sent alive. Past
         SEND_WINDOW sends, the oldest are waited on: their receivers took them long ago, since a link
-        holds only the few micro-batches in flight of a 1F1B schedule."""
+        holds only the few micro-batches in flight of a 1F1B schedule. Called once a batch is posted: a
+        group not posted yet has no works and would look complete, and a send whose works are dropped
+        unwaited is lost on gloo (its receiver waits forever)."""
         if len(self.pending_sends) <= SEND_WINDOW:
             return
         self.pending_sends = [entry for entry in self.pending_sends if not entry[0].is_completed()]
