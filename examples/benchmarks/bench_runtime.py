@@ -15,6 +15,8 @@ PipelineStage wraps the very stage modules that plan builds, so both frameworks 
 same code on the same two halves with the same micro-batches. Variants, all in one run:
 
   pipetrain 1f1b            pipe.step(x, y) per mini-batch (flushes every step)
+  ... receives at use       the same with receive_ahead=False: each receive posted right before
+                            its computation instead of one computation early
   pipetrain zb-h1           the same with the zero-bubble schedule (backward split into B and W)
   torch Schedule1F1B        schedule.step(...) then optimizer.step() per mini-batch
   pipetrain async-1f1b      pipe.train(stream) with staleness "stash" and "spectrain"; one
@@ -51,6 +53,7 @@ from pipetrain.apps.models.vgg import VGG
 
 WORLD = 2
 PT_1F1B = "pipetrain 1f1b"
+PT_AT_USE = "pipetrain 1f1b, receives at use (receive_ahead=False)"
 PT_ZB = "pipetrain zb-h1"
 TORCH_1F1B = "torch Schedule1F1B"
 PT_STASH = "pipetrain async-1f1b stash"
@@ -136,10 +139,10 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     model = make_model(args.width)
     example = batches[0][0][: b // m]
 
-    def wrap(schedule: str, staleness: str = "none"):
+    def wrap(schedule: str, staleness: str = "none", **extra):
         return pipetrain.wrap(model, example, stages=WORLD, micro_batches=m, schedule=schedule, staleness=staleness,
                               partitioner=[args.split], loss_fn=F.cross_entropy, optimizer=sgd, profile=False,
-                              engine="distributed")
+                              engine="distributed", **extra)
 
     pt_sync = wrap("1f1b")
     # The same half pipetrain runs, copied before any step: identical initial weights.
@@ -147,6 +150,7 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     first = check_same_loss(pt_sync.step, torch_step, batches[0], rank)
     stash, spec = wrap("async-1f1b", "stash"), wrap("async-1f1b", "spectrain")
     zero_bubble = wrap("zb-h1")
+    at_use = wrap("1f1b", receive_ahead=False)
 
     def stream(pipe) -> Callable[[list], None]:
         def run(bs: list) -> None:
@@ -160,7 +164,8 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
                 step(x, y)
         return run
 
-    variants = {PT_1F1B: each(pt_sync.step), TORCH_1F1B: each(torch_step), PT_ZB: each(zero_bubble.step),
+    variants = {PT_1F1B: each(pt_sync.step), PT_AT_USE: each(at_use.step),
+                TORCH_1F1B: each(torch_step), PT_ZB: each(zero_bubble.step),
                 PT_STASH: stream(stash),
                 PT_SPEC: stream(spec), SINGLE: each(single_process(copy.deepcopy(model), rank, 1)),
                 SINGLE_MB: each(single_process(copy.deepcopy(model), rank, m))}
@@ -202,6 +207,7 @@ def report(seconds: dict[str, list[float]], cpu_per_step: torch.Tensor, steps_pe
 
     print("\nthroughput ratios (median over rounds of the ratio within a round)")
     print(f"  pipetrain 1f1b / torch Schedule1F1B:             {ratio(PT_1F1B, TORCH_1F1B)}")
+    print(f"  pipetrain 1f1b, receives ahead / at use:         {ratio(PT_1F1B, PT_AT_USE)}")
     print(f"  pipetrain zb-h1 / pipetrain 1f1b:                {ratio(PT_ZB, PT_1F1B)}")
     print(f"  pipetrain zb-h1 / torch Schedule1F1B:            {ratio(PT_ZB, TORCH_1F1B)}")
     print(f"  pipetrain async-1f1b stash / pipetrain 1f1b:     {ratio(PT_STASH, PT_1F1B)}")
