@@ -68,6 +68,9 @@ class PipelineOptions:
     # torch.compile each stage's module: False, True or a dict of torch.compile arguments (see runtime/compiled.py).
     compile: bool | dict = False
     dynamic_shapes: bool = False
+    # Distributed engine: post each receive one computation early, so that it arrives while the computation
+    # before its own runs (every direction of every link then has its own process group); False: at use.
+    receive_ahead: bool = True
     timeout: float = 30.0              # seconds a rank waits for another before it stops with an error
     # Hybrid mode: how each stage's gradients are averaged over its data-parallel replicas.
     allreduce: str = "hybrid"         # "hybrid": per bucket, flat or hierarchical as `cluster` prices them
@@ -102,6 +105,9 @@ class PipelineOptions:
         if self.recompute == "auto" and self.memory_limit is None:
             raise ValueError("recompute='auto' picks per stage the cheapest setting that fits memory_limit: give "
                              "memory_limit (bytes per stage) or choose recompute='none', 'except-last' or 'always'")
+        if not isinstance(self.receive_ahead, bool):
+            raise TypeError(f"receive_ahead must be True (post receives one computation early) or False (at use), "
+                            f"got {self.receive_ahead!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         choose("compress", self.compress, (None, "bf16", "fp16"))

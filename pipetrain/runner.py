@@ -176,7 +176,9 @@ class Runner:
                 reduce=reducer.reduce if reducer else None,
                 before_backward=reducer.before_backward if reducer else None, train=train,
                 loss_scale=(lambda s=scaler: s.scale_value) if scaler is not None else (lambda: 1.0),
-                split_backward=split, recompute=recompute)
+                split_backward=split, recompute=recompute,
+                # One process posts no receives: nothing to move, and no reason to read its actions further ahead.
+                receive_ahead=p.options.receive_ahead and p.engine.distributed)
         return executors
 
     def _report(self, feed: Feed, executors: dict[int, DeviceExecutor], t: int,

@@ -23,9 +23,10 @@ order: completing an op never prevents another from completing). It succeeds whe
 has run its whole program and every group has completed; otherwise it reports the first stall.
 
 ``posted_groups`` derives the programs the runtime posts for a schedule's action lists: the comm
-actions between two computations (``comm_batches``) become one group per link, and each F or B
-waits for the messages it consumes (``link_comm`` says which communicator each message uses).
-The runtime posts with the same ``comm_batches`` and ``link_comm``.
+actions between two computations (``comm_batches``, with receives moved one batch earlier by
+``posted_batches``) become one group per communicator, and each F or B waits for the messages it
+consumes (``link_comm`` says which communicator each message uses). The runtime posts with the same
+``posted_batches`` and ``link_comm``.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
 SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
 BOUNDARY = frozenset({F, B})  # computations that consume or produce messages
 COMMS = frozenset({SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD})
+RECEIVES = frozenset({RECV_ACT, RECV_GRAD})
 
 
 @dataclass(frozen=True)
@@ -246,64 +248,162 @@ def comm_batches(actions: Iterable[Action]) -> Iterator[Action | tuple[Action, .
     yield from others
 
 
+@dataclass(frozen=True)
+class CommBatch:
+    """The comm actions the runtime posts at one point, after a computation and before the next.
+
+    ``actions``: the sends of the computation before, and the receives of the next computation not
+    posted earlier. ``ahead``: receives of the computation after the next one, posted now so that they
+    arrive while the next one computes. They go in groups of their own, posted last: waiting for a
+    message of ``actions`` never waits for one of them (NCCL waits for a group as a whole).
+    """
+
+    actions: tuple[Action, ...]
+    ahead: tuple[Action, ...] = ()
+
+
+def posted_batches(actions: Iterable[Action], receive_ahead: bool = True) -> Iterator[Action | CommBatch]:
+    """The actions as the runtime posts them: ``comm_batches``, each batch a ``CommBatch``.
+
+    With ``receive_ahead`` the receives a computation C(k+1) consumes go in the batch right after
+    C(k-1), ahead of C(k), so they can arrive while C(k) computes, with two exceptions:
+
+    * a gradient receive is never posted before the send of the activation it answers (the
+      receiver sizes the gradient's buffers from that send): it stays at its usual point, the batch
+      right before its computation;
+    * a batch, possibly empty, follows every batch with receives ahead: that is the usual point of
+      those receives, where the transport posts the ones it could not post ahead (an activation
+      whose shapes it must first read from a header: reading it ahead would block the host until
+      the peer sends it, which may wait for this rank's next result).
+
+    Lazy: the batch after C(k-1) is complete once C(k+1) is read, two computations ahead, so a
+    streamed async-1f1b keeps its pace.
+    """
+    if not receive_ahead:
+        return (CommBatch(item) if isinstance(item, tuple) else item for item in comm_batches(actions))
+    return _receives_ahead(_segments(comm_batches(actions)))
+
+
+Segment = tuple[tuple[Action, ...], list[Action], "Action | None"]  # (batch, other actions, computation)
+
+
+def _segments(items: Iterable[Action | tuple[Action, ...]]) -> Iterator[Segment]:
+    """``comm_batches``' output cut after each computation: the batch before it, the actions between
+    the two, the computation (None after the last one)."""
+    batch: tuple[Action, ...] = ()
+    others: list[Action] = []
+    for item in items:
+        if isinstance(item, tuple):
+            batch = item
+        elif item.kind in BOUNDARY:
+            yield batch, others, item
+            batch, others = (), []
+        else:
+            others.append(item)
+    if batch or others:
+        yield batch, others, None
+
+
+def _receives_ahead(segments: Iterator[Segment]) -> Iterator[Action | CommBatch]:
+    sent: set[tuple[int, int]] = set()  # (micro-batch, chunk) of the activations sent whose gradient is not received
+    current = next(segments, None)
+    due = [a for a in current[0] if a.kind in RECEIVES] if current else []  # receives of the next computation
+    had_ahead = False
+    while current is not None:
+        batch, others, computation = current
+        sends = [a for a in batch if a.kind not in RECEIVES]
+        sent.update((a.micro_batch, a.chunk) for a in sends if a.kind is SEND_ACT)
+        following = next(segments, None)
+        ahead, held = [], []
+        for a in following[0] if following else ():
+            if a.kind not in RECEIVES:
+                continue
+            if a.kind is RECV_ACT:
+                ahead.append(a)
+            elif (a.micro_batch, a.chunk) in sent:
+                sent.remove((a.micro_batch, a.chunk))
+                ahead.append(a)
+            else:
+                held.append(a)
+        if sends or due or ahead or had_ahead:
+            yield CommBatch(tuple(sends + due), tuple(ahead))
+        had_ahead = bool(ahead)
+        yield from others
+        if computation is not None:
+            yield computation
+        current, due = following, held
+
+
 Links = Sequence[tuple[int, int]]  # (src, dst) virtual stages of each link
 
 
-def link_comm(index: int, src: int, dst: int, kind: str, chunks: int = 1) -> Hashable:
+def link_comm(index: int, src: int, dst: int, kind: str, chunks: int = 1, receive_ahead: bool = True) -> Hashable:
     """The communicator a message of ``kind`` ("act" or "grad") on link ``index`` (virtual stages
     src -> dst, ``chunks`` per device) uses.
 
-    A link between adjacent stages of a one-chunk pipeline carries both directions on one
-    communicator: the comm batches of its two ends pair up (checked for every schedule). Elsewhere
-    (a skip connection, an interleaved pipeline) the two ends compute in other rhythms, and a group
-    mixing directions could hold a send whose receive the peer posts only after it waited for this
-    rank's next result (NCCL completes, and waits for, a group as a whole). There each direction gets
-    a communicator of its own: one-way traffic in FIFO order never waits behind the other direction.
+    Receiving at use (``receive_ahead=False``), a link between adjacent stages of a one-chunk
+    pipeline carries both directions on one communicator: the comm batches of its two ends pair up
+    (checked for every schedule). Elsewhere (a skip connection, an interleaved pipeline) the two ends
+    compute in other rhythms, and a group mixing directions could hold a send whose receive the peer
+    posts only after it waited for this rank's next result (NCCL completes, and waits for, a group as
+    a whole). There each direction gets a communicator of its own: one-way traffic in FIFO order never
+    waits behind the other direction. Receives posted ahead break the pairing on every link (a group
+    [send act 0, recv grad 0] would hold up the next send behind the peer's backward), so then every
+    direction of every link has its own.
     """
-    return index if dst == src + 1 and chunks == 1 else (index, kind)
+    return index if dst == src + 1 and chunks == 1 and not receive_ahead else (index, kind)
 
 
-def link_ops(a: Action, stages: int, links: Links, chunks: int = 1) -> Iterator[tuple[Hashable, Op]]:
+def link_ops(a: Action, stages: int, links: Links, chunks: int = 1,
+             receive_ahead: bool = True) -> Iterator[tuple[Hashable, Op]]:
     """(communicator, op) of each message a comm action of device ``a.position`` posts."""
     v = a.chunk * stages + a.position
+
+    def comm(index: int, src: int, dst: int, kind: str) -> Hashable:
+        return link_comm(index, src, dst, kind, chunks, receive_ahead)
+
     for index, (src, dst) in enumerate(links):
         if src % stages == dst % stages:
             continue  # both ends on one device: handed over in memory
         if a.kind is SEND_ACT and src == v:
-            yield link_comm(index, src, dst, "act", chunks), Op(True, dst % stages, ("act", index, a.micro_batch))
+            yield comm(index, src, dst, "act"), Op(True, dst % stages, ("act", index, a.micro_batch))
         elif a.kind is RECV_ACT and dst == v:
-            yield link_comm(index, src, dst, "act", chunks), Op(False, src % stages, ("act", index, a.micro_batch))
+            yield comm(index, src, dst, "act"), Op(False, src % stages, ("act", index, a.micro_batch))
         elif a.kind is SEND_GRAD and dst == v:
-            yield link_comm(index, src, dst, "grad", chunks), Op(True, src % stages, ("grad", index, a.micro_batch))
+            yield comm(index, src, dst, "grad"), Op(True, src % stages, ("grad", index, a.micro_batch))
         elif a.kind is RECV_GRAD and src == v:
-            yield link_comm(index, src, dst, "grad", chunks), Op(False, dst % stages, ("grad", index, a.micro_batch))
+            yield comm(index, src, dst, "grad"), Op(False, dst % stages, ("grad", index, a.micro_batch))
 
 
-def batch_groups(batch: Sequence[Action], stages: int, links: Links, chunks: int = 1) -> list[Group]:
+def batch_groups(batch: Sequence[Action], stages: int, links: Links, chunks: int = 1,
+                 receive_ahead: bool = True) -> list[Group]:
     """One group per communicator holding every op of ``batch`` on it (in the order first used)."""
     by_comm: dict[Hashable, list[Op]] = {}
     for a in batch:
-        for comm, op in link_ops(a, stages, links, chunks):
+        for comm, op in link_ops(a, stages, links, chunks, receive_ahead):
             by_comm.setdefault(comm, []).append(op)
     return [Group(comm, tuple(ops)) for comm, ops in by_comm.items()]
 
 
-def posted_groups(schedule: Schedule, links: Links | None = None) -> dict[int, list[Group | Wait]]:
+def posted_groups(schedule: Schedule, links: Links | None = None,
+                  receive_ahead: bool = True) -> dict[int, list[Group | Wait]]:
     """Per device, the groups and waits the runtime posts for ``schedule`` (adjacent virtual stages
-    linked unless ``links`` lists (src, dst) pairs, e.g. with skip connections)."""
-    p = schedule.stages
+    linked unless ``links`` lists (src, dst) pairs, e.g. with skip connections), with receives
+    posted ahead or at use (``posted_batches``), every shape already agreed."""
+    p, chunks = schedule.stages, schedule.chunks
     if links is None:
         links = [(v, v + 1) for v in range(schedule.virtual_stages - 1)]
     programs: dict[int, list[Group | Wait]] = {}
     for d, actions in enumerate(schedule.actions):
         program: list[Group | Wait] = []
-        for item in comm_batches(actions):
-            if isinstance(item, tuple):
-                program += batch_groups(item, p, links, schedule.chunks)
+        for item in posted_batches(actions, receive_ahead):
+            if isinstance(item, CommBatch):
+                program += batch_groups(item.actions, p, links, chunks, receive_ahead)
+                program += batch_groups(item.ahead, p, links, chunks, receive_ahead)
             elif item.kind in BOUNDARY:
                 receive = RECV_ACT if item.kind is F else RECV_GRAD
                 needed = [op.message for _, op in link_ops(Action(d, receive, item.micro_batch, item.chunk), p, links,
-                                                       schedule.chunks)]
+                                                       chunks, receive_ahead)]
                 if needed:
                     program.append(Wait(tuple(needed)))
         programs[d] = program

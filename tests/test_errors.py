@@ -118,6 +118,11 @@ def test_interleaved_micro_batches_not_divisible_by_stages():
         wrap(schedule="interleaved-1f1b", stages=2, micro_batches=3)
 
 
+def test_receive_ahead_must_be_a_bool():
+    with pytest.raises(TypeError, match="receive_ahead must be True .* or False"):
+        wrap(receive_ahead="yes")
+
+
 def test_optimizer_that_is_not_a_factory():
     with pytest.raises(TypeError, match="factory"):
         wrap(optimizer=lambda p: "sgd")

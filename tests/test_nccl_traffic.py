@@ -3,7 +3,8 @@
 Every rank records its groups and waits (pipetrain.comm.recording) while it trains and predicts;
 the test gathers all ranks' programs of a case and replays them (schedules.nccl_order). Cases:
 2, 3 and 4 ranks; sync and async schedules, interleaving, zb-h1, skip connections, tied weights,
-a shorter last batch (shape headers again), dynamic shapes, and hybrid mode (2 stages x 2 replicas).
+a shorter last batch (shape headers again), dynamic shapes, and hybrid mode (2 stages x 2 replicas);
+receives posted ahead (the default) and, in one case, at use.
 """
 from collections import Counter
 
@@ -14,14 +15,14 @@ from dist_harness import run_world
 from pipetrain.comm.recording import recording
 from pipetrain.runtime import host_sync
 from runtime_models import data, loss_fn, make, sgd
-from schedules.nccl_order import Group, replay
+from schedules.nccl_order import Group, Wait, replay
 
 # (model, schedule, staleness, micro_batches, extra wrap options)
 CASES = {
     2: [("skip", "1f1b", "none", 4, {}), ("skip", "gpipe", "none", 4, {}),
         ("skip", "interleaved-1f1b", "none", 4, {}), ("skip", "zb-h1", "none", 4, {}),
         ("tied", "async-1f1b", "stash", 2, {}), ("mlp", "async-1f1b", "vanilla", 1, {}),
-        ("mlp", "1f1b", "none", 2, {"dynamic_shapes": True})],
+        ("mlp", "1f1b", "none", 2, {"dynamic_shapes": True}), ("mlp", "1f1b", "none", 4, {"receive_ahead": False})],
     3: [("skip", "1f1b", "none", 4, {}), ("skip", "interleaved-1f1b", "none", 3, {}),
         ("tied", "zb-h1", "none", 4, {}), ("skip", "async-1f1b", "spectrain", 1, {}),
         ("tied", "async-1f1b", "stash", 2, {})],
@@ -59,6 +60,25 @@ def record(rank, world, cases):
     return programs
 
 
+def point_to_point(item) -> bool:
+    return isinstance(item, Group) and item.ops[0].message[0] in ("act", "grad", "header")  # not a collective
+
+
+def posts_receives_ahead(program) -> bool:
+    """Whether a receive goes out before a later group of sends that precedes its wait. Received at use
+    over adjacent links (one communicator each), a comm batch is one group per link, sends and receives
+    together, so that never happens; posted ahead, the receive waits out the sends of a computation."""
+    waiting: set = set()  # payload receives posted and not yet waited for
+    for item in program:
+        if isinstance(item, Wait):
+            waiting.difference_update(item.messages)
+        elif point_to_point(item):
+            if waiting and any(op.send for op in item.ops):
+                return True
+            waiting.update(op.message for op in item.ops if not op.send and op.message[0] != "header")
+    return False
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_recorded_traffic_replays_under_nccl(tmp_path, world, one_thread):
     per_rank = run_world(world, "test_nccl_traffic", "record", tmp_path, CASES[world])
@@ -67,6 +87,10 @@ def test_recorded_traffic_replays_under_nccl(tmp_path, world, one_thread):
         assert all(any(isinstance(g, Group) for g in p) for p in programs.values()), case
         stall = replay(programs)
         assert stall is None, f"{case}: {stall}"
+        ahead = case[4].get("receive_ahead", True)
+        assert any(posts_receives_ahead(p) for p in programs.values()) == ahead, case
+        if ahead:  # every direction of every link on a communicator of its own
+            assert all(isinstance(g.comm, tuple) for p in programs.values() for g in p if point_to_point(g)), case
         for rank in range(world):  # per step: one decision, one report (one loss read on a last stage)
             syncs = per_rank[rank][i][1]
             headers = syncs.pop("shape header", 0)

@@ -1,9 +1,12 @@
-"""The NCCL-order checker: it finds stalls that gloo forgives, and every schedule's posting passes it."""
+"""The NCCL-order checker: it finds stalls that gloo forgives, and every schedule's posting passes it,
+with receives posted ahead (the default) and at use."""
+import itertools
+
 import pytest
 
 from schedules import Action, build, with_reductions
-from schedules.nccl_order import (Group, NcclOrderError, Op, Wait, check, comm_batches, posted_groups,
-                                  replay)
+from schedules.nccl_order import (CommBatch, Group, NcclOrderError, Op, Wait, check, comm_batches, posted_batches,
+                                  posted_groups, replay)
 
 KINDS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b"]
 
@@ -89,6 +92,53 @@ def test_comm_batches_gathers_the_comm_actions_between_two_computations():
         ("RECV_ACT0",), "F0", ("SEND_ACT0", "RECV_GRAD0"), "W1", "STEP0", "B0", ("SEND_GRAD0",)]
 
 
+def _text(items):
+    """posted_batches' output as text: a batch is "[posted now | posted ahead]"."""
+    return [f"[{' '.join(map(str, i.actions))} | {' '.join(map(str, i.ahead))}]" if isinstance(i, CommBatch) else str(i)
+            for i in items]
+
+
+def test_receives_move_one_computation_ahead():
+    # A middle stage. Each receive goes in the batch after the computation two before its own, except
+    # RECV_GRAD2: B2 follows F2 directly, and a gradient is never received before its activation was sent.
+    text = ("RECV_ACT0 F0 SEND_ACT0 RECV_ACT1 F1 SEND_ACT1 RECV_GRAD0 B0 SEND_GRAD0 W0 RECV_ACT2 F2 SEND_ACT2 "
+            "RECV_GRAD2 B2 SEND_GRAD2 RECV_GRAD1 B1 SEND_GRAD1 STEP0").split()
+    actions = [Action.parse(t, 1) for t in text]
+    assert _text(posted_batches(actions)) == [
+        "[RECV_ACT0 | RECV_ACT1]", "F0", "[SEND_ACT0 | RECV_GRAD0]", "F1", "[SEND_ACT1 | RECV_ACT2]", "B0",
+        "[SEND_GRAD0 | ]", "W0", "F2", "[SEND_ACT2 RECV_GRAD2 | RECV_GRAD1]", "B2", "[SEND_GRAD2 | ]", "B1",
+        "[SEND_GRAD1 | ]", "STEP0"]
+    assert _text(posted_batches(actions, receive_ahead=False)) == [
+        "[RECV_ACT0 | ]", "F0", "[SEND_ACT0 RECV_ACT1 | ]", "F1", "[SEND_ACT1 RECV_GRAD0 | ]", "B0",
+        "[SEND_GRAD0 RECV_ACT2 | ]", "W0", "F2", "[SEND_ACT2 RECV_GRAD2 | ]", "B2", "[SEND_GRAD2 RECV_GRAD1 | ]", "B1",
+        "[SEND_GRAD1 | ]", "STEP0"]
+
+
+def test_a_batch_follows_every_batch_with_receives_ahead():
+    # gpipe's last stage: nothing to send after F0, but the batch there is where the transport posts
+    # RECV_ACT1 if it could not post it ahead (its shapes still to be read from a header).
+    actions = [Action.parse(t, 1) for t in "RECV_ACT0 F0 RECV_ACT1 F1 B0 SEND_GRAD0 B1 SEND_GRAD1".split()]
+    assert _text(posted_batches(actions)) == [
+        "[RECV_ACT0 | RECV_ACT1]", "F0", "[ | ]", "F1", "B0", "[SEND_GRAD0 | ]", "B1", "[SEND_GRAD1 | ]"]
+
+
+def test_receives_ahead_read_two_computations_ahead_of_an_endless_stream():
+    pulled = []
+
+    def stream():
+        for g in itertools.count():
+            for t in (f"RECV_ACT{g}", f"F{g}", f"B{g}", f"SEND_GRAD{g}"):
+                pulled.append(t)
+                yield Action.parse(t, 1)
+
+    items = posted_batches(stream())
+    # Each item and the last action read by then: the batch after a computation is complete once the
+    # computation two after it is read (here B0 has no receive, F1 receives its activation).
+    seen = [(_text([item])[0], pulled[-1]) for item in itertools.islice(items, 6)]
+    assert seen == [("[RECV_ACT0 | ]", "B0"), ("F0", "B0"), ("[ | RECV_ACT1]", "F1"), ("B0", "F1"),
+                    ("[SEND_GRAD0 | ]", "B1"), ("F1", "B1")]
+
+
 def _cases():
     for kind in KINDS:
         for stages in range(2, 9):
@@ -98,40 +148,46 @@ def _cases():
                 yield kind, stages, micro_batches
 
 
-def test_every_schedule_posts_an_nccl_safe_order():
+@pytest.mark.parametrize("receive_ahead", [True, False])
+def test_every_schedule_posts_an_nccl_safe_order(receive_ahead):
     cases = 0
     for kind, stages, micro_batches in _cases():
         options = {"mini_batches": 3} if kind == "async-1f1b" else {}
-        stall = replay(posted_groups(build(kind, stages, micro_batches, **options)))
+        stall = replay(posted_groups(build(kind, stages, micro_batches, **options), receive_ahead=receive_ahead))
         assert stall is None, f"{kind} stages={stages} micro_batches={micro_batches}: {stall}"
         cases += 1
     assert cases == 4 * 7 * 16 + sum(16 // s for s in range(2, 9))
 
 
+@pytest.mark.parametrize("receive_ahead", [True, False])
 @pytest.mark.parametrize("kind,options", [("interleaved-1f1b", {"chunks": 3}), ("gpipe", {"chunks": 2})])
-def test_more_chunks_post_an_nccl_safe_order(kind, options):
+def test_more_chunks_post_an_nccl_safe_order(kind, options, receive_ahead):
     for stages in range(2, 6):
         for micro_batches in (stages, 2 * stages):
-            assert replay(posted_groups(build(kind, stages, micro_batches, **options))) is None
+            schedule = build(kind, stages, micro_batches, **options)
+            assert replay(posted_groups(schedule, receive_ahead=receive_ahead)) is None
 
 
+@pytest.mark.parametrize("receive_ahead", [True, False])
 @pytest.mark.parametrize("kind", KINDS)
-def test_reductions_post_an_nccl_safe_order(kind):
+def test_reductions_post_an_nccl_safe_order(kind, receive_ahead):
     options = {"mini_batches": 3} if kind == "async-1f1b" else {}
     for stages in range(2, 6):
         for micro_batches in (stages, 2 * stages):
-            assert replay(posted_groups(with_reductions(build(kind, stages, micro_batches, **options)))) is None
+            schedule = with_reductions(build(kind, stages, micro_batches, **options))
+            assert replay(posted_groups(schedule, receive_ahead=receive_ahead)) is None
 
 
+@pytest.mark.parametrize("receive_ahead", [True, False])
 @pytest.mark.parametrize("span", [2, 3])
-def test_skip_connections_post_an_nccl_safe_order(span):
+def test_skip_connections_post_an_nccl_safe_order(span, receive_ahead):
     # Stage v also feeds stage v + span: each direction of that link has a communicator of its own.
     for kind in KINDS:
         for stages in (3, 4, 5):
             sched = build(kind, stages, 2 * stages)
             links = [(v, v + 1) for v in range(sched.virtual_stages - 1)]
             links += [(v, v + span) for v in range(sched.virtual_stages - span)]
-            programs = posted_groups(sched, links)
+            programs = posted_groups(sched, links, receive_ahead=receive_ahead)
             assert replay(programs) is None, (kind, stages)
             src, dst = links[-1]
             if dst - src == span and src % stages != dst % stages:
@@ -139,8 +195,20 @@ def test_skip_connections_post_an_nccl_safe_order(span):
                 assert (len(links) - 1, "act") in posted
 
 
-def test_posted_groups_pair_each_send_with_the_peers_receive():
-    programs = posted_groups(build("1f1b", 2, 3))
+def test_receives_ahead_on_one_communicator_per_link_stall():
+    # Receives posted ahead, both directions of the link on one communicator: on rank 0 the group
+    # [send act 0, recv grad 0] stays incomplete until rank 1's B0, and rank 1's [send grad 0] is queued
+    # behind its early [recv act 1], whose send rank 0 queues behind that first group.
+    programs = posted_groups(build("1f1b", 2, 4))
+    assert replay(programs) is None  # a communicator per direction
+    shared = {d: [Group(g.comm[0], g.ops) if isinstance(g, Group) else g for g in p] for d, p in programs.items()}
+    stall = replay(shared)
+    assert stall is not None and (stall.rank, stall.message) == (0, ("grad", 0, 0)), stall
+    assert "queued behind its group at item 2 (recv ('act', 0, 1) from rank 0)" in stall.reason
+
+
+def test_receiving_at_use_pairs_each_send_with_the_peers_receive():
+    programs = posted_groups(build("1f1b", 2, 3), receive_ahead=False)
     groups = lambda d: [sorted(map(str, g.ops)) for g in programs[d] if isinstance(g, Group)]  # noqa: E731
     assert groups(0) == [["send ('act', 0, 0) to rank 1"],
                          ["recv ('grad', 0, 0) from rank 1", "send ('act', 0, 1) to rank 1"],
@@ -150,3 +218,19 @@ def test_posted_groups_pair_each_send_with_the_peers_receive():
                          ["recv ('act', 0, 1) from rank 0", "send ('grad', 0, 0) to rank 0"],
                          ["recv ('act', 0, 2) from rank 0", "send ('grad', 0, 1) to rank 0"],
                          ["send ('grad', 0, 2) to rank 0"]]
+
+
+def test_receiving_ahead_posts_each_receive_one_computation_early():
+    # Stage 0 runs F0 F1 B0 F2 B1 B2, stage 1 F0 B0 F1 B1 F2 B2: each receive goes out right after the
+    # computation two before the one that consumes it, on a communicator per direction.
+    programs = posted_groups(build("1f1b", 2, 3))
+    items = lambda d: [" ".join(map(str, i.ops)) if isinstance(i, Group) else f"wait {i.messages[0]}"  # noqa: E731
+                       for i in programs[d]]
+    assert items(0) == ["send ('act', 0, 0) to rank 1", "recv ('grad', 0, 0) from rank 1",
+                        "send ('act', 0, 1) to rank 1", "wait ('grad', 0, 0)", "recv ('grad', 0, 1) from rank 1",
+                        "send ('act', 0, 2) to rank 1", "recv ('grad', 0, 2) from rank 1", "wait ('grad', 0, 1)",
+                        "wait ('grad', 0, 2)"]
+    assert items(1) == ["recv ('act', 0, 0) from rank 0", "wait ('act', 0, 0)", "recv ('act', 0, 1) from rank 0",
+                        "send ('grad', 0, 0) to rank 0", "wait ('act', 0, 1)", "recv ('act', 0, 2) from rank 0",
+                        "send ('grad', 0, 1) to rank 0", "wait ('act', 0, 2)", "send ('grad', 0, 2) to rank 0"]
+    assert {g.comm for p in programs.values() for g in p if isinstance(g, Group)} == {(0, "act"), (0, "grad")}

@@ -18,7 +18,8 @@ Two-stage variants split before `--split` (default features.15, which balances t
 halves); the interleaved pair uses pipetrain's partitioner for its 4 virtual stages. Before timing,
 each pair's first step from identical weights on one mini-batch must report the same loss.
 
-Also timed, against pipetrain 1f1b: async-1f1b with every staleness policy (`pipe.train` over a stream of
+Also timed, against pipetrain 1f1b: the same with receive_ahead=False (each receive posted right before
+the computation that needs it instead of one computation early), async-1f1b with every staleness policy (`pipe.train` over a stream of
 the round's mini-batches, its fill and drain counted once per round), and the unsplit model in one
 process (rank 1 idles).
 
@@ -56,6 +57,7 @@ TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f
                    "zb-h1": ScheduleInterleavedZeroBubble}
 POLICIES = ("vanilla", "stash", "2bw", "spectrain", "nesterov")
 SINGLE = "single process, whole mini-batch"
+AT_USE = "pipetrain 1f1b, receives at use"
 
 
 def sgd(params) -> torch.optim.Optimizer:
@@ -146,10 +148,11 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     model = make_model(args.width)
     example = batches[0][0][: b // m]
 
-    def wrap(schedule: str, staleness: str = "none") -> pipetrain.Pipeline:
+    def wrap(schedule: str, staleness: str = "none", **extra) -> pipetrain.Pipeline:
         split = {} if schedule == "interleaved-1f1b" else {"partitioner": [args.split]}
         return pipetrain.wrap(model, example, stages=WORLD, micro_batches=m, schedule=schedule, staleness=staleness,
-                              loss_fn=F.cross_entropy, optimizer=sgd, profile=False, engine="distributed", **split)
+                              loss_fn=F.cross_entropy, optimizer=sgd, profile=False, engine="distributed",
+                              **split, **extra)
 
     variants: dict[str, Callable[[list], None]] = {}
     actions: dict[str, int] = {}  # forward and backward actions per step on each rank
@@ -162,6 +165,8 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
             each_step(pipe.step), each_step(theirs))
         actions[f"pipetrain {schedule}"] = actions[f"torch {TORCH_SCHEDULES[schedule].__name__}"] = (
             2 * m * len(pipe.held_stages))
+    if "1f1b" in args.schedules:
+        variants[AT_USE], actions[AT_USE] = each_step(wrap("1f1b", receive_ahead=False).step), 2 * m
     for policy in args.policies:
         name = f"pipetrain async-1f1b {policy}"
         variants[name], actions[name] = stream(wrap("async-1f1b", policy)), 2 * m
@@ -211,6 +216,7 @@ def report(seconds: dict[str, list[float]], cpu_per_step: torch.Tensor, actions:
         theirs = f"torch {TORCH_SCHEDULES[schedule].__name__}"
         print(f"  {'pipetrain ' + schedule + ' / ' + theirs:62s} {ratio('pipetrain ' + schedule, theirs)}")
     if "1f1b" in args.schedules:
+        print(f"  {'pipetrain 1f1b, receives ahead / at use':62s} {ratio('pipetrain 1f1b', AT_USE)}")
         m = args.micro_batches
         print(f"  (1F1B's bubble on {WORLD} stages and {m} micro-batches: {(WORLD - 1) / (m + WORLD - 1):.3f}; "
               "async removes it)")

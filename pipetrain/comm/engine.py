@@ -52,6 +52,7 @@ class EngineOptions(Protocol):
     hierarchy: tuple[int, int] | None
     timeout: float
     dynamic_shapes: bool
+    receive_ahead: bool
 
 
 @dataclass
@@ -129,6 +130,7 @@ class DistributedEngine:
         self.world = self._new_world()
         self.data_parallel = options.data_parallel
         self.dynamic_shapes, self.timeout = options.dynamic_shapes, options.timeout
+        self.receive_ahead = options.receive_ahead
         self.reduction = ReductionSettings.of(options) if options.data_parallel > 1 else None
         self.failures = FailureBoard(self.world.rank)
 
@@ -175,9 +177,10 @@ class DistributedEngine:
         world = self.world
         counter = CommCounter(topology.num_stages)
         with peers_answer(SETTING_UP):
-            links, tied_groups = world.link_groups(topology), world.tied_groups(topology, tied)
-        transport = DistributedTransport(topology, lambda v: world.rank_of(topology.position_of(v)),
-                                         links, world.device, counter, self.dynamic_shapes, self.timeout)
+            links = world.link_groups(topology, self.receive_ahead)
+            tied_groups = world.tied_groups(topology, tied)
+        transport = DistributedTransport(topology, lambda v: world.rank_of(topology.position_of(v)), links,
+                                         world.device, counter, self.dynamic_shapes, self.timeout, self.receive_ahead)
         tied_sync = DistributedTiedSync(tied, stages, tied_groups, counter)
         reporter = Reporter(topology.num_stages, counter, any(s.is_last for s in stages.values()),
                             (world.control, world.report), self.data_parallel, world.device)

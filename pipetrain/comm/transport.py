@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,8 +49,9 @@ class LocalTransport:
                           self.devices[dst])
         self.messages[(link.index, kind, micro_batch)] = moved
 
-    def exchange(self, messages: list[Message]) -> None:
-        """Deliver the sends of one comm batch at once (a receive needs no posting in one process)."""
+    def exchange(self, messages: list[Message], ahead: Sequence[Message] = ()) -> None:
+        """Deliver the sends of one comm batch at once (a receive needs no posting in one process,
+        ``ahead`` ones neither)."""
         for m in messages:
             if m.values is not None:
                 self.send(m.link, m.kind, m.micro_batch, m.values)
@@ -82,10 +83,12 @@ class DistributedTransport:
     """Point-to-point over torch.distributed, safe under NCCL's ordering rules by construction.
 
     Each ``exchange`` (one comm batch of the executor: everything between two computations) posts
-    one ``batch_isend_irecv`` group per communicator, so a send and the receive its peer posts at
-    the same point run in one kernel; ``schedules.nccl_order`` checks that every schedule's batches
-    pair up. A link between adjacent stages of a one-chunk pipeline has one process group; a skip
-    connection or an interleaved pipeline's link one per direction (``link_comm``). Messages on
+    one ``batch_isend_irecv`` group per communicator, then one per communicator with the receives
+    posted ahead, for the computation after the next (``schedules.nccl_order.posted_batches``, whose
+    order ``schedules.nccl_order`` checks for every schedule). Receiving ahead, every direction of every
+    link has a process group of its own; receiving at use, a link between adjacent stages of a one-chunk
+    pipeline has one (a send and the receive its peer posts at the same point run in one kernel) and a
+    skip connection or an interleaved pipeline's link one per direction (``link_comm``). Messages on
     different communicators never match each other's receives (NCCL ignores tags; FIFO holds per group).
 
     Shapes and dtypes are agreed once per (link, shape key) with a header message: the key is the
@@ -94,12 +97,14 @@ class DistributedTransport:
     re-planned. ``dynamic_shapes`` sends a header with every activation for models whose boundary shapes
     depend on the data's values. A header travels in a group of its own just before its payload's
     group, and the receiver reads it at once (a host synchronisation, once per shape) to allocate the
-    payload's buffers.
+    payload's buffers. A receive posted ahead whose shapes are not agreed yet is posted at the next
+    exchange instead, its usual point: reading its header ahead would block the host until the peer
+    sends it, which may wait for this rank's next result.
     """
 
     def __init__(self, topology: Topology, rank_of: Callable[[int], int], groups: dict[Hashable, Any],
                  device: torch.device, counter: CommCounter, dynamic_shapes: bool = False,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, receive_ahead: bool = True):
         self.topology = topology
         # Looked up for every message: evaluated once per stage here.
         self.rank_of = [rank_of(v) for v in range(topology.num_stages)].__getitem__
@@ -107,6 +112,7 @@ class DistributedTransport:
         self.chunks = topology.num_stages // topology.devices
         self.device = device
         self.dynamic_shapes = dynamic_shapes
+        self.receive_ahead = receive_ahead
         self.timeout = timedelta(seconds=timeout)
         self.rank = dist.get_rank()
         self.local = LocalTransport([device] * topology.num_stages, counter)
@@ -116,6 +122,7 @@ class DistributedTransport:
         self.sent_meta: dict[tuple[int, int], tuple] = {}  # (link, micro-batch) -> activation meta, for its gradient
         self.pending_sends: list[tuple[_Posted, list, list]] = []  # (its group, tensors kept alive, recorded ids)
         self.posted: dict[tuple, tuple] = {}  # (link, kind, micro-batch) -> (its group, buffers, meta, recorded ids)
+        self.deferred: list[Message] = []  # receives to post ahead whose shapes were not agreed: due next exchange
         self.recorder = recording.active()  # None unless a test records what is posted
         # Per link: whether both ends are this rank, and per direction (communicator, its group, the peer
         # rank): looked up for every message, resolved once.
@@ -124,21 +131,22 @@ class DistributedTransport:
         for l in topology.links:
             if not self.local_links[l.index]:
                 for kind in (ACT, GRAD):
-                    comm = link_comm(l.index, l.src, l.dst, kind, self.chunks)
-                    src, dst = (l.src, l.dst) if kind == ACT else (l.dst, l.src)
-                    other = self.rank_of(dst) if self.rank_of(src) == self.rank else self.rank_of(src)
+                    comm = link_comm(l.index, l.src, l.dst, kind, self.chunks, receive_ahead)
+                    other = self.rank_of(l.dst) if self.rank_of(l.src) == self.rank else self.rank_of(l.src)
                     self.routes[(l.index, kind)] = _Route(comm, groups.get(comm), other)
 
     def _is_local(self, link: Link) -> bool:
         return self.local_links[link.index]
 
-    def exchange(self, messages: list[Message]) -> None:
+    def exchange(self, messages: list[Message], ahead: Sequence[Message] = ()) -> None:
         """Post the sends and receives of one comm batch: per communicator a group of the headers
-        where shapes must be agreed first, then one group with every payload."""
+        where shapes must be agreed first, then one group with every payload, then one with the
+        receives ``ahead`` whose shapes are agreed (the others wait for the next exchange)."""
         batch = _Batch()
         reads: list[tuple] = []  # header receives, read before their payload's buffers can exist
+        due, self.deferred = [*messages, *self.deferred], []
         # Sends first: a gradient received in this batch may belong to an activation sent in it.
-        for m in sorted(messages, key=lambda m: m.values is None):
+        for m in sorted(due, key=lambda m: m.values is None):
             if self._is_local(m.link):
                 if m.values is not None:
                     self.local.send(m.link, m.kind, m.micro_batch, m.values)
@@ -155,9 +163,20 @@ class DistributedTransport:
             meta = _decode_header(header.cpu())
             if not self.dynamic_shapes:
                 self.agreed_received.add(m.link.index, m.shape_key, meta)
-            self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch)
+            self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch.payloads)
+        for m in ahead:  # after the reads: a header read above may have agreed their shapes
+            if self._is_local(m.link):
+                continue
+            meta = self._known_meta(m)
+            if meta is None:
+                self.deferred.append(m)
+            else:
+                self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch.ahead)
         for comm, group in batch.payloads.items():
             self._post(comm, group)
+        for comm, group in batch.ahead.items():
+            self._post(comm, group)
+        self._prune()
 
     def _post(self, comm: Hashable, group: tuple[list, list, list]) -> None:
         p2p, recorded, works = group
@@ -195,13 +214,15 @@ class DistributedTransport:
         src = link.src if kind == ACT else link.dst
         self.counter.add(COMM_KIND[kind], src, sum(t.numel() * t.element_size() for t in tensors))
         self.pending_sends.append((works, tensors, [message + (i,) for i in range(len(tensors))]))
-        self._prune()
+
+    def _known_meta(self, m: Message) -> tuple | None:
+        """The metadata of a message to receive, or None when a header must bring it."""
+        if m.kind == GRAD:  # gradients flow back along the link: the receiver of a gradient sent the activation
+            return self.sent_meta.pop((m.link.index, m.micro_batch))
+        return None if self.dynamic_shapes else self.agreed_received.get(m.link.index, m.shape_key)
 
     def _add_receive(self, m: Message, batch: _Batch, reads: list) -> None:
-        if m.kind == GRAD:  # gradients flow back along the link: the receiver of a gradient sent the activation
-            meta = self.sent_meta.pop((m.link.index, m.micro_batch))
-        else:
-            meta = None if self.dynamic_shapes else self.agreed_received.get(m.link.index, m.shape_key)
+        meta = self._known_meta(m)
         if meta is None:
             comm, group, peer = self.routes[(m.link.index, m.kind)]
             header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
@@ -210,10 +231,11 @@ class DistributedTransport:
                               Op(False, peer, message))
             reads.append((m, header, works, [message]))
             return
-        self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch)
+        self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch.payloads)
 
-    def _add_payload_receive(self, m: Message, meta: tuple, batch: _Batch) -> tuple:
-        """Buffers for one message and their receives in ``batch``: (works, buffers, meta, recorded ids)."""
+    def _add_payload_receive(self, m: Message, meta: tuple, table: dict) -> tuple:
+        """Buffers for one message and their receives in ``table`` (of a ``_Batch``): (works, buffers,
+        meta, recorded ids)."""
         link, kind = m.link, m.kind
         described, spec = meta
         wanted = (lambda d: d[0] == "t") if kind == ACT else (lambda d: d[0] == "t" and d[2].is_floating_point)
@@ -222,7 +244,7 @@ class DistributedTransport:
         message = self._message(kind, link, m.micro_batch)
         works = _Posted()
         for i, b in enumerate(buffers):
-            works = batch.add(batch.payloads, comm, dist.P2POp(dist.irecv, b, peer, group), Op(False, peer, message + (i,)))
+            works = _Batch.add(table, comm, dist.P2POp(dist.irecv, b, peer, group), Op(False, peer, message + (i,)))
         return works, buffers, (described, spec), [message + (i,) for i in range(len(buffers))]
 
     def _message(self, kind: str, link: Link, micro_batch: int) -> tuple:
@@ -235,7 +257,9 @@ class DistributedTransport:
         """Let go of sends that completed. gloo marks a send complete only once it is waited on, so an
         async-1f1b stream (never flushed) would otherwise keep every message it ever sent alive. Past
         SEND_WINDOW sends, the oldest are waited on: their receivers took them long ago, since a link
-        holds only the few micro-batches in flight of a 1F1B schedule."""
+        holds only the few micro-batches in flight of a 1F1B schedule. Called once a batch is posted: a
+        group not posted yet has no works and would look complete, and a send whose works are dropped
+        unwaited is lost on gloo (its receiver waits forever)."""
         if len(self.pending_sends) <= SEND_WINDOW:
             return
         self.pending_sends = [entry for entry in self.pending_sends if not entry[0].is_completed()]
@@ -298,8 +322,9 @@ class DistributedTransport:
     def abandon(self) -> None:
         """A step raised: drop the messages between this rank's own stages. Sends and receives posted to
         other ranks stay: a peer may still take what was sent (an async stream's ranks raise one after the
-        other), and a send dropped unfinished would never reach it."""
+        other), and a send dropped unfinished would never reach it. Receives not posted yet are dropped."""
         self.local.abandon()
+        self.deferred.clear()
 
 
 class AgreedShapes:
@@ -356,11 +381,13 @@ class _Posted:
 
 
 class _Batch:
-    """The ops of one exchange by communicator, headers apart: (P2POps, recorded ops, its works once posted)."""
+    """The ops of one exchange by communicator, headers and receives ahead apart: (P2POps, recorded ops,
+    its works once posted)."""
 
     def __init__(self):
         self.headers: dict[Hashable, tuple[list, list, _Posted]] = {}
         self.payloads: dict[Hashable, tuple[list, list, _Posted]] = {}
+        self.ahead: dict[Hashable, tuple[list, list, _Posted]] = {}
 
     @staticmethod
     def add(table: dict, comm: Hashable, p2p: Any, op: Op) -> _Posted:

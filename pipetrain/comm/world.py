@@ -115,10 +115,11 @@ class World:
         """The rank running pipeline position ``position`` of ``replica`` (default: this rank's)."""
         return (self.replica if replica is None else replica) * self.stages + position
 
-    def link_groups(self, topology: Topology) -> dict[Hashable, object]:
+    def link_groups(self, topology: Topology, receive_ahead: bool) -> dict[Hashable, object]:
         """This replica's process groups for the links between stages on different devices, keyed by
-        ``schedules.nccl_order.link_comm``: one per link between adjacent stages, one per direction of a
-        skip connection or of an interleaved pipeline's link."""
+        ``schedules.nccl_order.link_comm``: one per direction of every link when receives are posted
+        ahead; else one per link between adjacent stages, one per direction of a skip connection or of
+        an interleaved pipeline's link."""
         mine = {}
         chunks = topology.num_stages // topology.devices
         for replica in range(self.data_parallel):
@@ -127,7 +128,7 @@ class World:
                                 self.rank_of(topology.position_of(link.dst), replica)})
                 if len(ranks) < 2:
                     continue
-                for comm in dict.fromkeys(link_comm(link.index, link.src, link.dst, kind, chunks)
+                for comm in dict.fromkeys(link_comm(link.index, link.src, link.dst, kind, chunks, receive_ahead)
                                            for kind in (ACT, GRAD)):
                     group = self._group(ranks)
                     if replica == self.replica:
