@@ -21,6 +21,7 @@ from pipetrain.runtime.executor import DeviceExecutor, Recompute, drive
 from pipetrain.runtime.feed import Feed, StreamFeed
 from pipetrain.runtime.interrupts import interrupts_after_commit
 from pipetrain.runtime.metrics import StepResult, TensorBoardLog
+from schedules.nccl_order import posted_batches
 
 
 class Runner:
@@ -39,6 +40,9 @@ class Runner:
         self._input_limits = {i: (n, limits[n]) for i, n in enumerate(parts.io.names) if n in limits}
         self._log = TensorBoardLog(o.logdir) if o.logdir and parts.engine.is_rank_zero else None
         self._reconnect = False  # a step raised under torchrun: the next one starts on new process groups
+        # Receives posted one computation early; one process posts no receives: nothing to move, and no
+        # reason to read its actions further ahead.
+        self._ahead = o.receive_ahead and parts.engine.distributed
 
     def step(self, x: Any, y: Any) -> StepResult:
         """One mini-batch of a synchronous schedule. A step that raises before any stage applied its update
@@ -55,7 +59,8 @@ class Runner:
         for rt in p.stages.values():
             rt.begin_step()
         with interrupts_after_commit(self._committed), self._abandoned_on_error():
-            for _ in drive({d: ex.run(p.schedules.training.actions[d]) for d, ex in executors.items()}):
+            for _ in drive({d: ex.run(p.schedules.posted(p.schedules.training.actions[d], self._ahead))
+                            for d, ex in executors.items()}):
                 pass
             p.links.transport.flush()
             for rt in p.stages.values():
@@ -109,7 +114,7 @@ class Runner:
         feed = StreamFeed(batches, p.options.micro_batches, limits=self._input_limits,
                           prepare=lambda x, y: p.engine.shard(p.io.arrange(x), y))  # checked before it enters
         executors = self._executors(feed, p.schedules.training.recompute, train=True)
-        runs = {d: ex.run(p.schedules.stream(d, feed.has)) for d, ex in executors.items()}
+        runs = {d: ex.run(posted_batches(p.schedules.stream(d, feed.has), self._ahead)) for d, ex in executors.items()}
         self._start(stream=True)
         start = time.perf_counter()
         pending: list[tuple] = []
@@ -151,7 +156,7 @@ class Runner:
         try:
             executors = self._executors(feed, Recompute(), train=False)
             with self._abandoned_on_error():
-                for _ in drive({d: ex.run(actions[d]) for d, ex in executors.items()}):
+                for _ in drive({d: ex.run(p.schedules.posted(actions[d], self._ahead)) for d, ex in executors.items()}):
                     pass
                 p.links.transport.flush()
         finally:
@@ -176,9 +181,7 @@ class Runner:
                 reduce=reducer.reduce if reducer else None,
                 before_backward=reducer.before_backward if reducer else None, train=train,
                 loss_scale=(lambda s=scaler: s.scale_value) if scaler is not None else (lambda: 1.0),
-                split_backward=split, recompute=recompute,
-                # One process posts no receives: nothing to move, and no reason to read its actions further ahead.
-                receive_ahead=p.options.receive_ahead and p.engine.distributed)
+                split_backward=split, recompute=recompute)
         return executors
 
     def _report(self, feed: Feed, executors: dict[int, DeviceExecutor], t: int,

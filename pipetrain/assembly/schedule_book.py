@@ -9,6 +9,7 @@ import schedules
 from pipetrain.runtime.executor import Recompute
 from schedules import Action, ActionKind
 from schedules.held_activations import recomputed
+from schedules.nccl_order import posted_batches
 
 FORWARD_ONLY = frozenset({ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT})
 
@@ -28,6 +29,8 @@ class ScheduleBook:
         self.kind, self.positions, self.micro_batches = kind, positions, micro_batches
         self.chunks, self.data_parallel = chunks, data_parallel
         self._built: dict[tuple[str, int], schedules.Schedule] = {}
+        self._posted: dict[tuple[int, bool], tuple[list[Action], list]] = {}  # id(actions), ahead -> (actions, program)
+        self._forward_only: dict[int, list[list[Action]]] = {}
         self.training = RunSchedule(self.planning_actions(), Recompute())
 
     def build(self, kind: str, micro_batches: int) -> schedules.Schedule:
@@ -65,6 +68,15 @@ class ScheduleBook:
             recompute = Recompute(forwards=frozenset(forwards))
         self.training = RunSchedule(self.training.actions, recompute)
 
+    def posted(self, actions: list[Action], receive_ahead: bool) -> list:
+        """``actions`` (one of this book's lists) as the executor runs them (``posted_batches``), worked out
+        once: the same list runs every step, and regrouping it each time costs the host on every step."""
+        key = (id(actions), receive_ahead)
+        kept = self._posted.get(key)
+        if kept is None or kept[0] is not actions:
+            kept = self._posted[key] = (actions, list(posted_batches(actions, receive_ahead)))
+        return kept[1]
+
     def stream(self, position: int, has: Callable[[int], bool]) -> Iterator[Action]:
         """async-1f1b: position ``position``'s endless action stream while mini-batch ``t`` exists (``has``)."""
         actions = schedules.async_1f1b_actions(position, self.positions, self.micro_batches, has)
@@ -73,4 +85,7 @@ class ScheduleBook:
     def forward_only(self, micro_batches: int) -> list[list[Action]]:
         """predict: the forwards of GPipe with the same stage placement (any m works, unlike
         interleaved-1f1b, which needs m divisible by stages: a short last batch need not be)."""
-        return [[a for a in device if a.kind in FORWARD_ONLY] for device in self.build("gpipe", micro_batches).actions]
+        if micro_batches not in self._forward_only:
+            self._forward_only[micro_batches] = [[a for a in device if a.kind in FORWARD_ONLY]
+                                                 for device in self.build("gpipe", micro_batches).actions]
+        return self._forward_only[micro_batches]

@@ -7,6 +7,7 @@ on one link for one micro-batch: activations src -> dst, gradients dst -> src.
 """
 from __future__ import annotations
 
+import functools
 import pickle
 from collections import OrderedDict
 from datetime import timedelta
@@ -146,14 +147,15 @@ class DistributedTransport:
         reads: list[tuple] = []  # header receives, read before their payload's buffers can exist
         due, self.deferred = [*messages, *self.deferred], []
         # Sends first: a gradient received in this batch may belong to an activation sent in it.
-        for m in sorted(due, key=lambda m: m.values is None):
-            if self._is_local(m.link):
-                if m.values is not None:
-                    self.local.send(m.link, m.kind, m.micro_batch, m.values)
-                continue
+        for m in due:
             if m.values is not None:
-                self._add_send(m, batch)
-            elif (m.link.index, m.kind, m.micro_batch) not in self.posted:
+                if self.local_links[m.link.index]:
+                    self.local.send(m.link, m.kind, m.micro_batch, m.values)
+                else:
+                    self._add_send(m, batch)
+        for m in due:
+            if (m.values is None and not self.local_links[m.link.index]
+                    and (m.link.index, m.kind, m.micro_batch) not in self.posted):
                 self._add_receive(m, batch, reads)
         for comm, group in batch.headers.items():
             self._post(comm, group)
@@ -188,7 +190,7 @@ class DistributedTransport:
         link, kind = m.link, m.kind
         comm, group, peer = self.routes[(link.index, kind)]
         if kind == ACT:
-            leaves, spec = pytree.tree_flatten(m.values)
+            leaves, spec = _flatten(m.values)
             meta = (_describe(leaves), spec)  # the spec is serialised only for a header
             self.sent_meta[(link.index, m.micro_batch)] = meta
             agreed = None if self.dynamic_shapes else self.agreed_sent.get(link.index, m.shape_key)
@@ -197,8 +199,9 @@ class DistributedTransport:
                     self.agreed_sent.add(link.index, m.shape_key, meta)
                 header = _encode_header(meta).to(self.device)
                 message = self._message("header", link, m.micro_batch)
-                works = batch.add(batch.headers, comm, dist.P2POp(dist.isend, header, peer, group), Op(True, peer, message))
-                self.pending_sends.append((works, [header], [message]))
+                works = batch.add(batch.headers, comm, dist.P2POp(dist.isend, header, peer, group),
+                                  self._op(True, peer, message))
+                self.pending_sends.append((works, [header], self._recorded(message)))
             elif agreed != meta:
                 raise RuntimeError(
                     f"boundary values {link.names} from stage {link.src} to {link.dst} changed shape or "
@@ -210,10 +213,11 @@ class DistributedTransport:
         message = self._message(kind, link, m.micro_batch)
         works = _Posted()
         for i, t in enumerate(tensors):
-            works = batch.add(batch.payloads, comm, dist.P2POp(dist.isend, t, peer, group), Op(True, peer, message + (i,)))
+            works = batch.add(batch.payloads, comm, dist.P2POp(dist.isend, t, peer, group),
+                              self._op(True, peer, message, i))
         src = link.src if kind == ACT else link.dst
         self.counter.add(COMM_KIND[kind], src, sum(t.numel() * t.element_size() for t in tensors))
-        self.pending_sends.append((works, tensors, [message + (i,) for i in range(len(tensors))]))
+        self.pending_sends.append((works, tensors, self._recorded(message, len(tensors))))
 
     def _known_meta(self, m: Message) -> tuple | None:
         """The metadata of a message to receive, or None when a header must bring it."""
@@ -228,8 +232,8 @@ class DistributedTransport:
             header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
             message = self._message("header", m.link, m.micro_batch)
             works = batch.add(batch.headers, comm, dist.P2POp(dist.irecv, header, peer, group),
-                              Op(False, peer, message))
-            reads.append((m, header, works, [message]))
+                              self._op(False, peer, message))
+            reads.append((m, header, works, self._recorded(message)))
             return
         self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch.payloads)
 
@@ -244,8 +248,20 @@ class DistributedTransport:
         message = self._message(kind, link, m.micro_batch)
         works = _Posted()
         for i, b in enumerate(buffers):
-            works = _Batch.add(table, comm, dist.P2POp(dist.irecv, b, peer, group), Op(False, peer, message + (i,)))
-        return works, buffers, (described, spec), [message + (i,) for i in range(len(buffers))]
+            works = _Batch.add(table, comm, dist.P2POp(dist.irecv, b, peer, group), self._op(False, peer, message, i))
+        return works, buffers, (described, spec), self._recorded(message, len(buffers))
+
+    def _op(self, send: bool, peer: int, message: tuple, part: int | None = None) -> Op | None:
+        """The op a recording test replays (part: which tensor of a payload); None when nothing records."""
+        if self.recorder is None:
+            return None
+        return Op(send, peer, message if part is None else message + (part,))
+
+    def _recorded(self, message: tuple, parts: int | None = None) -> list:
+        """The recorded ids of a message's ``parts`` tensors (None: a header, recorded under the message's id)."""
+        if self.recorder is None:
+            return []
+        return [message] if parts is None else [message + (i,) for i in range(parts)]
 
     def _message(self, kind: str, link: Link, micro_batch: int) -> tuple:
         """The id a message is recorded under (recording numbers messages, as micro-batch ids repeat)."""
@@ -293,6 +309,9 @@ class DistributedTransport:
             return buffers
         if spec.is_leaf():  # the common case of one tensor: no tree to rebuild
             return buffers[0] if described[0][0] == "t" else described[0][1]
+        if len(buffers) == len(described) and spec is _list_spec(len(described)):
+            return buffers  # a list of tensors, as _flatten found it
+
         it = iter(buffers)
         leaves = [next(it) if d[0] == "t" else d[1] for d in described]
         return pytree.tree_unflatten(leaves, spec)
@@ -390,12 +409,28 @@ class _Batch:
         self.ahead: dict[Hashable, tuple[list, list, _Posted]] = {}
 
     @staticmethod
-    def add(table: dict, comm: Hashable, p2p: Any, op: Op) -> _Posted:
-        """Add an op to ``comm``'s group in ``table``; returns the group's works (filled on posting)."""
-        group = table.setdefault(comm, ([], [], _Posted()))
+    def add(table: dict, comm: Hashable, p2p: Any, op: Op | None) -> _Posted:
+        """Add an op to ``comm``'s group in ``table`` (``op``: its record, None when nothing records); returns
+        the group's works (filled on posting)."""
+        group = table.get(comm) or table.setdefault(comm, ([], [], _Posted()))
         group[0].append(p2p)
-        group[1].append(op)
+        if op is not None:
+            group[1].append(op)
         return group[2]
+
+
+@functools.cache
+def _list_spec(leaves: int) -> Any:
+    """The spec of a list of ``leaves`` leaves, made once per length."""
+    return pytree.tree_structure([0] * leaves)
+
+
+def _flatten(values: Any) -> tuple[list, Any]:
+    """``pytree.tree_flatten``; a list of tensors (what a link usually carries) gets the spec of
+    ``_list_spec``, so agreeing on the same metadata again compares by identity."""
+    if type(values) is list and all(isinstance(v, torch.Tensor) for v in values):
+        return values, _list_spec(len(values))
+    return pytree.tree_flatten(values)
 
 
 def _encode_header(meta: tuple) -> torch.Tensor:

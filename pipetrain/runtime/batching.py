@@ -14,6 +14,8 @@ from torch.utils import _pytree as pytree
 
 def batch_size(batch: Any) -> int:
     """Size of dim 0 of the first tensor in ``batch``."""
+    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
+        return batch.shape[0]
     for leaf in pytree.tree_leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return leaf.shape[0]
@@ -33,9 +35,11 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
         raise ValueError(
             f"the mini-batch has {size} samples but micro_batches={micro_batches}; "
             f"use micro_batches <= {size} or a larger batch")
+    if isinstance(batch, torch.Tensor):  # a target, split on every step: no tree to flatten and rebuild
+        return list(torch.tensor_split(batch, micro_batches, dim=0))
     if type(batch) is tuple and all(
             isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size for v in batch):
-        # The usual positional inputs, split on every step: no tree to flatten and rebuild.
+        # The usual positional inputs, likewise.
         return list(zip(*(torch.tensor_split(v, micro_batches, dim=0) for v in batch)))
     leaves, spec = pytree.tree_flatten(batch)
     pieces = [

@@ -1,10 +1,10 @@
 """The executor: one loop that runs a device's action list, dispatching on the action kind.
 
 It is a generator: it yields ``BLOCKED`` while a message it needs has not arrived and
-``DONE`` after each action. The SEND and RECV actions between two computations are posted as one
-comm batch, with the receives of the computation after the next one when ``receive_ahead``
-(``schedules.nccl_order.posted_batches``), which the transport turns into groups per communicator:
-the order NCCL needs, checked for every schedule. The local engine interleaves the generators of all devices
+``DONE`` after each action. It runs a device's program as ``schedules.nccl_order.posted_batches``
+gives it: the SEND and RECV actions between two computations are one comm batch, with the receives
+of the computation after the next one when receiving ahead, which the transport turns into groups per
+communicator: the order NCCL needs, checked for every schedule. The local engine interleaves the generators of all devices
 in one process; the distributed engine drives the one of its rank (its transport waits
 instead of blocking the generator). Both execute the same lists ``schedules`` builds.
 
@@ -27,7 +27,7 @@ from pipetrain.runtime.progress import BLOCKED, DONE, STEPPED
 from pipetrain.runtime.stage import StageRuntime, takes_grad
 from pipetrain.runtime.topology import ACT, GRAD, Message, Topology
 from schedules import Action, ActionKind
-from schedules.nccl_order import CommBatch, posted_batches
+from schedules.nccl_order import CommBatch
 
 StepCall = Callable[[int, list[torch.Tensor]], Iterator[str]]  # (t, losses) -> ...; returns whether t was skipped
 
@@ -52,7 +52,7 @@ class DeviceExecutor:
                  feed: Feed, step: StepCall, reduce: Callable[[int], None] | None = None,
                  before_backward: Callable[[bool], None] | None = None, train: bool = True,
                  loss_scale: Callable[[], float] = lambda: 1.0, split_backward: bool = False,
-                 recompute: Recompute = Recompute(), receive_ahead: bool = False):
+                 recompute: Recompute = Recompute()):
         self.device = device
         self.stages = stages  # chunk -> runtime
         self.topology = topology
@@ -63,7 +63,6 @@ class DeviceExecutor:
         self.before_backward = before_backward
         self.split_backward = split_backward  # zero-bubble: B computes input gradients, W weight gradients
         self.recompute = recompute
-        self.receive_ahead = receive_ahead  # post receives one computation early (the distributed engine)
         self.train = train
         self.loss_scale = loss_scale
         self.outputs: dict[tuple[int, int], Any] = {}       # (stage, micro-batch) -> forward outputs to send
@@ -84,8 +83,9 @@ class DeviceExecutor:
             ActionKind.REDUCE: self._reduce,
         }
 
-    def run(self, actions: Iterable[Action]) -> Iterator[str]:
-        for action in posted_batches(actions, self.receive_ahead):
+    def run(self, program: Iterable[Action | CommBatch]) -> Iterator[str]:
+        """Execute ``program``: a device's actions as ``posted_batches`` yields them."""
+        for action in program:
             if isinstance(action, CommBatch):
                 self.transport.exchange([m for a in action.actions for m in self._messages(a)],
                                         [m for a in action.ahead for m in self._messages(a)])
