@@ -253,6 +253,11 @@ def tiny_worker(rank: int, port: int, args: argparse.Namespace) -> None:
         check_same_loss(pipe.step, theirs, batches[0], schedule)
         for name, step in ((f"pipetrain {schedule}", pipe.step), (f"torch {TORCH_SCHEDULES[schedule].__name__}", theirs)):
             variants[name], actions[name] = step, 2 * m * len(pipe.held_stages)
+        if schedule == "1f1b":
+            at_use = pipetrain.wrap(tiny_model(), batches[0][0][:4], stages=WORLD, micro_batches=m, partitioner=split,
+                                    loss_fn=F.cross_entropy, optimizer=sgd, profile=False, engine="distributed",
+                                    receive_ahead=False)
+            variants[AT_USE], actions[AT_USE] = at_use.step, 2 * m
     for step in variants.values():
         for i in range(args.warmup):
             step(*batches[i % len(batches)])

@@ -52,6 +52,6 @@ def compile_arguments(value: Any) -> dict[str, Any] | None:
 def compile_stage(module: nn.Module, arguments: dict[str, Any]) -> None:
     """Compile ``module``'s calls in place (``nn.Module.compile``): its names, parameters and state dict stay
     those of the eager module, so optimizers, checkpoints, tied weights and staleness policies (which call
-    it through ``functional_call`` with other weight tensors, graph inputs to the compiled code) see no
+    it with other weight tensors swapped in (``pipetrain.runtime.weight_swap``), graph inputs to the compiled code) see no
     wrapper."""
     module.compile(**arguments)

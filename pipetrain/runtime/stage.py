@@ -7,7 +7,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
@@ -15,6 +14,7 @@ from pipetrain.runtime.loss_checks import compute_loss
 from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.metrics import StageReport
 from pipetrain.runtime.staleness import StalenessPolicy
+from pipetrain.runtime.weight_swap import WeightSwap
 
 
 @dataclass
@@ -89,6 +89,7 @@ class StageRuntime:
         self.params = list(self.module.parameters())  # walked on every action and step: listed once
         self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value) at step start
         self._resident: tuple[tuple[int, int], int] | None = None  # (what it was counted for, resident bytes)
+        self._swap: WeightSwap | None = None  # runs the module on a staleness policy's weight set
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -169,7 +170,9 @@ class StageRuntime:
             if weights is None:
                 out = self.module(*args)
             else:
-                out = functional_call(self.module, weights, tuple(args))
+                if self._swap is None or self._swap.module is not self.module:
+                    self._swap = WeightSwap(self.module)
+                out = self._swap(weights, tuple(args))
             if self.is_last and with_loss:  # target None: the model computes its own loss (model_loss)
                 loss = compute_loss(self.loss_fn, out, target)
         return out, loss

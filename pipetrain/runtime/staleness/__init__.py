@@ -3,7 +3,7 @@
 With a synchronous schedule nothing changes between a micro-batch's forward and backward, so
 the stage module is called with its own parameters. With async-1f1b the optimizer steps while
 micro-batches are in flight; each policy then hands the forward an explicit set of weight
-tensors (``torch.func.functional_call``) and decides what those tensors hold when the backward
+tensors (swapped in for the parameters, ``pipetrain.runtime.weight_swap``) and decides what those tensors hold when the backward
 runs:
 
 - vanilla: tensors that alias the live weights (PipeDream without stashing);
