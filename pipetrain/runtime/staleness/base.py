@@ -24,16 +24,24 @@ def _named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def accumulate(params: list[tuple[str, nn.Parameter]], weights: WeightSet) -> None:
-    """Move the gradients autograd left on ``weights`` into the live parameters' ``.grad``."""
+    """Move the gradients autograd left on ``weights`` into the live parameters' ``.grad``: handed over where
+    ``.grad`` is empty (nothing else holds them once taken off ``weights``), added with one fused call where
+    it is not. This runs after every backward of a policy that swaps weights in."""
+    into: list[torch.Tensor] = []
+    adding: list[torch.Tensor] = []
     for name, p in params:
-        g = weights[name].grad
+        w = weights[name]
+        g = w.grad
         if g is None:
             continue
+        w.grad = None
         if p.grad is None:
-            p.grad = g.clone()
+            p.grad = g
         else:
-            p.grad.add_(g)
-        weights[name].grad = None
+            into.append(p.grad)
+            adding.append(g)
+    if into:
+        torch._foreach_add_(into, adding)
 
 
 class VersionStore(Mapping, Generic[V]):
