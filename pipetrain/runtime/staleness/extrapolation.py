@@ -73,15 +73,23 @@ class Extrapolation:
 
     def write(self, outs: list[torch.Tensor], steps: Callable[[dict], float]) -> None:
         """``outs[i] = W_i - steps(group) * lr * v_i``; ``steps`` gives the distance for a parameter
-        group (it may depend on the group's momentum). Writes through ``.data`` (see the package)."""
+        group (it may depend on the group's momentum). Writes through ``.data`` (see the package), in place:
+        autograd saved these very storages for the backward. A moving weight is written in one pass (W and
+        v read, the result written: copying W first and adding in place would read and write it twice
+        more), the others are copies of W."""
         directions = self.directions()
+        still = set(range(len(outs)))
         with torch.no_grad():
-            torch._foreach_copy_([o.data for o in outs], [p.detach() for p in self.params])
             for group, members in self.groups:
                 alpha = -steps(group) * self._lr(group)
                 moving = [i for i in members if directions[i] is not None]
                 if alpha != 0.0 and moving:
-                    torch._foreach_add_([outs[i].data for i in moving], [directions[i] for i in moving], alpha=alpha)
+                    for i in moving:
+                        torch.add(self.params[i].detach(), directions[i], alpha=alpha, out=outs[i].data)
+                    still.difference_update(moving)
+            if still:
+                kept = sorted(still)
+                torch._foreach_copy_([outs[i].data for i in kept], [self.params[i].detach() for i in kept])
 
     def update_norm(self) -> torch.Tensor:
         """|lr * v| over all the parameters (a device scalar): the size of the next update, the unit of
