@@ -83,3 +83,14 @@ def test_big_model_benchmark_runs_both_paths_and_checks_the_bound(tmp_path):
     assert all(float(peak) > 0 for _, _, peak in rows)
     # The bound itself is README's claim for the 1 B model; a tiny one is all interpreter, whose size varies.
     assert re.search(r"within 1.3 x its stage's training state \+ 1 GiB: (True|False)$", out, re.M), out
+
+
+def test_runtime_benchmark_pairs_each_schedule_with_torchs_on_the_same_stages():
+    # --tiny: both frameworks' first step on identical stage modules must report the same loss (the script
+    # raises otherwise), then every pair prints its CPU per action; timing itself is not checked.
+    out = run_script("bench_runtime.py", "--tiny", "--steps", "2", "--rounds", "1", "--warmup", "1",
+                     "--schedules", "1f1b,interleaved-1f1b")
+    rows = dict(re.findall(r"^(pipetrain [\w-]+(?:, receives at use)?|torch \w+)\s+([\d.]+) \(", out, re.M))
+    assert set(rows) == {"pipetrain 1f1b", "torch Schedule1F1B", "pipetrain 1f1b, receives at use",
+                         "pipetrain interleaved-1f1b", "torch ScheduleInterleaved1F1B"}, out
+    assert all(float(v) > 0 for v in rows.values()), out
