@@ -43,7 +43,11 @@ def losses_nonfinite(losses: Sequence[torch.Tensor], device: torch.device) -> to
     """1 (as a one-element float tensor on ``device``) if any of ``losses`` is NaN or infinite, else 0."""
     if not losses:
         return torch.zeros(1, device=device)
-    values = torch.stack([l.detach().float().reshape(()).to(device) for l in losses])
+    first = losses[0]
+    if all(l.dtype == first.dtype and l.device == first.device and l.dim() == 0 for l in losses):
+        values = torch.stack([l.detach() for l in losses]).to(device)  # the usual case: one stack, one copy
+    else:
+        values = torch.stack([l.detach().float().reshape(()).to(device) for l in losses])
     return (~torch.isfinite(values).all()).float().reshape(1)
 
 
