@@ -40,9 +40,7 @@ class Runner:
         self._input_limits = {i: (n, limits[n]) for i, n in enumerate(parts.io.names) if n in limits}
         self._log = TensorBoardLog(o.logdir) if o.logdir and parts.engine.is_rank_zero else None
         self._reconnect = False  # a step raised under torchrun: the next one starts on new process groups
-        # Receives posted one computation early; one process posts no receives: nothing to move, and no
-        # reason to read its actions further ahead.
-        self._ahead = o.receive_ahead and parts.engine.distributed
+        self._ahead = parts.engine.receive_ahead  # receives posted one computation early (the engine decides)
 
     def step(self, x: Any, y: Any) -> StepResult:
         """One mini-batch of a synchronous schedule. A step that raises before any stage applied its update

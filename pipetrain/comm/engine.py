@@ -79,6 +79,7 @@ class LocalEngine:
     """Every stage in this process; ``devices`` gives each pipeline position its torch device."""
 
     distributed = False
+    receive_ahead = False  # one process posts no receives: nothing to move ahead
     world: World | None = None
     is_rank_zero = True
     decides_plan = True

@@ -109,11 +109,8 @@ class DistributedTransport:
         self.topology = topology
         # Looked up for every message: evaluated once per stage here.
         self.rank_of = [rank_of(v) for v in range(topology.num_stages)].__getitem__
-        self.groups = groups  # communicator key (link_comm) -> process group
-        self.chunks = topology.num_stages // topology.devices
         self.device = device
         self.dynamic_shapes = dynamic_shapes
-        self.receive_ahead = receive_ahead
         self.timeout = timedelta(seconds=timeout)
         self.rank = dist.get_rank()
         self.local = LocalTransport([device] * topology.num_stages, counter)
@@ -125,14 +122,15 @@ class DistributedTransport:
         self.posted: dict[tuple, tuple] = {}  # (link, kind, micro-batch) -> (its group, buffers, meta, recorded ids)
         self.deferred: list[Message] = []  # receives to post ahead whose shapes were not agreed: due next exchange
         self.recorder = recording.active()  # None unless a test records what is posted
-        # Per link: whether both ends are this rank, and per direction (communicator, its group, the peer
-        # rank): looked up for every message, resolved once.
+        # Per link: whether both ends are this rank, and per direction (communicator, its process group from
+        # ``groups``, the peer rank): looked up for every message, resolved once.
         self.local_links = {l.index: self.rank_of(l.src) == self.rank_of(l.dst) for l in topology.links}
         self.routes: dict[tuple[int, str], _Route] = {}
+        chunks = topology.num_stages // topology.devices
         for l in topology.links:
             if not self.local_links[l.index]:
                 for kind in (ACT, GRAD):
-                    comm = link_comm(l.index, l.src, l.dst, kind, self.chunks, receive_ahead)
+                    comm = link_comm(l.index, l.src, l.dst, kind, chunks, receive_ahead)
                     other = self.rank_of(l.dst) if self.rank_of(l.src) == self.rank else self.rank_of(l.src)
                     self.routes[(l.index, kind)] = _Route(comm, groups.get(comm), other)
 
@@ -149,12 +147,12 @@ class DistributedTransport:
         # Sends first: a gradient received in this batch may belong to an activation sent in it.
         for m in due:
             if m.values is not None:
-                if self.local_links[m.link.index]:
+                if self._is_local(m.link):
                     self.local.send(m.link, m.kind, m.micro_batch, m.values)
                 else:
                     self._add_send(m, batch)
         for m in due:
-            if (m.values is None and not self.local_links[m.link.index]
+            if (m.values is None and not self._is_local(m.link)
                     and (m.link.index, m.kind, m.micro_batch) not in self.posted):
                 self._add_receive(m, batch, reads)
         for comm, group in batch.headers.items():
