@@ -94,3 +94,12 @@ def test_runtime_benchmark_pairs_each_schedule_with_torchs_on_the_same_stages():
     assert set(rows) == {"pipetrain 1f1b", "torch Schedule1F1B", "pipetrain 1f1b, receives at use",
                          "pipetrain interleaved-1f1b", "torch ScheduleInterleaved1F1B"}, out
     assert all(float(v) > 0 for v in rows.values()), out
+
+
+def test_runtime_benchmark_times_the_local_engine_against_the_unsplit_model():
+    out = run_script("bench_runtime.py", "--local", "--policies", "vanilla", "--steps", "1", "--rounds", "1",
+                     "--warmup", "0")
+    rows = dict(re.findall(r"^(sync 1f1b|async-1f1b vanilla|unsplit, [\w ,-]+?)\s+([\d.]+)\s+[\d.]+$", out, re.M))
+    assert set(rows) == {"sync 1f1b", "async-1f1b vanilla", "unsplit, micro-batches one at a time",
+                         "unsplit, all forwards first"}, out
+    assert all(float(v) > 0 for v in rows.values()), out

@@ -28,6 +28,11 @@ drifts over all of them alike; each round starts and ends at a barrier and rank 
 medians of within-round ratios. The CPU columns are each rank's process time (all its threads, gloo's
 included) per forward or backward action: what the runtime costs whatever else the machine runs.
 ``--tiny`` measures only that per-action CPU, on a model that computes almost nothing.
+
+``--local`` stays in one process: the local engine with 4 stages of the same VGG, CPU per mini-batch of
+async-1f1b with each policy (``pipe.train`` over the round's mini-batches) against sync 1F1B
+(``pipe.step`` per mini-batch), and the unsplit model accumulating its micro-batches one at a time
+against all forwards first (what holding every micro-batch's activations costs by itself).
 """
 
 from __future__ import annotations
@@ -226,6 +231,58 @@ def report(seconds: dict[str, list[float]], cpu_per_step: torch.Tensor, actions:
         print(f"  {'pipetrain 1f1b (2 processes) / ' + SINGLE:62s} {ratio('pipetrain 1f1b', SINGLE)}")
 
 
+def local_engine(args: argparse.Namespace) -> None:
+    """CPU per mini-batch on the local engine (4 stages): async-1f1b per policy against sync 1F1B; and the
+    unsplit model's micro-batches one at a time against all forwards first; rounds alternating."""
+    torch.set_num_threads(1)
+    m, b = args.micro_batches, args.batch_size
+    batches = make_batches(4, b)
+    model = make_model(args.width)
+
+    def wrap(schedule: str, staleness: str = "none") -> pipetrain.Pipeline:
+        return pipetrain.wrap(model, batches[0][0][: b // m], stages=4, micro_batches=m, schedule=schedule,
+                              staleness=staleness, loss_fn=F.cross_entropy, optimizer=sgd, profile=False,
+                              engine="local")
+
+    def unsplit(forwards_first: bool) -> Callable[[list], None]:
+        copy_ = copy.deepcopy(model)
+        optimizer = sgd(copy_.parameters())
+
+        def run(bs: list) -> None:
+            for x, y in bs:
+                pieces = list(zip(x.chunk(m), y.chunk(m)))
+                if forwards_first:
+                    for loss in [F.cross_entropy(copy_(xs), ys) / m for xs, ys in pieces]:
+                        loss.backward()
+                else:
+                    for xs, ys in pieces:
+                        (F.cross_entropy(copy_(xs), ys) / m).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return run
+
+    variants = {"sync 1f1b": each_step(wrap("1f1b").step)}
+    variants.update({f"async-1f1b {p}": stream(wrap("async-1f1b", p)) for p in args.policies})
+    variants["unsplit, micro-batches one at a time"] = unsplit(False)
+    variants["unsplit, all forwards first"] = unsplit(True)
+    per_round = max(1, args.steps // args.rounds)
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    for run in variants.values():
+        run([batches[i % len(batches)] for i in range(args.warmup)])
+    for r in range(args.rounds):
+        for name, run in variants.items():
+            c0 = time.process_time()
+            run([batches[(r + i) % len(batches)] for i in range(per_round)])
+            cpu[name].append((time.process_time() - c0) / per_round)
+    ms = {name: statistics.median(v) * 1e3 for name, v in cpu.items()}
+    print(f"local engine, VGG-11 width {args.width} in 4 stages, batch {b} in {m} micro-batches, 1 thread; "
+          f"{args.rounds} rounds x {per_round} mini-batches (an async stream's fill and drain once per round)")
+    print(f"\n{'variant':40s} {'CPU ms per mini-batch':>22s} {'ratio':>8s}")
+    for name, value in ms.items():
+        base = ms["unsplit, micro-batches one at a time"] if name.startswith("unsplit") else ms["sync 1f1b"]
+        print(f"{name:40s} {value:22.1f} {value / base:8.2f}")
+
+
 def tiny_model() -> torch.nn.Module:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
@@ -239,7 +296,7 @@ def tiny_worker(rank: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-    m = 16
+    m = args.tiny_micro_batches
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4 * m, 16, generator=gen), torch.randint(0, 10, (4 * m,), generator=gen)) for _ in range(4)]
     variants: dict[str, Callable] = {}
@@ -299,6 +356,11 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="async-1f1b staleness policies to time against pipetrain 1f1b (empty: none)")
     parser.add_argument("--tiny", action="store_true", help="per-action CPU of both runtimes on a tiny MLP")
+    parser.add_argument("--tiny-micro-batches", type=int, default=16,
+                        help="--tiny: micro-batches of 4 samples per step (two counts separate per-step from "
+                             "per-action costs)")
+    parser.add_argument("--local", action="store_true",
+                        help="one process: local-engine async-1f1b per policy against sync 1F1B (CPU per mini-batch)")
     args = parser.parse_args()
     args.schedules = [s for s in args.schedules.split(",") if s]
     args.policies = [p for p in args.policies.split(",") if p]
@@ -307,6 +369,9 @@ def main() -> None:
         parser.error(f"unknown schedules {unknown}; choose from {', '.join(TORCH_SCHEDULES)}")
     if args.batch_size % args.micro_batches:
         parser.error("--batch-size must be a multiple of --micro-batches (both frameworks then cut the same pieces)")
+    if args.local:
+        local_engine(args)
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
