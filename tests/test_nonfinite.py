@@ -19,15 +19,16 @@ def batches(name="mlp", steps=4, size=8, seed=1):
 
 def poison(pipe, stage, when):
     """Make the gradient of the stage's SECOND parameter NaN after each backward where ``when(micro_batch)``
-    (a hook on the policy works for every staleness policy, also those that backward through weight copies).
+    and the parameter has one (a hook on the policy works for every staleness policy; those that backward
+    through weight copies hand the gradients over at the mini-batch's last backward).
     Returns that parameter's original-model name."""
     rt = pipe.held_stages[stage]
     name, param = list(rt.module.named_parameters())[1]
     original = rt.policy.after_backward
 
-    def after_backward(micro_batch):
-        original(micro_batch)
-        if when(micro_batch):
+    def after_backward(micro_batch, last):
+        original(micro_batch, last)
+        if when(micro_batch) and param.grad is not None:
             param.grad.fill_(NAN)
 
     rt.policy.after_backward = after_backward

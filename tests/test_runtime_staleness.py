@@ -278,3 +278,43 @@ def test_spectrain_with_lars_predicts_from_its_scaled_momentum():
     rt.policy.forward_weights(5)  # past the warm-up, stage 0 of 3 predicts 0 // 2 + 3 - 0 - 1 = 2 updates ahead
     expected = p.detach() - 2 * 0.1 * rt.optimizer.state[p]["momentum_buffer"]
     torch.testing.assert_close(rt.policy.scratch[name].detach(), expected, atol=1e-7, rtol=0)
+
+
+class TiedHead(nn.Module):
+    """An embedding whose matrix the output layer reuses (tied, as language models do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+
+def test_weight_swap_equals_functional_call_with_ties_and_puts_the_parameters_back():
+    from pipetrain.runtime.weight_swap import WeightSwap
+
+    torch.manual_seed(0)
+    model = TiedHead()
+    live = dict(model.named_parameters())
+    weights = {n: (p.detach() + 0.1 * torch.randn_like(p)).requires_grad_() for n, p in live.items()}
+    assert "head.weight" not in weights  # the tie: one weight set entry serves both slots
+    tokens = torch.tensor([[1, 4, 7], [2, 9, 0]])
+    swapped = WeightSwap(model)(weights, (tokens,))
+    expected = torch.func.functional_call(model, weights, (tokens,), tie_weights=True)
+    torch.testing.assert_close(swapped, expected, rtol=0, atol=0)  # the same ops on the same tensors
+    swapped.square().sum().backward()
+    assert all(p.grad is None for p in live.values())  # the gradient went to the weight set, not the live weights
+    assert weights["embed.weight"].grad is not None and weights["mix.bias"].grad is not None
+    assert dict(model.named_parameters()) == live and model.head.weight is model.embed.weight
+
+    def failing(_):
+        raise RuntimeError("boom")
+
+    model.mix.register_forward_hook(lambda *a: failing(a))
+    with pytest.raises(RuntimeError, match="boom"):
+        WeightSwap(model)(weights, (tokens,))
+    assert dict(model.named_parameters()) == live and model.head.weight is model.embed.weight

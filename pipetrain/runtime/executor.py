@@ -161,11 +161,12 @@ class DeviceExecutor:
             yield from self._wait(links, GRAD, g)
             by_link = {l.index: self.transport.take(l, GRAD, g) for l in links}
             grads = self._output_grads(stage, g, links, by_link)
+        last = (g + 1) % self.feed.micro_batches == 0
         if self.before_backward is not None:
             # The last micro-batch of a mini-batch may start the data-parallel reduction during its backward.
-            self.before_backward((g + 1) % self.feed.micro_batches == 0)
+            self.before_backward(last)
         start = time.perf_counter()
-        input_grads = stage.backward(g, grads, loss_scale=self.loss_scale(), split=self.split_backward)
+        input_grads = stage.backward(g, grads, loss_scale=self.loss_scale(), split=self.split_backward, last=last)
         self._busy[stage.index] += time.perf_counter() - start
         if stage.index > 0:
             self.input_grads[(stage.index, g)] = input_grads

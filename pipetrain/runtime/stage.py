@@ -215,10 +215,11 @@ class StageRuntime:
         return pytree.tree_map(leaf, value), created
 
     def backward(self, micro_batch: int, output_grads: list[torch.Tensor] | None,
-                 loss_scale: float = 1.0, split: bool = False) -> list[list[torch.Tensor]]:
+                 loss_scale: float = 1.0, split: bool = False, last: bool = True) -> list[list[torch.Tensor]]:
         """Backward ``micro_batch`` given the gradients of its floating outputs (in output order);
         returns, per input, the gradients of its floating tensors (zeros where unused). With
-        ``split`` (zero-bubble B) the weight gradients wait for ``backward_weight``."""
+        ``split`` (zero-bubble B) the weight gradients wait for ``backward_weight``. ``last``: the
+        mini-batch's last backward on this stage (its gradients must then be complete in ``.grad``)."""
         saved = self.in_flight.pop(micro_batch)
         self._held_bytes -= saved.activation_bytes
         if saved.replay is not None:
@@ -239,7 +240,7 @@ class StageRuntime:
         elif tensors:
             torch.autograd.backward(tensors, grads)
             self._note_peak(self.activation_bytes() + saved.activation_bytes)
-        self.policy.after_backward(micro_batch)
+        self.policy.after_backward(micro_batch, last)
         return [[l.grad if l.grad is not None else torch.zeros_like(l) for l in ls] for ls in saved.input_leaves]
 
     def backward_weight(self, micro_batch: int) -> None:

@@ -26,7 +26,8 @@ def _named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def accumulate(params: list[tuple[str, nn.Parameter]], weights: WeightSet) -> None:
     """Move the gradients autograd left on ``weights`` into the live parameters' ``.grad``: handed over where
     ``.grad`` is empty (nothing else holds them once taken off ``weights``), added with one fused call where
-    it is not. This runs after every backward of a policy that swaps weights in."""
+    it is not. Policies that swap weights in call it once per weight set per mini-batch (autograd sums the
+    micro-batches' gradients on the set meanwhile), and when a set is dropped."""
     into: list[torch.Tensor] = []
     adding: list[torch.Tensor] = []
     for name, p in params:
@@ -47,9 +48,11 @@ def accumulate(params: list[tuple[str, nn.Parameter]], weights: WeightSet) -> No
 class VersionStore(Mapping, Generic[V]):
     """Weight versions shared by the micro-batches that use them, reference-counted: a version is made
     by the first micro-batch that asks for its key and dropped when the last user releases it (unless
-    the caller says to keep it unused). As a mapping: key -> version."""
+    the caller says to keep it unused). ``on_drop`` sees every version that leaves by ``release`` or
+    ``drop_unused`` (not by ``clear``). As a mapping: key -> version."""
 
-    def __init__(self):
+    def __init__(self, on_drop: Callable[[V], None] | None = None):
+        self.on_drop = on_drop
         self._entries: dict[object, tuple[V, int]] = {}  # key -> (version, micro-batches using it)
         self.key_of: dict[int, object] = {}  # micro-batch -> the key of the version it uses
         self.peak = 0  # the most versions held at once
@@ -87,15 +90,19 @@ class VersionStore(Mapping, Generic[V]):
         version, users = self._entries[key]
         if users == 1 and drop(key):
             del self._entries[key]
+            if self.on_drop is not None:
+                self.on_drop(version)
         else:
             self._entries[key] = (version, users - 1)
         return version
 
     def drop_unused(self, where: Callable[[object], bool] = lambda key: True) -> None:
         """Drop the versions no micro-batch uses whose key satisfies ``where``."""
-        for key, (_, users) in list(self._entries.items()):
+        for key, (version, users) in list(self._entries.items()):
             if users == 0 and where(key):
                 del self._entries[key]
+                if self.on_drop is not None:
+                    self.on_drop(version)
 
     def clear(self) -> None:
         self._entries.clear()
@@ -165,8 +172,10 @@ class StalenessPolicy:
             self._probe = None
         self._before_backward(micro_batch)
 
-    def after_backward(self, micro_batch: int) -> None:
-        """Release what the backward of ``micro_batch`` held; gradients go to ``.grad``."""
+    def after_backward(self, micro_batch: int, last: bool) -> None:
+        """Release what the backward of ``micro_batch`` held. Gradients computed on weight copies reach the
+        live parameters' ``.grad`` by the mini-batch's ``last`` backward on this stage, before its reduction
+        and step read them."""
 
     def keep_for_recompute(self, micro_batch: int) -> None:
         """The forward of ``micro_batch`` will run again before its backward: keep its weights if
@@ -273,8 +282,9 @@ class VanillaPolicy(StalenessPolicy):
     def _forward_weights(self, micro_batch: int) -> WeightSet:
         return self.alias
 
-    def after_backward(self, micro_batch: int) -> None:
-        accumulate(self.params, self.alias)
+    def after_backward(self, micro_batch: int, last: bool) -> None:
+        if last:  # the aliases summed every micro-batch's gradient meanwhile: one hand-over per mini-batch
+            accumulate(self.params, self.alias)
 
     def recompute_weights(self, micro_batch: int) -> WeightSet:
         # Vanilla keeps no old weights: the recomputed forward runs on the weights in force.
@@ -302,7 +312,8 @@ class StashPolicy(StalenessPolicy):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.versions: VersionStore[WeightSet] = VersionStore()
+        # A version that goes hands its gradients over (those of the micro-batches that used it).
+        self.versions: VersionStore[WeightSet] = VersionStore(on_drop=lambda version: accumulate(self.params, version))
 
     @property
     def peak_versions(self) -> int:
@@ -320,8 +331,11 @@ class StashPolicy(StalenessPolicy):
     def recompute_weights(self, micro_batch: int) -> WeightSet:
         return self.versions.of(micro_batch)
 
-    def after_backward(self, micro_batch: int) -> None:
-        accumulate(self.params, self.versions.release(micro_batch, self._release_when_unused))
+    def after_backward(self, micro_batch: int, last: bool) -> None:
+        self.versions.release(micro_batch, self._release_when_unused)
+        if last:  # versions still held keep the gradients of this mini-batch's micro-batches until now
+            for version in self.versions.values():
+                accumulate(self.params, version)
 
     def _release_when_unused(self, key: object) -> bool:
         return True

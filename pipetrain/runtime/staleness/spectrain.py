@@ -76,8 +76,9 @@ class SpecTrainPolicy(StalenessPolicy):
         if self.predicts:
             self._update_size.write(self._outs, lambda group: self.s_bwd)
 
-    def after_backward(self, micro_batch: int) -> None:
-        accumulate(self.params, self.scratch)
+    def after_backward(self, micro_batch: int, last: bool) -> None:
+        if last:  # the scratch copy summed every micro-batch's gradient meanwhile
+            accumulate(self.params, self.scratch)
 
     def versions_held(self) -> int:
         return (1 + len(self.kept)) if self.predicts else 0
