@@ -1,7 +1,7 @@
 """Runtime throughput on 2 gloo ranks (CPU, 1 thread each): pipetrain vs torch.distributed.pipelining,
 schedule by schedule on the same split.
 
-    .venv/bin/python examples/benchmarks/bench_runtime.py [--steps 40] [--rounds 4] [--schedules gpipe,1f1b,...]
+    .venv/bin/python examples/benchmarks/bench_runtime.py [--steps 96] [--rounds 4] [--schedules gpipe,1f1b,...]
     .venv/bin/python examples/benchmarks/bench_runtime.py --tiny [--steps 160]
 
 Model: VGG-11 with BatchNorm, first conv width 16 (0.58 M parameters) on 32x32 inputs, batch 64 in
@@ -20,7 +20,8 @@ each pair's first step from identical weights on one mini-batch must report the 
 
 Also timed, against pipetrain 1f1b: the same with receive_ahead=False (each receive posted right before
 the computation that needs it instead of one computation early), async-1f1b with every staleness policy (`pipe.train` over a stream of
-the round's mini-batches, its fill and drain counted once per round), and the unsplit model in one
+the round's mini-batches, its fill and drain counted once per round: the ratio it can reach and the
+share of 1F1B's bubble it recovers are printed for that stream length), and the unsplit model in one
 process (rank 1 idles).
 
 Variants take turns (`--rounds` rounds of steps/rounds mini-batches each) so load from other processes
@@ -222,12 +223,16 @@ def report(seconds: dict[str, list[float]], cpu_per_step: torch.Tensor, actions:
         print(f"  {'pipetrain ' + schedule + ' / ' + theirs:62s} {ratio('pipetrain ' + schedule, theirs)}")
     if "1f1b" in args.schedules:
         print(f"  {'pipetrain 1f1b, receives ahead / at use':62s} {ratio('pipetrain 1f1b', AT_USE)}")
-        m = args.micro_batches
-        print(f"  (1F1B's bubble on {WORLD} stages and {m} micro-batches: {(WORLD - 1) / (m + WORLD - 1):.3f}; "
-              "async removes it)")
+        m, n = args.micro_batches, steps_per_round
+        # 1F1B runs M + S - 1 slots per mini-batch; a stream of n mini-batches n M + S - 1 (one fill and drain).
+        ideal = n * (m + WORLD - 1) / (n * m + WORLD - 1)
+        print(f"  (1F1B's bubble on {WORLD} stages and {m} micro-batches: {(WORLD - 1) / (m + WORLD - 1):.3f} of its "
+              f"time; async streams of {n} mini-batches, one fill and drain each, can reach {ideal:.3f}x)")
         for policy in args.policies:
             name = f"pipetrain async-1f1b {policy}"
-            print(f"  {name + ' / pipetrain 1f1b':62s} {ratio(name, 'pipetrain 1f1b')}")
+            rounds = [x / y for x, y in zip(seconds["pipetrain 1f1b"], seconds[name])]
+            share = (statistics.median(rounds) - 1) / (ideal - 1)
+            print(f"  {name + ' / pipetrain 1f1b':62s} {ratio(name, 'pipetrain 1f1b')}  {share:4.0%} of the bubble")
         print(f"  {'pipetrain 1f1b (2 processes) / ' + SINGLE:62s} {ratio('pipetrain 1f1b', SINGLE)}")
 
 
@@ -344,7 +349,7 @@ def tiny_worker(rank: int, port: int, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="timed mini-batches per variant (over all rounds)")
+    parser.add_argument("--steps", type=int, default=96, help="timed mini-batches per variant (over all rounds)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3, help="untimed mini-batches per variant first")
     parser.add_argument("--micro-batches", type=int, default=8)

@@ -299,8 +299,12 @@ class VanillaPolicy(StalenessPolicy):
 class StashPolicy(StalenessPolicy):
     """PipeDream weight stashing: the backward uses exactly the forward's weight version.
 
-    Versions are keyed by ``_key(micro_batch)`` (here the update count at the forward) and made by
-    ``_make_version``; subclasses that stash predicted weights key them by prediction as well.
+    Versions are keyed by ``_key(micro_batch)``, a tuple whose first entry is the update count at the
+    forward, and made by ``_make_version``; subclasses that stash predicted weights key them by prediction
+    as well. A version made from the weights in force stays, even unused, until the next update: the
+    micro-batches forwarded before it reuse it instead of copying the same weights again (on the last
+    stage, where each forward is followed by its backward, that is one copy per mini-batch, not per
+    micro-batch).
     """
 
     name = "stash"
@@ -320,7 +324,7 @@ class StashPolicy(StalenessPolicy):
         return self.versions.peak
 
     def _key(self, micro_batch: int) -> object:
-        return self.updates
+        return (self.updates,)
 
     def _make_version(self, micro_batch: int) -> WeightSet:
         return {n: p.detach().clone().requires_grad_() for n, p in self.params}
@@ -338,7 +342,11 @@ class StashPolicy(StalenessPolicy):
                 accumulate(self.params, version)
 
     def _release_when_unused(self, key: object) -> bool:
-        return True
+        return key[0] != self.updates  # type: ignore[index]
+
+    def on_step(self) -> None:
+        super().on_step()
+        self.versions.drop_unused(self._release_when_unused)
 
     def abandon(self) -> None:
         super().abandon()
