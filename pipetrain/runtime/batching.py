@@ -16,6 +16,10 @@ def batch_size(batch: Any) -> int:
     """Size of dim 0 of the first tensor in ``batch``."""
     if isinstance(batch, torch.Tensor) and batch.dim() > 0:
         return batch.shape[0]
+    if type(batch) is tuple and all(isinstance(v, torch.Tensor) for v in batch):  # a micro-batch: no tree walk
+        for v in batch:
+            if v.dim() > 0:
+                return v.shape[0]
     for leaf in pytree.tree_leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return leaf.shape[0]
