@@ -103,20 +103,21 @@ class Reporter:
         per_stage = [getattr(result, f.name) for f in self._fields] + [result.comm_bytes[k] for k in COMM_KINDS]
         # The last entry: this rank was asked to stop (summed: any rank was), so every rank learns it
         # from the report it already exchanges instead of from a collective of its own.
-        mine = torch.zeros(2 + len(per_stage) * V + 1, dtype=torch.float64)
+        numbers = [0.0] * (2 + len(per_stage) * V + 1)  # one tensor made from a list: no write per entry
         if self.has_last_stage:
-            mine[0], mine[1] = loss_sum, result.samples
-        mine[-1] = float(result.stop_requested)
-        on_device = []
+            numbers[0], numbers[1] = loss_sum, result.samples
+        numbers[-1] = float(result.stop_requested)
+        on_device: list[tuple[int, torch.Tensor]] = []
         for i, values in enumerate(per_stage):
             for v, value in enumerate(values):
                 if isinstance(value, torch.Tensor):  # staleness diagnostics, still on the stage's device
                     on_device.append((2 + i * V + v, value))
                 elif value:
-                    mine[2 + i * V + v] = value
-        mine = mine.to(self.device)
-        for index, value in on_device:
-            mine[index] = value.to(mine.device, mine.dtype)  # a device-side copy, not a host read
+                    numbers[2 + i * V + v] = value
+        mine = torch.tensor(numbers, dtype=torch.float64, device=self.device)
+        if on_device:  # device-side copies, not host reads
+            index = torch.tensor([i for i, _ in on_device], device=mine.device)
+            mine[index] = torch.stack([value.to(mine.device, mine.dtype) for _, value in on_device])
         return result, SumExchange(mine, *self.groups)
 
     def collect(self, result: StepResult, exchange: SumExchange) -> StepResult:
