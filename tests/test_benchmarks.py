@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from schedules.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,3 +105,16 @@ def test_runtime_benchmark_times_the_local_engine_against_the_unsplit_model():
     assert set(rows) == {"sync 1f1b", "async-1f1b vanilla", "unsplit, micro-batches one at a time",
                          "unsplit, all forwards first"}, out
     assert all(float(v) > 0 for v in rows.values()), out
+
+
+def test_runtime_benchmark_on_vgg_prices_async_against_the_bubble_of_its_stream_length():
+    # The README's main table: VGG pairs with equal first-step losses, and the async ratio a stream of
+    # n mini-batches can reach, n (M + S - 1) / (n M + S - 1), here 2 * 5 / 9 (2 stages, 4 micro-batches).
+    out = run_script("bench_runtime.py", "--schedules", "1f1b", "--policies", "vanilla", "--steps", "2", "--rounds",
+                     "1", "--warmup", "0", "--width", "8", "--batch-size", "16", "--micro-batches", "4")
+    rows = re.findall(r"^(pipetrain 1f1b|torch Schedule1F1B|pipetrain async-1f1b vanilla)\s+([\d.]+)\s+([\d.]+),", out, re.M)
+    assert {name for name, _, _ in rows} == {"pipetrain 1f1b", "torch Schedule1F1B", "pipetrain async-1f1b vanilla"}, out
+    reach = re.search(r"async streams of (\d+) mini-batches, one fill and drain each, can reach ([\d.]+)x", out)
+    assert reach is not None and int(reach.group(1)) == 2, out
+    assert float(reach.group(2)) == pytest.approx(2 * 5 / 9, abs=5e-4), out
+    assert re.search(r"^  pipetrain async-1f1b vanilla / pipetrain 1f1b\s+[\d.]+x .*-?\d+% of the bubble$", out, re.M), out

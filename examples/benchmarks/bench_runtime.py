@@ -205,13 +205,17 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
 def report(seconds: dict[str, list[float]], cpu_per_step: torch.Tensor, actions: dict[str, int],
            steps_per_round: int, batch_size: int, args: argparse.Namespace) -> None:
     """Throughput from the median round (robust to bursts of load from other processes), each rank's CPU
-    per action, and the ratios of the pairs."""
+    per action and idle time per mini-batch (wall minus the process's CPU: near 0 on a rank that computes or
+    communicates all the time), and the ratios of the pairs."""
     rate = {k: steps_per_round * batch_size / statistics.median(v) for k, v in seconds.items()}
-    print(f"\n{'variant':44s} {'samples/s':>10s} {'CPU ms per F/B action, rank 0, 1':>34s}")
+    print(f"\n{'variant':44s} {'samples/s':>10s} {'CPU ms per F/B action, rank 0, 1':>34s} "
+          f"{'idle ms per mini-batch, rank 0, 1':>34s}")
     for v, name in enumerate(seconds):
         per_action = (f"{cpu_per_step[v, 0] * 1e3 / actions[name]:13.3f}, {cpu_per_step[v, 1] * 1e3 / actions[name]:6.3f}"
                       if actions[name] else "")
-        print(f"{name:44s} {rate[name]:10.1f} {per_action:>34s}")
+        wall = sum(seconds[name]) / (len(seconds[name]) * steps_per_round)
+        idle = f"{(wall - cpu_per_step[v, 0]) * 1e3:13.1f}, {(wall - cpu_per_step[v, 1]) * 1e3:6.1f}"
+        print(f"{name:44s} {rate[name]:10.1f} {per_action:>34s} {idle:>34s}")
 
     def ratio(a: str, b: str) -> str:
         rounds = [x / y for x, y in zip(seconds[b], seconds[a])]  # throughput ratio a/b per round
