@@ -56,15 +56,29 @@ class Runner:
         self._start(stream=False)
         for rt in p.stages.values():
             rt.begin_step()
-        with interrupts_after_commit(self._committed), self._abandoned_on_error():
-            for _ in drive({d: ex.run(p.schedules.posted(p.schedules.training.actions[d], self._ahead))
-                            for d, ex in executors.items()}):
-                pass
-            p.links.transport.flush()
-            for rt in p.stages.values():
-                rt.end_step()
-            report, pending = self._report(feed, executors, 0, time.perf_counter() - start)
-            return self._finish(report if pending is None else p.links.reporter.collect(*pending))
+        # The report is taken once every device agreed to step, before any update: under torchrun it is then
+        # exchanged while the optimizers run and is there when this rank's update is, instead of after the
+        # slowest rank's update. Both engines take it at that point, so they report the same numbers.
+        posted: list[tuple] = []
+
+        def take_report(t: int, skip: bool) -> None:
+            if not posted:  # in one process, the first device past the agreement reports for all
+                posted.append(self._report(feed, executors, t, time.perf_counter() - start, skip))
+        for stepper in p.steppers.values():
+            stepper.before_apply = take_report
+        try:
+            with interrupts_after_commit(self._committed), self._abandoned_on_error():
+                for _ in drive({d: ex.run(p.schedules.posted(p.schedules.training.actions[d], self._ahead))
+                                for d, ex in executors.items()}):
+                    pass
+                p.links.transport.flush()
+                for rt in p.stages.values():
+                    rt.end_step()
+                report, pending = posted[0] if posted else self._report(feed, executors, 0, time.perf_counter() - start)
+                return self._finish(report if pending is None else p.links.reporter.collect(*pending))
+        finally:
+            for stepper in p.steppers.values():
+                stepper.before_apply = None
 
     def _connected(self) -> None:
         if self._reconnect:
@@ -183,15 +197,18 @@ class Runner:
         return executors
 
     def _report(self, feed: Feed, executors: dict[int, DeviceExecutor], t: int,
-                seconds: float) -> tuple[StepResult, tuple | None]:
-        """Mini-batch ``t``'s result on this process, and its exchange with the other ranks (None locally)."""
+                seconds: float, skipped: bool | None = None) -> tuple[StepResult, tuple | None]:
+        """Mini-batch ``t``'s result on this process, and its exchange with the other ranks (None locally).
+        ``skipped``: the agreed decision, when reported from inside the STEP (before the executor records it)."""
         p = self.parts
         own = range(t * feed.micro_batches, (t + 1) * feed.micro_batches)
         loss_sum = _loss_sum([ex.losses for ex in executors.values()], own, feed)
         busy = {v: s for ex in executors.values() for v, s in ex.take_busy().items()}
         reports = {v: rt.report(own) for v, rt in p.stages.items()}
         result = p.links.reporter.local(loss_sum, feed.mini_batch_size(t), seconds, reports, busy)
-        result.skipped = [ex.skipped.pop(t) for ex in executors.values()][0]  # agreed: any device can say
+        if skipped is None:
+            skipped = [ex.skipped.pop(t) for ex in executors.values()][0]  # agreed: any device can say
+        result.skipped = skipped
         result.stop_requested = self.stop_requested
         if not p.engine.distributed:
             return result, None

@@ -1,4 +1,7 @@
 """The distributed engine (gloo on loopback) equals the local engine bit for bit."""
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -89,3 +92,43 @@ def test_a_never_flushed_stream_keeps_a_bounded_number_of_sends_alive(tmp_path):
     for most, steps in run_world(2, "test_runtime_distributed", "long_async_stream", tmp_path):
         assert steps == list(range(1, 201))
         assert most <= SEND_WINDOW, most
+
+
+class HeldSGD(torch.optim.SGD):
+    """SGD whose step waits until a file exists (another rank says it got its step's result)."""
+
+    def __init__(self, params, signal):
+        super().__init__(params, lr=0.1, momentum=0.9)  # as runtime_models.sgd
+        self.signal = signal
+
+    def step(self, closure=None):
+        for _ in range(600):  # 30 s at most: a rank waiting for this one's report would never write it
+            if self.signal.exists():
+                break
+            time.sleep(0.05)
+        else:
+            raise TimeoutError("the first rank never finished its step while this rank's update was held")
+        return super().step(closure)
+
+
+def report_before_update(rank, world, signal_dir):
+    signal = Path(signal_dir) / "rank0-has-its-result"
+    optimizer = (lambda params: HeldSGD(params, signal)) if rank == 1 else sgd
+    x, y = data("mlp", 8)
+    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=optimizer, partitioner="uniform",
+                          profile=False, engine="distributed", timeout=60)
+    loss = pipe.step(x, y)
+    if rank == 0:
+        signal.touch()  # only now may the last rank apply its update
+    return loss
+
+
+def test_a_sync_step_exchanges_its_report_while_the_updates_run(tmp_path):
+    # The last rank's optimizer step is held until rank 0 has returned from its step with the global loss:
+    # that is possible only if the step report travels before the updates (it did after them, and
+    # the first rank waited for the slowest rank's optimizer).
+    losses = run_world(2, "test_runtime_distributed", "report_before_update", tmp_path / "out", str(tmp_path))
+    x, y = data("mlp", 8)
+    reference = pipetrain.wrap(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=sgd, partitioner="uniform",
+                               profile=False, engine="local")
+    assert losses[0] == losses[1] == reference.step(x, y)

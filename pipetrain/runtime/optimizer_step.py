@@ -98,6 +98,9 @@ class OptimizerStep:
         self.first_update = 1  # the pipeline's update number of mini-batch 0 of the current call (messages)
         self.stream = False
         self.applied = False  # whether this call changed weights or optimizer state (a step past undoing)
+        # Called with (t, skip) once every device agreed, before the update is applied: a sync step under
+        # torchrun posts its step report there, so the ranks exchange it while the optimizers run.
+        self.before_apply: Callable[[int, bool], None] | None = None
 
     def __call__(self, t: int, losses: list[torch.Tensor]) -> Generator[str, None, bool]:
         """STEP t, given the losses of mini-batch t's micro-batches computed on this device (if any)."""
@@ -122,6 +125,8 @@ class OptimizerStep:
             # (gradients dropped, loss scale unchanged), as for any step that raises.
             raise NonFiniteError(self._message(t, first))
         skip = overflow or bad
+        if self.before_apply is not None:
+            self.before_apply(t, skip)
         if self.scaler is not None:
             self.scaler.update(overflow)
         self._apply(skip)
