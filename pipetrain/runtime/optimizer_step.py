@@ -98,8 +98,8 @@ class OptimizerStep:
         self.first_update = 1  # the pipeline's update number of mini-batch 0 of the current call (messages)
         self.stream = False
         self.applied = False  # whether this call changed weights or optimizer state (a step past undoing)
-        # Called with (t, skip) once every device agreed, before the update is applied: a sync step under
-        # torchrun posts its step report there, so the ranks exchange it while the optimizers run.
+        # Called with (t, skip) once every device agreed, before the update is applied: a sync step takes its
+        # report there (under torchrun the ranks then exchange it while the optimizers run).
         self.before_apply: Callable[[int, bool], None] | None = None
 
     def __call__(self, t: int, losses: list[torch.Tensor]) -> Generator[str, None, bool]:
