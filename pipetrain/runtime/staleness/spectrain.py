@@ -45,6 +45,7 @@ class SpecTrainPolicy(StalenessPolicy):
         self.scratch = ({n: torch.empty_like(p).requires_grad_() for n, p in self.params} if self.predicts
                         else {n: p.data.requires_grad_() for n, p in self.params})
         self._outs = list(self.scratch.values())
+        self._holds: tuple[int, float] | None = None  # (updates, distance) of the prediction in the scratch copy
         # Forward predictions kept for recomputation, keyed by (updates, distance).
         self.kept: VersionStore[list[torch.Tensor]] = VersionStore()
 
@@ -53,9 +54,16 @@ class SpecTrainPolicy(StalenessPolicy):
 
     def _forward_weights(self, micro_batch: int) -> WeightSet:
         if self.predicts:
-            steps = self.distance(micro_batch)
-            self._update_size.write(self._outs, lambda group: steps)
+            self._predict(self.distance(micro_batch))
         return self.scratch
+
+    def _predict(self, steps: float) -> None:
+        """Write W - steps * lr * v into the scratch copy, unless it holds that very prediction already: the
+        backward of a micro-batch whose forward predicted as far with no update since (the last stage, where
+        the forward's and the backward's distances are both the offset) needs no second write."""
+        if self._holds != (self.updates, steps):
+            self._update_size.write(self._outs, lambda group: steps)
+            self._holds = (self.updates, steps)
 
     def keep_for_recompute(self, micro_batch: int) -> None:
         if not self.predicts:  # no prediction: the forward ran on the weights in force, as vanilla's does
@@ -67,14 +75,16 @@ class SpecTrainPolicy(StalenessPolicy):
         """The scratch copy holding the forward's prediction again (``_before_backward`` then writes the
         backward's prediction into it, so the backward sees what it would have without recomputation)."""
         if micro_batch in self.kept.key_of:
+            kept_as = self.kept.key_of[micro_batch]  # (updates, distance) at the forward
             copies = self.kept.release(micro_batch)
             with torch.no_grad():
                 torch._foreach_copy_([o.data for o in self._outs], copies)
+            self._holds = kept_as
         return self.scratch
 
     def _before_backward(self, micro_batch: int) -> None:
         if self.predicts:
-            self._update_size.write(self._outs, lambda group: self.s_bwd)
+            self._predict(self.s_bwd)
 
     def after_backward(self, micro_batch: int, last: bool) -> None:
         if last:  # the scratch copy summed every micro-batch's gradient meanwhile
@@ -82,6 +92,14 @@ class SpecTrainPolicy(StalenessPolicy):
 
     def versions_held(self) -> int:
         return (1 + len(self.kept)) if self.predicts else 0
+
+    def receive_updates(self, updates: list[torch.Tensor]) -> None:
+        super().receive_updates(updates)
+        self._holds = None  # another v: the scratch copy's prediction is not the one its key says
+
+    def start_stream(self) -> None:
+        super().start_stream()
+        self._holds = None  # weights or optimizer state may have been loaded since
 
     def end_stream(self) -> None:
         super().end_stream()
