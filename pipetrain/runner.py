@@ -56,16 +56,9 @@ class Runner:
         self._start(stream=False)
         for rt in p.stages.values():
             rt.begin_step()
-        # The report is taken once every device agreed to step, before any update: under torchrun it is then
-        # exchanged while the optimizers run and is there when this rank's update is, instead of after the
-        # slowest rank's update. Both engines take it at that point, so they report the same numbers.
-        posted: list[tuple] = []
-
-        def take_report(t: int, skip: bool) -> None:
-            if not posted:  # in one process, the first device past the agreement reports for all
-                posted.append(self._report(feed, executors, t, time.perf_counter() - start, skip))
+        report = _SyncReport(self, feed, executors, start)
         for stepper in p.steppers.values():
-            stepper.before_apply = take_report
+            stepper.report = report
         try:
             with interrupts_after_commit(self._committed), self._abandoned_on_error():
                 for _ in drive({d: ex.run(p.schedules.posted(p.schedules.training.actions[d], self._ahead))
@@ -74,11 +67,10 @@ class Runner:
                 p.links.transport.flush()
                 for rt in p.stages.values():
                     rt.end_step()
-                report, pending = posted[0]  # every device runs a STEP: the first one past the agreement took it
-                return self._finish(report if pending is None else p.links.reporter.collect(*pending))
+                return self._finish(report.result)
         finally:
             for stepper in p.steppers.values():
-                stepper.before_apply = None
+                stepper.report = None
 
     def _connected(self) -> None:
         if self._reconnect:
@@ -135,14 +127,15 @@ class Runner:
             done = min(ex.steps_done for ex in executors.values())
             while reported < done:
                 now = time.perf_counter()
-                report, posted = self._report(feed, executors, reported, now - start)
+                report, loss_sum = self._report(feed, executors, reported, now - start)
+                report.skipped = [ex.skipped.pop(reported) for ex in executors.values()][0]  # agreed: any device
                 start = now
                 feed.release(reported)
                 reported += 1
-                if posted is None:
+                if not p.engine.distributed:
                     yield self._finish(report)
                     continue
-                pending.append(posted)
+                pending.append(p.links.reporter.post(report, loss_sum))
                 while pending and pending[0][1].is_completed():
                     yield self._finish(p.links.reporter.collect(*pending.pop(0)))
         for stepper in p.steppers.values():
@@ -197,22 +190,17 @@ class Runner:
         return executors
 
     def _report(self, feed: Feed, executors: dict[int, DeviceExecutor], t: int,
-                seconds: float, skipped: bool | None = None) -> tuple[StepResult, tuple | None]:
-        """Mini-batch ``t``'s result on this process, and its exchange with the other ranks (None locally).
-        ``skipped``: the agreed decision, when reported from inside the STEP (before the executor records it)."""
+                seconds: float) -> tuple[StepResult, float]:
+        """Mini-batch ``t``'s result on this process (complete when it runs every stage) and its loss
+        summed over samples (what the ranks sum)."""
         p = self.parts
         own = range(t * feed.micro_batches, (t + 1) * feed.micro_batches)
         loss_sum = _loss_sum([ex.losses for ex in executors.values()], own, feed)
         busy = {v: s for ex in executors.values() for v, s in ex.take_busy().items()}
         reports = {v: rt.report(own) for v, rt in p.stages.items()}
         result = p.links.reporter.local(loss_sum, feed.mini_batch_size(t), seconds, reports, busy)
-        if skipped is None:
-            skipped = [ex.skipped.pop(t) for ex in executors.values()][0]  # agreed: any device can say
-        result.skipped = skipped
         result.stop_requested = self.stop_requested
-        if not p.engine.distributed:
-            return result, None
-        return result, p.links.reporter.post(result, loss_sum)
+        return result, loss_sum
 
     def _finish(self, result: StepResult) -> StepResult:
         self.updates += 1
@@ -227,6 +215,31 @@ class Runner:
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
+
+
+class _SyncReport:
+    """A sync step's report (OptimizerStep.report). Under torchrun each process takes its part at its
+    STEP, where its only device finished the mini-batch, and the sum over ranks rides in the
+    skip-or-step agreement's exchange; in one process the first device past the agreement takes it
+    for all (every device finished by then)."""
+
+    def __init__(self, runner: Runner, feed: Feed, executors: dict[int, DeviceExecutor], start: float):
+        self.runner, self.feed, self.executors, self.start = runner, feed, executors, start
+        self.result: StepResult | None = None
+
+    def vector(self, t: int) -> torch.Tensor | None:
+        parts = self.runner.parts
+        if not parts.engine.distributed:
+            return None
+        self.result, loss_sum = self.runner._report(self.feed, self.executors, t, time.perf_counter() - self.start)
+        return parts.links.reporter.vector(self.result, loss_sum)
+
+    def agreed(self, t: int, skip: bool, total: list[float] | None) -> None:
+        if total is not None:
+            self.result = self.runner.parts.links.reporter.read(self.result, total)
+        elif self.result is None:
+            self.result, _ = self.runner._report(self.feed, self.executors, t, time.perf_counter() - self.start)
+        self.result.skipped = skip
 
 
 def _loss_sum(losses: list[dict[int, torch.Tensor]], micro_batches: range, feed: Feed) -> float:

@@ -197,6 +197,7 @@ def checks_on_rank(rank, world):
         "compress_fp16_hierarchical": lambda: _check_compressed(rank, torch.float16, "hierarchical", hierarchy=world_h),
         "missing_grad_contributes_zeros": lambda: _check_missing_grad(rank),
         "report_sums_in_flight": lambda: _check_report_sums(rank, report_groups),
+        "report_with_maximised_part": lambda: _check_maximised_part(rank, report_groups),
     }
     return run_checks(checks)
 
@@ -216,6 +217,17 @@ def _check_report_sums(rank, groups):
         assert torch.equal(total, expected), (step, total, expected)
 
 
+def _check_maximised_part(rank, groups):
+    """A sync step's report carrying the skip-or-step flags: the last entries are the maximum over
+    ranks (the first rank that raised a flag wins: its code W - rank is the largest), the rest sums."""
+    codes = {0: [0.0, 0.0], 1: [0.0, WORLD - 1.0], 2: [WORLD - 2.0, WORLD - 2.0]}.get(rank, [0.0, 0.0])
+    mine = torch.tensor([rank + 0.5, 3.0 * rank] + codes, dtype=torch.float64)
+    total = SumExchange(mine, groups[0], groups[0], maximised=2).wait()
+    expected = torch.tensor([sum(r + 0.5 for r in range(WORLD)), sum(3.0 * r for r in range(WORLD)),
+                             WORLD - 2.0, WORLD - 1.0], dtype=torch.float64)
+    assert torch.equal(total, expected), (total, expected)
+
+
 def _check_hybrid(rank, hierarchy):
     reducer = _check_reduce_now(rank, "hybrid", hierarchy=hierarchy, choose_hierarchical=lambda n: n >= 90)
     kinds = {len(b.steps) for b in reducer.buckets}
@@ -227,7 +239,7 @@ CHECKS = [
     "fused_flat_w2_subgroups", "hierarchical_w2_subgroups", "overlap_flat_prepare", "overlap_hybrid_no_sync",
     "overlap_hierarchical", "overlap_per_tensor", "double_final_backward_raises", "uneven_weights_reduce_now",
     "uneven_weights_overlap_hierarchical", "compress_bf16_flat", "compress_fp16_hierarchical",
-    "missing_grad_contributes_zeros", "report_sums_in_flight",
+    "missing_grad_contributes_zeros", "report_sums_in_flight", "report_with_maximised_part",
 ]
 
 

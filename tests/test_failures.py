@@ -24,22 +24,25 @@ def _hang(out):
 
 def _outside_the_step(rank, out, mode, world, victim):
     """wrap() with a victim that hangs before it reaches wrap ("hang-before-wrap") or, as rank 0, while it
-    partitions the model, so the others wait in the plan broadcast ("hang-in-plan"); or a step whose
-    victim hangs after its compute, before the end-of-step report ("hang-at-report")."""
+    partitions the model, so the others wait in the plan broadcast ("hang-in-plan"); or a one-mini-batch
+    async-1f1b stream whose victim hangs after its compute, before the end-of-step report ("hang-at-report")."""
     if mode == "hang-before-wrap" and rank == victim:
         _hang(out)
     if mode == "hang-in-plan" and rank == victim:
         partition = partitioners.partition
         partitioners.partition = lambda *args, **kw: (_hang(out), partition(*args, **kw))[1]
     x, y = data("mlp", 8)
+    # A sync step's report rides in the skip-or-step agreement (that wait is hang-at-step's); an async-1f1b
+    # stream sends each mini-batch's report on its own, after the mini-batch's STEP.
     pipe = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd, partitioner="uniform",
-                          profile=False, engine="distributed", timeout=TIMEOUT)
+                          profile=False, engine="distributed", timeout=TIMEOUT,
+                          **({"schedule": "async-1f1b", "staleness": "vanilla"} if mode == "hang-at-report" else {}))
     if mode == "hang-at-report":
         if rank == victim:
             reporter = pipe._parts.links.reporter
             post = reporter.post
             reporter.post = lambda *args: (_hang(out), post(*args))[1]
-        pipe.step(x, y)
+        list(pipe.train([(x, y)]))
 
 
 def _rank(rank, port, out, mode, world, victim):

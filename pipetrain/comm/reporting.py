@@ -1,6 +1,7 @@
 """Turning per-stage counters into a StepResult; across ranks, summing them without stalling.
 
-The distributed engine sums every rank's numbers once per step (`SumExchange`). For
+The distributed engine sums every rank's numbers once per step (`SumExchange`). A sync step's
+report rides in the skip-or-step agreement's exchange (one collective per step); for
 async-1f1b the sum is started without waiting (``async_op``), so the last stage never waits
 for the first one to finish a mini-batch before it can report.
 """
@@ -17,22 +18,29 @@ from pipetrain.runtime.metrics import COMM_KINDS, CommCounter, StageReport, Step
 
 
 class SumExchange:
-    """One sum over the ranks of a group of a small float64 vector, every rank getting the same bits.
+    """One sum over the ranks of a group of a small float64 vector, every rank getting the same bits;
+    its last ``maximised`` entries are maximised instead (the skip-or-step flags of a sync step ride
+    in the step report's exchange that way, pipetrain.comm.skip_agreement).
 
-    NCCL (and other backends): one all_reduce. gloo: a gather to the group's first rank, which
-    adds the parts in rank order and broadcasts the total on a second group. gloo's all_reduce
-    is a ring of 2 (W - 1) dependent messages even for a few hundred bytes, each waking a
-    process, where gather + broadcast is 2 hops: several times faster when processes share
-    cores (README, "Cost-model calibration"). The broadcast has its own group so a root that
-    is still summing step N never interleaves its broadcast with step N + 1's gather.
+    NCCL (and other backends): one all_reduce (two with a maximised part, posted back to back). gloo:
+    a gather to the group's first rank, which adds the parts in rank order and broadcasts the total
+    on ``broadcast_group``. gloo's all_reduce is a ring of 2 (W - 1) dependent messages even for a
+    few hundred bytes, each waking a process, where gather + broadcast is 2 hops: several times
+    faster when processes share cores (README, "Cost-model calibration"). Exchanges left in flight
+    (async-1f1b reports) need a broadcast group of their own, so a root that is still summing step
+    N never interleaves its broadcast with step N + 1's gather; one waited on at once can share it.
     """
 
-    def __init__(self, mine: torch.Tensor, group: Any, broadcast_group: Any):
+    def __init__(self, mine: torch.Tensor, group: Any, broadcast_group: Any, maximised: int = 0):
         self.total = mine
+        self.maximised = maximised
         self.broadcast: Any = None
         self.rooted = dist.get_backend(group) == "gloo"
         if not self.rooted:
-            self.gathered = dist.all_reduce(mine, group=group, async_op=True)
+            summed = mine[:mine.numel() - maximised]
+            self.gathered = _Works([dist.all_reduce(summed, group=group, async_op=True)] + (
+                [dist.all_reduce(mine[-maximised:], op=dist.ReduceOp.MAX, group=group, async_op=True)]
+                if maximised else []))
             return
         self.broadcast_group = broadcast_group
         self.root = dist.get_global_rank(group, 0)
@@ -44,7 +52,10 @@ class SumExchange:
             self.broadcast = dist.broadcast(self.total, src=self.root, group=broadcast_group, async_op=True)
 
     def _send_total(self) -> None:
-        self.total = torch.stack(self.parts).sum(0)
+        parts = torch.stack(self.parts)
+        self.total = parts.sum(0)
+        if self.maximised:
+            self.total[-self.maximised:] = parts[:, -self.maximised:].amax(0)
         self.broadcast = dist.broadcast(self.total, src=self.root, group=self.broadcast_group, async_op=True)
 
     def is_completed(self) -> bool:
@@ -63,6 +74,20 @@ class SumExchange:
                 self._send_total()
             self.broadcast.wait()
         return self.total
+
+
+class _Works:
+    """Works posted back to back, waited on as one."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 class Reporter:
@@ -97,8 +122,9 @@ class Reporter:
         self._comm = self.counter.snapshot()
         return result
 
-    def post(self, result: StepResult, loss_sum: float) -> tuple[StepResult, SumExchange]:
-        """Start summing over ranks: the loss sums and sample counts of last stages, per-stage numbers."""
+    def vector(self, result: StepResult, loss_sum: float) -> torch.Tensor:
+        """What this rank adds to the sum over ranks: the loss sums and sample counts of last stages,
+        per-stage numbers, and whether it was asked to stop."""
         V = self.num_stages
         per_stage = [getattr(result, f.name) for f in self._fields] + [result.comm_bytes[k] for k in COMM_KINDS]
         # The last entry: this rank was asked to stop (summed: any rank was), so every rank learns it
@@ -118,13 +144,22 @@ class Reporter:
         if on_device:  # device-side copies, not host reads
             index = torch.tensor([i for i, _ in on_device], device=mine.device)
             mine[index] = torch.stack([value.to(mine.device, mine.dtype) for _, value in on_device])
-        return result, SumExchange(mine, *self.groups)
+        return mine
+
+    def post(self, result: StepResult, loss_sum: float) -> tuple[StepResult, SumExchange]:
+        """Start summing ``vector`` over ranks without waiting (async-1f1b: one per mini-batch)."""
+        return result, SumExchange(self.vector(result, loss_sum), *self.groups)
 
     def collect(self, result: StepResult, exchange: SumExchange) -> StepResult:
-        """Finish ``post``: the global mean loss; per-stage numbers averaged over replicas (bytes summed)."""
+        """Finish ``post``."""
         with peers_answer("the end-of-step report (loss and metrics summed over every rank)"):
             total = exchange.wait().tolist()
         host_sync.note("step report")
+        return self.read(result, total)
+
+    def read(self, result: StepResult, total: list[float]) -> StepResult:
+        """``result`` from the sum of every rank's ``vector``: the global mean loss; per-stage numbers
+        averaged over replicas (bytes summed)."""
         V, D = self.num_stages, self.replicas
         result.loss = total[0] / total[1]
         result.samples = int(total[1])

@@ -5,21 +5,23 @@ the agreement returns, per flag, the first device that raised it anywhere. Maxim
 ``participants - index`` over the flagged devices gives both whether and where in one number per flag.
 
 In one process the devices of the local engine wait for each other inside the executor loop;
-across processes it is one all-reduce (MAX) over every rank, the only collective of the decision
-(the fp16 loss scaler's overflow flag travels in it too).
+across processes it is one collective over every rank, the only one of the decision (the fp16
+loss scaler's overflow flag travels in it too): an all-reduce (MAX), or, in a sync step, the step
+report's sum with the flags as a maximised part (pipetrain.comm.reporting.SumExchange).
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Iterator
+from collections.abc import Callable, Generator
 
 import torch
 import torch.distributed as dist
 
 from pipetrain.comm import recording
 from pipetrain.comm.peers import peers_answer
+from pipetrain.comm.reporting import SumExchange
 from pipetrain.runtime import host_sync
+from pipetrain.runtime.optimizer_step import Agreed
 from pipetrain.runtime.progress import BLOCKED
 
 
@@ -38,8 +40,10 @@ class LocalOverflowAgreement:
         self.codes: dict[int, list[float]] = {}
         self.read: dict[int, int] = {}
 
-    def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
-        """This device's flags for mini-batch t; waits (BLOCKED) for every device, returns the first reporters."""
+    def agree(self, t: int, position: int, flags: torch.Tensor,
+              report: torch.Tensor | None = None) -> Generator[str, None, Agreed]:
+        """This device's flags for mini-batch t; waits (BLOCKED) for every device, returns the first reporters.
+        No ``report``: one process has nothing to sum over ranks."""
         self.flags.setdefault(t, []).append(flags.detach() * (self.devices - position))
         while len(self.flags[t]) < self.devices:
             yield BLOCKED
@@ -51,7 +55,7 @@ class LocalOverflowAgreement:
         self.read[t] = self.read.get(t, 0) + 1
         if self.read[t] == self.devices:
             self.forget(t)
-        return _first(code, self.devices)
+        return Agreed(_first(code, self.devices))
 
     def where(self, index: int) -> str:
         return self.describe(index)
@@ -85,16 +89,26 @@ class DistributedOverflowAgreement:
         self.describe = describe
         self.recorder = recording.active()  # None unless a test records what is posted
 
-    def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]:
-        """This rank's flags for mini-batch t, maximised over every rank; returns the first reporters."""
+    def agree(self, t: int, position: int, flags: torch.Tensor,
+              report: torch.Tensor | None = None) -> Generator[str, None, Agreed]:
+        """This rank's flags for mini-batch t, maximised over every rank; returns the first reporters and
+        ``report`` summed over every rank in the same exchange."""
         code = flags.detach().to(self.device, torch.float32) * (self.size - self.rank)
         if self.recorder is not None:
             self.recorder.collective("agreement", list(range(self.size)), self.rank)
-        with self._peers_answer(t):
-            dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
         yield from ()
-        host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
-        return _first(code.tolist(), self.size)
+        if report is None:
+            with self._peers_answer(t):
+                dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
+            host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
+            return Agreed(_first(code.tolist(), self.size))
+        k = code.numel()
+        # Waited on at once, so the broadcast can share the group (nothing else is in flight on it).
+        exchange = SumExchange(torch.cat([report, code.to(report.dtype)]), self.group, self.group, maximised=k)
+        with self._peers_answer(t):
+            total = exchange.wait().tolist()
+        host_sync.note("skip-or-step decision and step report")  # one host read for both
+        return Agreed(_first(total[-k:], self.size), total[:-k])
 
     def post(self, t: int, position: int, flags: torch.Tensor) -> Callable[[], list[int | None]]:
         """The same all-reduce, started without waiting; the returned call waits and decodes it."""

@@ -14,6 +14,7 @@ replica. A step is skipped everywhere or nowhere, so stages and replicas never d
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 import torch
@@ -35,16 +36,28 @@ class TiedSync(Protocol):
         """Drop what was deposited for a step that raised."""
 
 
+@dataclass
+class Agreed:
+    """The skip-or-step decision: per flag, the first device that raised it anywhere (None: no device
+    did), and the sum over ranks of the report that rode in the agreement's exchange (None without one)."""
+
+    first: list[int | None]
+    report: list[float] | None = None
+
+
 class OverflowAgreement(Protocol):
     """Makes every device take the same skip-or-step decision (pipetrain.comm.skip_agreement).
 
     ``agree`` takes this device's flags (a float tensor, 1 where found: [non-finite gradients,
     non-finite losses]) and returns, per flag, the index of the first device (``where`` describes
-    it) that raised it anywhere, or None where no device did. ``abandon`` drops what is kept for a
-    step that raised before every device read the decision.
+    it) that raised it anywhere, or None where no device did; a ``report`` (a float64 vector, across
+    processes only) is summed over every rank in the same exchange, so a sync step waits for one
+    collective, not two. ``abandon`` drops what is kept for a step that raised before every device
+    read the decision.
     """
 
-    def agree(self, t: int, position: int, flags: torch.Tensor) -> Iterator[str]: ...
+    def agree(self, t: int, position: int, flags: torch.Tensor,
+              report: torch.Tensor | None = None) -> Generator[str, None, Agreed]: ...
 
     def where(self, index: int) -> str: ...
 
@@ -62,6 +75,17 @@ class Shards(Protocol):
     def owns(self, param: torch.Tensor) -> bool: ...
 
     def gather(self) -> None: ...
+
+
+class StepReport(Protocol):
+    """A sync step's report, taken at STEP (pipetrain.runner)."""
+
+    def vector(self, t: int) -> torch.Tensor | None:
+        """Before the agreement: what this process reports, to be summed over ranks in the agreement's
+        exchange (None in one process, whose devices report once all of them agreed)."""
+
+    def agreed(self, t: int, skip: bool, total: list[float] | None) -> None:
+        """Once every device agreed, before the update: the sum of ``vector`` over ranks (None: none)."""
 
 
 class OptimizerStep:
@@ -98,9 +122,9 @@ class OptimizerStep:
         self.first_update = 1  # the pipeline's update number of mini-batch 0 of the current call (messages)
         self.stream = False
         self.applied = False  # whether this call changed weights or optimizer state (a step past undoing)
-        # Called with (t, skip) once every device agreed, before the update is applied: a sync step takes its
-        # report there (under torchrun the ranks then exchange it while the optimizers run).
-        self.before_apply: Callable[[int, bool], None] | None = None
+        # A sync step's report: under torchrun it rides in the agreement's exchange, so the step waits for one
+        # collective (not an agreement, then a report after it); in one process it is taken once all agreed.
+        self.report: StepReport | None = None
 
     def __call__(self, t: int, losses: list[torch.Tensor]) -> Generator[str, None, bool]:
         """STEP t, given the losses of mini-batch t's micro-batches computed on this device (if any)."""
@@ -117,7 +141,9 @@ class OptimizerStep:
             result = self.agreement.post(t, self.position, flags)
             if result is not None:
                 return self._step_then_agree(t, flags, result)
-        first = yield from self.agreement.agree(t, self.position, flags)
+        vector = self.report.vector(t) if self.report is not None else None
+        agreed = yield from self.agreement.agree(t, self.position, flags, vector)
+        first = agreed.first
         overflow = self.scaler is not None and first[GRADS] is not None
         bad = first[LOSSES] is not None or (self.scaler is None and first[GRADS] is not None)
         if bad and self.nonfinite == "raise":
@@ -125,8 +151,8 @@ class OptimizerStep:
             # (gradients dropped, loss scale unchanged), as for any step that raises.
             raise NonFiniteError(self._message(t, first))
         skip = overflow or bad
-        if self.before_apply is not None:
-            self.before_apply(t, skip)
+        if self.report is not None:
+            self.report.agreed(t, skip, agreed.report)
         if self.scaler is not None:
             self.scaler.update(overflow)
         self._apply(skip)

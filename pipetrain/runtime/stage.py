@@ -277,7 +277,7 @@ class StageRuntime:
         self._buffers_before = []
 
     def _weights(self) -> list[nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+        return [p for p in self.params if p.requires_grad]  # per B and W: not a walk of every submodule
 
     def _splits(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
         # The graph has the same shape for every micro-batch, so one check serves them all.
