@@ -123,7 +123,7 @@ def report_before_update(rank, world, signal_dir):
     return loss
 
 
-def test_a_sync_step_exchanges_its_report_while_the_updates_run(tmp_path):
+def test_a_sync_step_has_its_report_before_the_updates_run(tmp_path):
     # The last rank's optimizer step is held until rank 0 has returned from its step with the global loss:
     # that is possible only if the step report travels before the updates (it did after them, and
     # the first rank waited for the slowest rank's optimizer).
@@ -132,3 +132,37 @@ def test_a_sync_step_exchanges_its_report_while_the_updates_run(tmp_path):
     reference = pipetrain.wrap(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=sgd, partitioner="uniform",
                                profile=False, engine="local")
     assert losses[0] == losses[1] == reference.step(x, y)
+
+
+COLLECTIVES = ("all_reduce", "gather", "broadcast", "all_gather", "reduce", "reduce_scatter", "all_to_all", "barrier")
+
+
+def collectives_per_step(rank, world):
+    """The collectives this rank calls in each of three sync steps (after a first step, which agrees
+    the boundary shapes)."""
+    bs = batches("mlp", size=8, last=8)
+    pipe = pipetrain.wrap(make("mlp"), bs[0][0][:2], stages=world, micro_batches=4, optimizer=sgd,
+                          partitioner="uniform", profile=False, engine="distributed")
+    pipe.step(*bs[0])
+    calls = []
+    originals = {name: getattr(torch.distributed, name) for name in COLLECTIVES}
+    for name, original in originals.items():
+        setattr(torch.distributed, name, lambda *a, _n=name, _f=original, **k: (calls.append(_n), _f(*a, **k))[1])
+    try:
+        per_step = []
+        for x, y in bs:
+            calls.clear()
+            pipe.step(x, y)
+            per_step.append(sorted(calls))
+    finally:
+        for name, original in originals.items():
+            setattr(torch.distributed, name, original)
+    return per_step
+
+
+def test_a_sync_step_takes_one_collective_for_its_decision_and_report(tmp_path):
+    # The skip-or-step flags ride in the step report's sum: on gloo one gather to rank 0 and one broadcast
+    # back per step (an all-reduce of the flags, then a gather and a broadcast of the report, before).
+    per_rank = run_world(3, "test_runtime_distributed", "collectives_per_step", tmp_path)
+    for rank, per_step in enumerate(per_rank):
+        assert per_step == [["broadcast", "gather"]] * 3, (rank, per_step)
