@@ -126,3 +126,7 @@ def test_runtime_benchmark_on_vgg_prices_async_against_the_bubble_of_its_stream_
     assert bound == pytest.approx(2 * wall / (2 * (wall - w) + w), abs=2e-3 + 0.1 / wall), out
     assert re.search(r"^  pipetrain async-1f1b vanilla / pipetrain 1f1b\s+[\d.]+x .*-?\d+% of the equal-stage gain, "
                      r"\s*-?\d+% of the busiest rank's wait$", out, re.M), out
+    corun = re.search(r"costs ([\d.]+) ms of CPU with the other rank idle, ([\d.]+) ms while it runs the same \(([\d.]+)x", out)
+    assert corun is not None, out
+    alone, together, ratio = map(float, corun.groups())
+    assert alone > 0 and ratio == pytest.approx(together / alone, abs=1e-3 + 0.01 / alone), out

@@ -21,8 +21,11 @@ each pair's first step from identical weights on one mini-batch must report the 
 Also timed, against pipetrain 1f1b: the same with receive_ahead=False (each receive posted right before
 the computation that needs it instead of one computation early), async-1f1b with every staleness policy (`pipe.train` over a stream of
 the round's mini-batches, its fill and drain counted once per round: the ratio it can reach and the
-share of that gain it delivers are printed for that stream length), and the unsplit model in one
-process (rank 1 idles).
+share of that gain it delivers are printed for that stream length, beside the bound the measured split
+allows: removing the wait of sync 1f1b's busiest rank), and the unsplit model in one process (rank 1 idles).
+
+Last, the CPU of one forward and backward of the unsplit model with the other rank idle and with both
+computing at once: what co-running computations alone cost each other on this machine.
 
 Variants take turns (`--rounds` rounds of steps/rounds mini-batches each) so load from other processes
 drifts over all of them alike; each round starts and ends at a barrier and rank 0 times it. Ratios are
@@ -192,6 +195,7 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
             dist.barrier()
             seconds[name].append(time.perf_counter() - t0)
     dist.all_reduce(cpu)
+    alone, together = co_running(model, batches[0], rank, per_round, args.rounds)
     if rank == 0:
         print(f"VGG-11 width {args.width} on 32x32, batch {b} in {m} micro-batches, 2-stage split before "
               f"{args.split!r}; gloo on 127.0.0.1, 1 thread per process; {args.rounds} rounds x {per_round} "
@@ -199,7 +203,41 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
         print("first-step loss, pipetrain = torch (same weights, same batch): "
               + ", ".join(f"{s} {loss:.6f}" for s, loss in losses.items()))
         report(seconds, cpu / (args.rounds * per_round), actions, per_round, b, args)
+        print(f"  co-running: a forward and backward of the unsplit model on one micro-batch costs {alone * 1e3:.2f} ms "
+              f"of CPU with the other rank idle, {together * 1e3:.2f} ms while it runs the same "
+              f"({together / alone:.3f}x; medians over {args.rounds} rounds, each rank's mean)")
     dist.destroy_process_group()
+
+
+def co_running(model: torch.nn.Module, batch: tuple, rank: int, iterations: int, rounds: int) -> tuple[float, float]:
+    """CPU seconds of one forward and backward of ``model`` on a micro-batch, each rank's mean: with the other
+    rank waiting at a barrier (each alone in turn) and with both computing at once, in alternating rounds.
+    What an async stream pays where it keeps both processes busy: on a machine whose cores share caches or
+    memory bandwidth, co-running computations slow each other down."""
+    x, y = batch[0][:8], batch[1][:8]  # the micro-batch size of the default run
+    replica = copy.deepcopy(model)
+
+    def cpu_per_pass() -> float:
+        c0 = time.thread_time()
+        for _ in range(iterations):
+            F.cross_entropy(replica(x), y).backward()
+        return (time.thread_time() - c0) / iterations
+
+    cpu_per_pass()  # warm-up
+    alone, together = [], []
+    for _ in range(rounds):
+        mine = 0.0
+        for turn in range(WORLD):  # each rank alone while the others wait
+            dist.barrier()
+            if turn == rank:
+                mine = cpu_per_pass()
+            dist.barrier()
+        alone.append(mine)
+        dist.barrier()
+        together.append(cpu_per_pass())
+    pair = torch.tensor([statistics.median(alone), statistics.median(together)], dtype=torch.float64)
+    dist.all_reduce(pair)
+    return float(pair[0]) / WORLD, float(pair[1]) / WORLD
 
 
 def report(seconds: dict[str, list[float]], cpu_per_step: torch.Tensor, actions: dict[str, int],
