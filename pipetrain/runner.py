@@ -228,18 +228,21 @@ class _SyncReport:
         self.result: StepResult | None = None
 
     def vector(self, t: int) -> torch.Tensor | None:
-        parts = self.runner.parts
-        if not parts.engine.distributed:
+        if not self.runner.parts.engine.distributed:
             return None
-        self.result, loss_sum = self.runner._report(self.feed, self.executors, t, time.perf_counter() - self.start)
-        return parts.links.reporter.vector(self.result, loss_sum)
+        return self.runner.parts.links.reporter.vector(*self._take(t))
 
     def agreed(self, t: int, skip: bool, total: list[float] | None) -> None:
         if total is not None:
             self.result = self.runner.parts.links.reporter.read(self.result, total)
         elif self.result is None:
-            self.result, _ = self.runner._report(self.feed, self.executors, t, time.perf_counter() - self.start)
+            self._take(t)
         self.result.skipped = skip
+
+    def _take(self, t: int) -> tuple[StepResult, float]:
+        """This process's result of mini-batch ``t`` and its loss sum."""
+        self.result, loss_sum = self.runner._report(self.feed, self.executors, t, time.perf_counter() - self.start)
+        return self.result, loss_sum
 
 
 def _loss_sum(losses: list[dict[int, torch.Tensor]], micro_batches: range, feed: Feed) -> float:
