@@ -28,10 +28,11 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
 
@@ -44,7 +45,7 @@ from pipetrain.runtime.staleness import StalenessPolicy
 if TYPE_CHECKING:
     from pipetrain.pretrained import PretrainedLayout
 
-FORMAT = 1
+FORMAT = 2  # 2: the manifest carries the sha256 of its own fields (1, without it, still loads)
 KEEP = 2  # complete checkpoints kept; older step directories are removed after a successful save
 STEP_NAME = re.compile(r"step-(\d+)")
 
@@ -63,15 +64,26 @@ class StageState:
     scaler: DynamicLossScaler | None  # the fp16 loss scaler of the stage's device
 
 
+Agree = Callable[[str, Any, Callable[[list], Any]], Any]
+
+
+def agree_alone(phase: str, value: Any, rule: Callable[[list], Any]) -> Any:
+    """One process: the decision is the rule applied to its own value."""
+    return rule([value])
+
+
 @dataclass
 class CheckpointRole:
-    """This process's part in a save: which files it writes and how it waits for the others."""
+    """This process's part in a save or load: which files it writes and how it agrees with the others."""
 
     writes_stages: bool    # replicas hold identical stages: only replica 0 writes them
     writes_manifest: bool  # one process publishes the step
     engine: str            # "local" | "distributed", recorded in the manifest
-    barrier: Callable[[], None]
+    # Every rank's value to a rule applied once, the decision returned on every rank (comm.consensus); a
+    # rank that never answers is a PeerFailure on every rank, naming it and the phase.
+    agree: Agree
     streaming: bool        # an async-1f1b stream is running: micro-batches are in flight
+    rank: int              # named in the error every rank raises when this one fails
     # ZeRO: each replica holds the optimizer state of the tensors it owns; this merges the replicas' shares
     # (by name) onto replica 0, collectively over the stage's replicas, so the file holds the whole state and
     # loads at any zero level or replica count. None without ZeRO.
@@ -125,11 +137,17 @@ def atomic_write_text(text: str, path: Path) -> None:
 def _write_durably(data: bytes | memoryview, path: Path) -> None:
     # fsync before the rename: otherwise a power cut can leave the new name pointing at an empty file.
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        tmp.unlink(missing_ok=True)  # a full disk keeps no half-written file
+        if isinstance(error, OSError) and error.filename is None:  # a failed write names no file: name it
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
 
 
 def fsync_dir(path: Path) -> None:
@@ -215,13 +233,26 @@ def refuse_older_step(root: Path, step: int) -> None:
 
 
 def publish(root: Path, step: int) -> None:
-    """Point ``latest`` at ``step`` and drop older checkpoints, keeping KEEP complete ones.
-
-    Never removes the step just published nor anything above it: retention must not delete what
-    ``latest`` names, and a newer directory is an interrupted save that a later one overwrites."""
+    """Point ``latest`` at ``step`` durably."""
     fsync_dir(root)  # the step directory's entry is on disk before ``latest`` names it
     atomic_write_text(step_dir(root, step).name, root / "latest")
     fsync_dir(root)  # the flip itself is durable before anything older is removed
+
+
+def unpublish(root: Path, previous: str | None) -> None:
+    """Point ``latest`` back at ``previous`` (a step directory's name; None: no ``latest``), after a publish
+    the other ranks did not agree to."""
+    if previous is None:
+        (root / "latest").unlink(missing_ok=True)
+    else:
+        atomic_write_text(previous, root / "latest")
+    fsync_dir(root)
+
+
+def prune(root: Path, step: int) -> None:
+    """Drop checkpoints older than ``step``, keeping KEEP complete ones. Never removes the step just published
+    nor anything above it: retention must not delete what ``latest`` names, and a newer directory is an
+    interrupted save that a later one overwrites."""
     older = sorted((s, p) for s, p in step_dirs(root).items() if s < step)
     keep = {s for s, p in older if _complete(p)}
     keep = set(sorted(keep)[len(keep) - (KEEP - 1):]) if KEEP > 1 else set()
@@ -237,14 +268,19 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: dict
     state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"]
              if p in optimizer.state}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"state": state, "groups": groups}
+    return {"state": state, "groups": groups, "class": optimizer_class(optimizer)}
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def merge_optimizer_shares(shares: list[dict]) -> dict:
     """One stage's optimizer state by name from the replicas' ZeRO shares (each holds the names it owns)."""
     state = {name: value for share in shares for name, value in share["state"].items()}
     groups = next((share["groups"] for share in shares if share["groups"]), [])
-    return {"state": state, "groups": groups}
+    classes = [share["class"] for share in shares if "class" in share]  # a replica owning nothing has none
+    return {"state": state, "groups": groups, **({"class": classes[0]} if classes else {})}
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer | None, by_name: dict[str, dict],
@@ -295,9 +331,25 @@ def read_manifest(path: Path) -> dict:
         raise CheckpointError(f"{file} is not a pipetrain manifest ({exc}): it is truncated, corrupted or not "
                               f"one. Nothing was loaded or changed. {_alternatives(path.parent, exclude=path)}"
                               ) from exc
-    if manifest["format"] != FORMAT:
-        raise CheckpointError(f"{path} is a checkpoint of format {manifest['format']}, this pipetrain reads {FORMAT}")
+    if manifest["format"] not in (1, FORMAT):
+        raise CheckpointError(f"{path} is a checkpoint of format {manifest['format']}, this pipetrain reads 1 and {FORMAT}")
+    edited = None
+    if manifest["format"] >= 2 and manifest.get("digest") != manifest_digest(manifest):
+        edited = "its fields do not match the sha256 it recorded of them"
+    elif STEP_NAME.fullmatch(path.name) and int(STEP_NAME.fullmatch(path.name).group(1)) != manifest["step"]:
+        edited = f"it says step {manifest['step']}, its directory {path.name}"
+    elif len(manifest["files"]) != manifest["stages"]:
+        edited = f"it says {manifest['stages']} stages but lists {len(manifest['files'])} stage files"
+    if edited:
+        raise CheckpointError(f"{file} was edited or corrupted ({edited}). Nothing was loaded or changed. "
+                              f"{_alternatives(path.parent, exclude=path)}")
     return manifest
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest's fields but its digest (keys sorted): any edit of them changes it."""
+    fields = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def read_stage_file(path: Path, v: int, manifest: dict) -> dict:
@@ -387,41 +439,105 @@ def _unwritten(state: dict[str, torch.Tensor], canonical: dict[str, str],
 
 
 def save_pipeline(pipe: PipelineView, path: str | os.PathLike) -> Path:
-    """Write ``pipe``'s checkpoint of its current step under ``path`` and publish it."""
+    """Write ``pipe``'s checkpoint of its current step under ``path`` and publish it, all or nothing.
+
+    Every rank writes its files, then all agree that every write worked before ``latest`` moves; then the
+    first rank writes the manifest and flips ``latest``, and all agree on that too (it flips ``latest`` back
+    if a rank gave up waiting meanwhile). A failure anywhere raises the same CheckpointError on every rank,
+    naming the rank, the file and the cause; the previous checkpoint stays the latest, and the pipeline
+    is untouched: the next step and a retried save work."""
     role = pipe.role
     if role.streaming:
         raise RuntimeError("save() was called while train() streams async-1f1b mini-batches; micro-batches "
                            "are in flight then. Save between train() calls (the pipeline drains when the "
                            "stream ends), e.g. train on an epoch, save, train on the next")
-    root = Path(path)
-    if root.exists():
-        refuse_older_step(root, pipe.updates)  # before any write, on every rank alike
-    target = step_dir(root, pipe.updates)
-    new_root = not root.exists()
-    target.mkdir(parents=True, exist_ok=True)
-    if new_root:
-        fsync_dir(root.parent)
+    root, step = Path(path), pipe.updates
+    target = step_dir(root, step)
     merged = {}
     if role.merge_optimizer is not None:  # every replica takes part, in stage order
         for v, stage in sorted(pipe.stages.items()):
             merged[v] = role.merge_optimizer(optimizer_state_by_name(stage.optimizer, _param_names(stage.module)))
-    if role.writes_stages:
+    what = f"save of step {step} under {root}"
+    previous = _latest_name(root)
+    kept = (f"Nothing was published: {root / 'latest'} still names {previous}." if previous else
+            f"Nothing was published ({root} has no earlier checkpoint).")
+    kept += " The pipeline is unchanged: fix the cause and save again, or keep training."
+    posted, own = _attempt(lambda: _write_stages(pipe, root, target, merged), role.rank)
+    written = role.agree(what, posted, _entries_or_failures)
+    if written["failures"]:
+        _raise_failed(what, written["failures"], own, role, kept)
+    posted, own = _attempt(lambda: _publish(pipe, root, target, written["entries"]), role.rank) \
+        if role.writes_manifest else (None, None)
+    try:
+        failures = role.agree(f"publishing step {step} under {root}", posted, _failures)
+    except BaseException:
+        if role.writes_manifest and own is None:
+            unpublish(root, previous)  # a rank gave up waiting: it takes this save for failed, so do all
+        raise
+    if failures:
+        _raise_failed(what, failures, own, role, kept)
+    if role.writes_manifest:
+        prune(root, step)
+    return target
+
+
+def _write_stages(pipe: PipelineView, root: Path, target: Path, merged: dict[int, dict]) -> dict[str, dict]:
+    """This process's stage files of the step (none but on replica 0); their manifest entries by file name."""
+    if root.exists():
+        refuse_older_step(root, pipe.updates)  # before any write, on every rank alike
+    new_root = not root.exists()
+    target.mkdir(parents=True, exist_ok=True)
+    if new_root:
+        fsync_dir(root.parent)
+    entries = {}
+    if pipe.role.writes_stages:
         for v, stage in pipe.stages.items():
             payload = _stage_payload(stage)
             if v in merged:
                 payload["optimizer"] = merged[v]
-            entry = {"file": atomic_save(payload, target / f"stage{v}.pt"), "keys": list(payload["module"])}
-            atomic_write_text(json.dumps(entry), target / f"stage{v}.entry")  # rank 0 puts it into the manifest
+            entries[f"stage{v}.pt"] = {"file": atomic_save(payload, target / f"stage{v}.pt"),
+                                       "keys": list(payload["module"])}
         fsync_dir(target)
-    role.barrier()
-    if role.writes_manifest:
-        entries = {f"stage{v}.pt": json.loads((target / f"stage{v}.entry").read_text())
-                   for v in range(pipe.plan.num_stages)}
-        atomic_write_text(json.dumps(_manifest(pipe, role, entries), indent=1), target / "manifest.json")
-        fsync_dir(target)
-        publish(root, pipe.updates)
-    role.barrier()
-    return target
+    return entries
+
+
+def _publish(pipe: PipelineView, root: Path, target: Path, entries: dict[str, dict]) -> None:
+    entries = {f"stage{v}.pt": entries[f"stage{v}.pt"] for v in range(pipe.plan.num_stages)}
+    atomic_write_text(json.dumps(_manifest(pipe, pipe.role, entries), indent=1), target / "manifest.json")
+    fsync_dir(target)
+    publish(root, pipe.updates)
+
+
+def _attempt(action: Callable[[], Any], rank: int) -> tuple[dict, Exception | None]:
+    """What this rank posts of ``action`` (its result, or its error as text) and the error itself."""
+    try:
+        return {"result": action(), "error": None}, None
+    except Exception as error:  # noqa: BLE001  (every rank learns of it and raises the same error)
+        return {"result": None, "error": f"{type(error).__name__}: {error}", "rank": rank}, error
+
+
+def _failures(outcomes: list[dict | None]) -> list[tuple[int, str]]:
+    return [(o["rank"], o["error"]) for o in outcomes if o is not None and o["error"] is not None]
+
+
+def _entries_or_failures(outcomes: list[dict]) -> dict:
+    entries = {name: e for o in outcomes if o["result"] for name, e in o["result"].items()}
+    return {"entries": entries, "failures": _failures(outcomes)}
+
+
+def _raise_failed(what: str, failures: list[tuple[int, str]], own: Exception | None, role: CheckpointRole,
+                  consequence: str) -> NoReturn:
+    """Raise the error every rank raises for a failed save or load; in one process the error itself."""
+    if role.engine == "local" and own is not None:
+        raise own
+    where = "\n".join(f"  rank {r}: {error}" for r, error in failures)
+    raise CheckpointError(f"{what} failed on {len(failures)} rank{'s' if len(failures) > 1 else ''}:\n{where}\n"
+                          f"{consequence}") from own
+
+
+def _latest_name(root: Path) -> str | None:
+    pointer = root / "latest"
+    return pointer.read_text().strip() if pointer.exists() else None
 
 
 def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
@@ -429,8 +545,30 @@ def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
     the step it was saved at.
 
     Only the stage files holding this process's names are opened (`files_to_read`), memory-mapped, and
-    only those names are copied in. Every file used is read and checked before anything in ``pipe``
-    changes, so a failed load leaves the pipeline as it was (and never writes to the checkpoint)."""
+    only those names are copied in. Every rank reads and checks all it will use, then the ranks agree that
+    every one can load the same checkpoint before any of them changes its state: a refusal anywhere is the
+    same error on every rank and leaves every pipeline as it was (a load never writes to the checkpoint)."""
+    role = pipe.role
+    what = f"load of {path}"
+    posted, own = _attempt(lambda: _check_load(pipe, path), role.rank)
+    found = role.agree(what, {**posted, "result": posted["result"] and posted["result"].agreed}, _one_checkpoint)
+    if found["failures"]:
+        _raise_failed(what, found["failures"], own, role,
+                      "No rank loaded anything: every pipeline is as it was before load().")
+    posted["result"].apply()
+    return posted["result"].step
+
+
+@dataclass
+class _CheckedLoad:
+    """A checkpoint read and checked for this process's stages, not yet applied."""
+
+    step: int
+    agreed: tuple[str, str]    # (step directory, manifest sha256): every rank must load the same one
+    apply: Callable[[], None]  # copies it into the stages
+
+
+def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
     source = checkpoint_dir(path)
     manifest = read_manifest(source)
     same_layout = manifest["plan_layout"] == _plan_layout(pipe)
@@ -441,6 +579,7 @@ def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
     module_state = {k: t for f in files.values() for k, t in f["module"].items() if k in needed}
     optimizer_state = {k: st for f in files.values() for k, st in f["optimizer"]["state"].items() if k in needed}
     groups = next((f["optimizer"]["groups"] for f in files.values() if f["optimizer"]["groups"]), [])
+    saved_class = next((f["optimizer"]["class"] for f in files.values() if "class" in f["optimizer"]), None)
     for v, stage in stages.items():
         own = stage.module.state_dict()
         problems = [k for k in own if k not in module_state or module_state[k].shape != own[k].shape]
@@ -451,18 +590,64 @@ def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
                 f"checkpoint {source} does not fit this model: {k} has shape {tuple(own[k].shape)} here but "
                 f"{found} in the checkpoint ({len(problems)} mismatching entries); load a checkpoint of the "
                 "same model")
-    for v, stage in stages.items():
-        own = stage.module.state_dict()
-        stage.module.load_state_dict({k: module_state[k] for k in own})
-        load_optimizer_state(stage.optimizer, optimizer_state, groups, _param_names(stage.module))
-        stage.policy.updates = files[v]["updates"] if same_layout else manifest["step"]
-    scaler_state = next(iter(files.values()))["scaler"]
-    for stage in stages.values():
-        if stage.scaler is not None and scaler_state:
-            stage.scaler.load_state_dict(scaler_state)
-    if same_layout and stages:
-        torch.set_rng_state(files[min(stages)]["rng"])
-    return manifest["step"]
+        _check_optimizer(stage.optimizer, saved_class, groups, source)
+
+    def apply() -> None:
+        for v, stage in stages.items():
+            own = stage.module.state_dict()
+            stage.module.load_state_dict({k: module_state[k] for k in own})
+            load_optimizer_state(stage.optimizer, optimizer_state, groups, _param_names(stage.module))
+            stage.policy.updates = files[v]["updates"] if same_layout else manifest["step"]
+        scaler_state = next(iter(files.values()))["scaler"]
+        for stage in stages.values():
+            if stage.scaler is not None and scaler_state:
+                stage.scaler.load_state_dict(scaler_state)
+        if same_layout and stages:
+            torch.set_rng_state(files[min(stages)]["rng"])
+
+    return _CheckedLoad(manifest["step"], (source.name, manifest_digest(manifest)), apply)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer | None, saved_class: str | None, groups: list[dict],
+                     source: Path) -> None:
+    """Refuse a checkpoint whose optimizer state this optimizer cannot take. Hyper-parameters follow the
+    checkpoint (an exact resume, as torch's Optimizer.load_state_dict): a factory's other value is named."""
+    if optimizer is None or not groups:
+        return
+    mine = optimizer_class(optimizer)
+    if saved_class is not None and saved_class != mine:
+        raise CheckpointError(
+            f"checkpoint {source} holds the state of a {saved_class} optimizer, but this pipeline's optimizer "
+            f"factory makes a {mine}: its state cannot be resumed by another optimizer class. Fix: resume with "
+            f"the optimizer the run used, or keep only the weights and start a fresh optimizer: "
+            f"pipetrain.wrap(..., weights={str(source)!r})")
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint {source} has {len(groups)} optimizer parameter groups, this pipeline's optimizer has "
+            f"{len(optimizer.param_groups)}: build the optimizer with the same groups as the run that saved it, "
+            f"or start from its weights only: pipetrain.wrap(..., weights={str(source)!r})")
+    changed = sorted({f"{k} {g[k]!r} -> {saved[k]!r}" for g, saved in zip(optimizer.param_groups, groups)
+                      for k in saved if k in g and k != "params" and _differs(g[k], saved[k])})
+    if changed:
+        warnings.warn(f"resuming from {source}: the checkpoint's optimizer hyper-parameters replace the factory's "
+                      f"({', '.join(changed)}), so the run goes on exactly as it was saved. To change one after "
+                      "resuming, set it in held_stages[v].optimizer.param_groups after load()", stacklevel=4)
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return a != b
+
+
+def _one_checkpoint(outcomes: list[dict]) -> dict:
+    """Every rank read the same checkpoint and can load it, or the reasons why not."""
+    failures = _failures(outcomes)
+    loaded = {o["result"] for o in outcomes if o["result"] is not None}
+    if not failures and len(loaded) > 1:
+        failures = [(r, f"would load {o['result'][0]} (manifest sha256 {o['result'][1][:12]}), not what every "
+                        "rank would (was `latest` flipped by another run meanwhile?)") for r, o in enumerate(outcomes)]
+    return {"failures": failures}
 
 
 def files_to_read(manifest: dict, stages: dict[int, StageState], needed: set[str], same_layout: bool) -> list[int]:
@@ -500,7 +685,7 @@ def _plan_layout(pipe: PipelineView) -> list:
 def _manifest(pipe: PipelineView, role: CheckpointRole, entries: dict[str, dict]) -> dict:
     o = pipe.options
     config = pipe.pretrained.config_json()
-    return {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages,
+    manifest = {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages,
             "files": {name: e["file"] for name, e in entries.items()},
             "keys": {name: e["keys"] for name, e in entries.items()},
             "canonical": pipe.pretrained.canonical, **({"hf_config": config} if config is not None else {}),
@@ -509,3 +694,5 @@ def _manifest(pipe: PipelineView, role: CheckpointRole, entries: dict[str, dict]
             "micro_batches": o.micro_batches, "precision": o.precision,
             "engine": role.engine,
             "versions": {"pipetrain": version("pipetrain"), "torch": torch.__version__}}
+    manifest["digest"] = manifest_digest(manifest)
+    return manifest

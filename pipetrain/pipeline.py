@@ -139,11 +139,11 @@ class Pipeline:
         world = parts.engine.world
         streaming = self._runner.in_stream
         if world is None:
-            role = ckpt.CheckpointRole(True, True, "local", lambda: None, streaming)
+            role = ckpt.CheckpointRole(True, True, "local", ckpt.agree_alone, streaming, 0)
         else:
             merge = _merge_over(world.data_parallel_group) if parts.options.zero else None
             role = ckpt.CheckpointRole(world.replica == 0, world.rank == 0, "distributed",
-                                       lambda: dist.barrier(group=world.checkpoint), streaming, merge)
+                                       parts.engine.consensus.decide, streaming, world.rank, merge)
         return ckpt.PipelineView(parts.plan, parts.options, self._runner.updates, stages, role, parts.pretrained)
 
     def close(self) -> None:

@@ -151,7 +151,7 @@ def test_a_rank_hung_before_a_collective_stops_the_others_within_the_timeout(tmp
 
 @pytest.mark.parametrize("mode, victim, waits_in", [
     ("hang-in-plan", 0, "the plan broadcast from rank 0"),
-    ("hang-before-wrap", 1, "setting up the pipeline's process groups"),
+    ("hang-before-wrap", 1, "wrap(): agreeing on what every rank trains"),
     ("hang-at-report", 1, "the end-of-step report"),
 ])
 def test_a_rank_hung_outside_the_step_stops_the_others_within_the_timeout(tmp_path, mode, victim, waits_in):

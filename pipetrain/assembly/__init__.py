@@ -15,6 +15,7 @@ from torch import nn
 
 import partitioners
 from partitioners import input_sizes
+from pipetrain.assembly.fingerprint import differences, fingerprint
 from pipetrain.assembly.schedule_book import ScheduleBook
 from pipetrain.assembly.stages import build_stages, build_steppers
 from pipetrain.comm.engine import Connections, Engine, select_engine
@@ -97,11 +98,13 @@ def model_io(model: nn.Module, example_inputs: Any, plan: partitioners.Plan) -> 
 def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, engine: Engine,
               book: ScheduleBook, precision: PrecisionPolicy) -> partitioners.Plan:
     """Capture and partition the model under the autocast its stages run in (the graph then does what the
-    model does in that precision, and costs count each value in its real dtype); under torchrun rank 0
-    decides and every rank follows its plan."""
+    model does in that precision, and costs count each value in its real dtype); under torchrun every rank
+    first agrees on what it traced and was asked (`fingerprint`), then rank 0 decides and every rank follows
+    its plan."""
     decides = engine.decides_plan
     graph = partitioners.trace_for_training(model, example_inputs, profile=options.profile and decides,
                                             autocast=precision.autocast_dtype)
+    engine.agree_on_setup(fingerprint(options, graph, example_inputs), differences)
     plan = None
     if decides:
         method = list(options.partitioner) if isinstance(options.partitioner, (list, tuple)) else options.partitioner

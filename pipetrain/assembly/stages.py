@@ -61,6 +61,8 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     compiling = compile_arguments(options.compile)
     modules = {v: tensors.materialise(plan.build_stage(v), engine.torch_device(topology.position_of(v)))
                for v in range(V) if topology.position_of(v) in held}
+    # Before any optimizer, policy or compiled graph sees the tensors: they start as replica 0's.
+    engine.start_replicas_equal(modules, same_source=tensors.without_data or options.weights is not None)
     owners: dict[int, list[int]] = {}
     if options.zero:  # balanced over each device's virtual stages together, as its reducer's buckets hold them
         for d in held:

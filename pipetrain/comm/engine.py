@@ -14,14 +14,18 @@ engine needs right here.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import partitioners
+from pipetrain.comm.consensus import Consensus, default_store
 from pipetrain.comm.failures import FailureBoard
+from pipetrain.comm.replica_start import start_replicas_equal
 from pipetrain.comm.skip_agreement import DistributedOverflowAgreement, LocalOverflowAgreement
 from pipetrain.comm.peers import peers_answer
 from pipetrain.comm.replicas import ReductionSettings, StageReducer, replica_shard, shard_weight
@@ -96,8 +100,14 @@ class LocalEngine:
     def torch_device(self, position: int) -> torch.device:
         return self.devices[position]
 
+    def agree_on_setup(self, fingerprint: dict[str, str], rule: Callable[[list[dict[str, str]]], str | None]) -> None:
+        """One process: nothing to agree with."""
+
     def agree_on_plan(self, plan: partitioners.Plan, graph: partitioners.CostGraph) -> partitioners.Plan:
         return plan
+
+    def start_replicas_equal(self, modules: dict[int, nn.Module], same_source: bool) -> None:
+        """One process holds no replicas."""
 
     def connect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
         counter = CommCounter(topology.num_stages)
@@ -124,16 +134,29 @@ class DistributedEngine:
 
     distributed = True
     world: World
+    _pipelines = 0  # pipelines this process built: each takes its own namespace in the store, alike on every rank
 
     def __init__(self, options: EngineOptions):
         ensure_process_group(options.timeout)
         self.options = options
-        self.world = self._new_world()
         self.data_parallel = options.data_parallel
         self.dynamic_shapes, self.timeout = options.dynamic_shapes, options.timeout
         self.receive_ahead = options.receive_ahead
         self.reduction = ReductionSettings.of(options) if options.data_parallel > 1 else None
-        self.failures = FailureBoard(self.world.rank)
+        self.rank = dist.get_rank()
+        self.failures = FailureBoard(self.rank)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.consensus = Consensus(default_store(), self.rank, dist.get_world_size(), options.timeout,
+                                   f"pipetrain/attempt-{attempt}/pipeline-{DistributedEngine._pipelines}")
+        DistributedEngine._pipelines += 1
+
+    def agree_on_setup(self, fingerprint: dict[str, str], rule: Callable[[list[dict[str, str]]], str | None]) -> None:
+        """Every rank posts what it is about to train (``fingerprint``); ``rule`` names what differs. Any
+        difference is one ValueError on every rank; once all agree, this rank joins the process groups."""
+        problem = self.consensus.decide("wrap(): agreeing on what every rank trains", fingerprint, rule)
+        if problem is not None:
+            raise ValueError(problem)
+        self.world = self._new_world()
 
     def _new_world(self) -> World:
         o = self.options
@@ -145,20 +168,27 @@ class DistributedEngine:
         sends and receives that will never be matched, and a gloo wait that timed out closed its connection.
         Every rank calls it at its next step (each raised in the failed one), so the groups pair up; ranks reach
         it up to ``timeout`` apart (the rank that raised at once, its peers when their wait gave up), so they
-        meet first on the default group, which pipetrain never sends on and whose own timeout is the user's."""
-        with peers_answer("the new process groups after a failed step (every rank steps again after it)"):
-            dist.barrier()
+        meet first in the store, waiting up to 3 x ``timeout`` (the last rank learns of the failure when its own
+        wait gives up, itself possibly after a neighbour's): no collective of a group a failed wait may have
+        broken, nor of the default group whose timeout may be the very one that ran out."""
+        self.consensus.decide("the new process groups after a failed step (every rank steps again after it)",
+                              None, lambda _: None, wait=3 * self.timeout)
         self.world = self._new_world()
         return self.connect(topology, stages, tied)
 
     @property
     def is_rank_zero(self) -> bool:
-        return self.world.rank == 0
+        return self.rank == 0
 
     @property
     def decides_plan(self) -> bool:
         """Rank 0 traces with profiling and partitions; the others follow its plan."""
-        return self.world.rank == 0
+        return self.rank == 0
+
+    def start_replicas_equal(self, modules: dict[int, nn.Module], same_source: bool) -> None:
+        """The replicas of each stage start from replica 0's tensors (see comm.replica_start)."""
+        if self.data_parallel > 1:
+            start_replicas_equal(modules, self.world.data_parallel_group, same_source)
 
     def positions(self) -> list[int]:
         return [self.world.position]

@@ -93,7 +93,6 @@ class World:
         # The skip-or-step all-reduce at every STEP (comm.skip_agreement); its own group so it never queues
         # behind the reports' asynchronous gathers on `control`.
         self.agreement = self._group(list(range(self.size)))
-        self.checkpoint = self._group(list(range(self.size)))  # barriers around checkpoint writes
         self.data_parallel_group = None
         self.hierarchy = None
         for d in range(stages):
