@@ -285,3 +285,29 @@ def test_a_failed_step_and_a_rank_stopped_in_a_save_under_pipetrains_own_process
     assert message.startswith("PeerFailure: save of step 4 under") and "rank 1 never reached it" in message, message
     assert waited < TIMEOUT + 2, waited
     assert not (tmp_path / "ckpt" / "latest").exists()
+
+
+RENDEZVOUS = """
+import os, socket, sys, time
+held = socket.socket()
+held.bind(("127.0.0.1", 0))
+held.listen()  # accepts connections, never answers: another program holding the port
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(held.getsockname()[1]), RANK="1", WORLD_SIZE="2")
+import pipetrain
+from torch import nn
+import torch
+try:
+    pipetrain.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), torch.randn(2, 4), stages=2, timeout=3)
+except Exception as error:
+    print(type(error).__name__ + ": " + str(error), flush=True)
+os._exit(0)  # the rendezvous thread is still blocked in its handshake
+"""
+
+
+def test_the_rendezvous_pipetrain_makes_gives_up_after_the_timeout_naming_the_address():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", RENDEZVOUS], capture_output=True, text=True, timeout=60)
+    line = next(line for line in done.stdout.splitlines() if "Failure" in line or "Error" in line)
+    assert line.startswith("PeerFailure: rank 1: the rendezvous at 127.0.0.1:"), line
+    assert "(MASTER_ADDR:MASTER_PORT) of 2 ranks did not complete" in line and "no answer" in line, line

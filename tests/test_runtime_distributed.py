@@ -95,25 +95,27 @@ def test_a_never_flushed_stream_keeps_a_bounded_number_of_sends_alive(tmp_path):
 
 
 class HeldSGD(torch.optim.SGD):
-    """SGD whose step waits until a file exists (another rank says it got its step's result)."""
+    """SGD whose step waits until a file exists (another rank says it got its step's result), unless signal is None."""
 
     def __init__(self, params, signal):
         super().__init__(params, lr=0.1, momentum=0.9)  # as runtime_models.sgd
         self.signal = signal
 
     def step(self, closure=None):
-        for _ in range(600):  # 30 s at most: a rank waiting for this one's report would never write it
-            if self.signal.exists():
-                break
-            time.sleep(0.05)
-        else:
-            raise TimeoutError("the first rank never finished its step while this rank's update was held")
+        if self.signal is not None:  # None: a rank whose update is not held
+            for _ in range(600):  # 30 s at most: a rank waiting for this one's report would never write it
+                if self.signal.exists():
+                    break
+                time.sleep(0.05)
+            else:
+                raise TimeoutError("the first rank never finished its step while this rank's update was held")
         return super().step(closure)
 
 
 def report_before_update(rank, world, signal_dir):
     signal = Path(signal_dir) / "rank0-has-its-result"
-    optimizer = (lambda params: HeldSGD(params, signal)) if rank == 1 else sgd
+    # Every rank builds the same optimizer (wrap checks they agree); only the last rank's holds its update.
+    optimizer = lambda params: HeldSGD(params, signal if rank == 1 else None)  # noqa: E731
     x, y = data("mlp", 8)
     pipe = pipetrain.wrap(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=optimizer, partitioner="uniform",
                           profile=False, engine="distributed", timeout=60)

@@ -14,6 +14,7 @@ engine needs right here.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -41,6 +42,8 @@ from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.topology import Topology
 
 ENGINES = ("auto", "local", "distributed")  # wrap's engine= choices (select_engine)
+# Distributed pipelines this process built: each takes its own namespace in the store, numbered alike on every rank.
+_PIPELINES = itertools.count()
 Tied = list[list[tuple[int, str]]]  # per tied parameter: its (stage, name) copies
 
 
@@ -134,7 +137,6 @@ class DistributedEngine:
 
     distributed = True
     world: World
-    _pipelines = 0  # pipelines this process built: each takes its own namespace in the store, alike on every rank
 
     def __init__(self, options: EngineOptions):
         ensure_process_group(options.timeout)
@@ -147,8 +149,7 @@ class DistributedEngine:
         self.failures = FailureBoard(self.rank)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.consensus = Consensus(default_store(), self.rank, dist.get_world_size(), options.timeout,
-                                   f"pipetrain/attempt-{attempt}/pipeline-{DistributedEngine._pipelines}")
-        DistributedEngine._pipelines += 1
+                                   f"pipetrain/attempt-{attempt}/pipeline-{next(_PIPELINES)}")
 
     def agree_on_setup(self, fingerprint: dict[str, str], rule: Callable[[list[dict[str, str]]], str | None]) -> None:
         """Every rank posts what it is about to train (``fingerprint``); ``rule`` names what differs. Any

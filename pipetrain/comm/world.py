@@ -7,8 +7,10 @@ stays inside one machine and only the data-parallel reduction crosses machines).
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from datetime import timedelta
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,7 @@ def launched_by_torchrun() -> bool:
 
 
 def ensure_process_group(timeout_seconds: float) -> None:
-    """Join the default process group torchrun described (gloo on CPU, NCCL on GPU)."""
+    """Join the default process group torchrun described (gloo on CPU, NCCL on GPU), within ``timeout_seconds``."""
     if dist.is_initialized():
         return
     if not launched_by_torchrun():
@@ -51,19 +53,45 @@ def ensure_process_group(timeout_seconds: float) -> None:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
+    with peers_answer(f"the rendezvous at {address} (MASTER_ADDR:MASTER_PORT) of {size} ranks",
+                      "check that every rank got the same MASTER_ADDR and MASTER_PORT and that nothing else "
+                      "listens there, or raise wrap(..., timeout=...) if the ranks start far apart"):
+        store = _within(timeout_seconds, address, lambda: _rendezvous_store(rank, size, timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, device_id=device)
+
+
+def _rendezvous_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
+    """The store the ranks meet in: the one env:// would make, or torchrun's agent store, namespaced per
+    restart attempt (it outlives a restart with --max-restarts; without a namespace the restarted workers
+    read the dead workers' addresses and fail to connect their groups)."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's store outlives a restart (--max-restarts); without a per-attempt namespace the
-        # restarted workers read the dead workers' addresses and fail to connect their groups.
-        with peers_answer(SETTING_UP):
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend, store=dist.PrefixStore(f"pipetrain/attempt-{attempt}", store),
-                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                    timeout=timeout, device_id=device)
-        return
-    with peers_answer(SETTING_UP):
-        dist.init_process_group(backend, timeout=timeout, device_id=device)
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"pipetrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+
+
+def _within(seconds: float, address: str, connect: Callable[[], dist.Store]) -> dist.Store:
+    """``connect()`` bounded by ``seconds``: a TCPStore client whose server accepts but never answers (a port
+    held by another program) waits in its handshake for ever; the thread left there is a daemon."""
+    results: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            results.put((connect(), None))
+        except BaseException as error:  # noqa: BLE001  (re-raised in the caller's thread)
+            results.put((None, error))
+
+    threading.Thread(target=run, name="pipetrain-rendezvous", daemon=True).start()
+    try:
+        store, error = results.get(timeout=seconds + 1)  # the store's own timeout error, when it has one, comes first
+    except queue.Empty:
+        raise RuntimeError(f"no answer from {address} within {seconds:g} s") from None
+    if error is not None:
+        raise error
+    return store
 
 
 class World:
