@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pipetrain
+from pipetrain.comm import replica_start
 from dist_harness import free_port, run_world
 from runtime_models import data, make, sgd
 
@@ -52,7 +53,20 @@ def agreement_scenarios(rank, world):
         for x, y in batches:
             pipe.step(x, y)
         out[key] = pipe.state_dict()
+    # Replicas that read the same tensors (a meta-device model: each module's initialiser from wrap's seed) compare
+    # digests and send nothing; a model built in memory is sent from replica 0, one bucketed broadcast per stage.
+    sends = []
+    send = replica_start._sync_module_states
+    replica_start._sync_module_states = lambda *args, **kw: (sends.append(1), send(*args, **kw))
     x = data("mlp", 4)[0]
+    for key, build in (("sends, meta model", "meta"), ("sends, model in memory", "cpu")):
+        with torch.device(build):
+            model = make("mlp", seed=rank)
+        sends.clear()
+        pipetrain.wrap(model, x[:2], stages=2, micro_batches=2, data_parallel=2, optimizer=sgd,
+                       partitioner="uniform", profile=False, timeout=30)
+        out[key] = len(sends)
+    replica_start._sync_module_states = send
     mismatches = {
         "micro_batches": dict(micro_batches=4 if rank == 3 else 2),
         "optimizer": dict(optimizer=(lambda p: torch.optim.SGD(p, lr=0.2 if rank == 1 else 0.1))),
@@ -87,6 +101,11 @@ def test_replicas_built_from_different_seeds_train_as_one_seed(agreement):
         a, b = agreement[position]["one seed"], agreement[2 + position]["one seed"]
         params = [k for k in a if not k.rsplit(".", 1)[-1].startswith(("running_", "num_batches"))]
         assert params and all(torch.equal(a[k], b[k]) for k in params)
+
+
+def test_replicas_that_read_the_same_tensors_send_nothing(agreement):
+    assert [agreement[rank]["sends, meta model"] for rank in range(4)] == [0] * 4
+    assert [agreement[rank]["sends, model in memory"] for rank in range(4)] == [1] * 4
 
 
 @pytest.mark.parametrize("case, field, odd", [
@@ -125,6 +144,7 @@ def checkpoint_scenarios(rank, world, root):
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     if rank == 1:
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limits[1]))
+    start = time.perf_counter()
     try:
         pipe.save(root)
         out["full"] = "saved"
@@ -132,6 +152,7 @@ def checkpoint_scenarios(rank, world, root):
         out["full"] = str(error)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    out["seconds to refuse the save"] = time.perf_counter() - start
     out["latest after the failed save"] = (root / "latest").read_text()
     pipe.step(*data("mlp", 8, seed=3))  # the pipeline goes on
     out["retry"] = str(pipe.save(root))
@@ -146,7 +167,9 @@ def checkpoint_scenarios(rank, world, root):
             f.seek(200)
             f.write(bytes([byte[0] ^ 0xFF]))
     torch.distributed.barrier()
+    start = time.perf_counter()
     out["tampered"] = _refusal(lambda: pipe.load(old))
+    out["seconds to refuse the load"] = time.perf_counter() - start
     out["unchanged after tampered"] = _state_digest(pipe) == trained
     torch.distributed.barrier()
     if rank == 0:
@@ -194,6 +217,8 @@ def checkpoints(tmp_path_factory):
 
 def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_last_checkpoint(checkpoints):
     messages = [checkpoints[r]["full"] for r in range(2)]
+    print("seconds to refuse the save, per rank:", [round(c["seconds to refuse the save"], 3) for c in checkpoints],
+          "the load:", [round(c["seconds to refuse the load"], 3) for c in checkpoints])
     assert messages[0] == messages[1], messages
     assert "failed on 1 rank:\n  rank 1: OSError: [Errno 27] File too large" in messages[0], messages[0]
     assert "stage1.pt" in messages[0] and "still names step-00000001" in messages[0], messages[0]
