@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import partitioners
+from pipetrain.assembly.stages import make_optimizer
 
 # Options that may differ between ranks: where rank 0 logs, the local engine's devices, and the path each rank
 # reads its tensors from (their content is compared when the replicas start: comm.replica_start).
@@ -63,7 +64,7 @@ def _parameters_text(model: nn.Module) -> str:
 
 def _optimizer_text(factory: Callable) -> str:
     """The optimizer the factory makes (class and hyper-parameters), probed on a one-element parameter."""
-    optimizer = factory([nn.Parameter(torch.zeros(1))])
+    optimizer = make_optimizer([nn.Parameter(torch.zeros(1))], factory)  # a factory of something else fails here
     groups = [{k: v for k, v in sorted(g.items()) if k != "params"} for g in optimizer.param_groups]
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__} {groups}"
 
