@@ -12,6 +12,7 @@ from torch import nn
 import partitioners
 from pipetrain import checkpoint as ckpt
 from pipetrain.assembly import assemble
+from pipetrain.comm.peers import peers_answer
 from pipetrain.comm.world import World
 from pipetrain.options import PipelineOptions
 from pipetrain.pretrained import own_tensors, save_pretrained
@@ -180,6 +181,7 @@ def _merge_over(group: dist.ProcessGroup) -> Callable[[dict], dict | None]:
     """ZeRO checkpoints: gathers the replicas' optimizer shares onto replica 0 (group rank 0), merged."""
     def merge(share: dict) -> dict | None:
         shares = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-        dist.gather_object(share, shares, group=group, group_dst=0)
+        with peers_answer("save: the replicas' ZeRO optimizer shares gathered onto replica 0 (every rank saves)"):
+            dist.gather_object(share, shares, group=group, group_dst=0)
         return ckpt.merge_optimizer_shares(shares) if shares is not None else None
     return merge
