@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -62,6 +63,7 @@ class StageState:
     optimizer: torch.optim.Optimizer | None
     policy: StalenessPolicy  # its ``updates`` count is saved and restored
     scaler: DynamicLossScaler | None  # the fp16 loss scaler of the stage's device
+    schedulers: list = dataclasses.field(default_factory=list)  # learning-rate schedulers (lr_scheduler=)
 
 
 Agree = Callable[[str, Any, Callable[[list], Any]], Any]
@@ -285,11 +287,11 @@ def merge_optimizer_shares(shares: list[dict]) -> dict:
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer | None, by_name: dict[str, dict],
                          groups: list[dict], names: dict[int, str]) -> None:
-    """Put each parameter's saved state back, by name; hyper-parameters from the saved groups."""
+    """Put each parameter's saved state back, by name; hyper-parameters (every group key) from the saved groups."""
     if optimizer is None:
         return
     for g, saved in zip(optimizer.param_groups, groups):
-        g.update({k: v for k, v in saved.items() if k in g})
+        g.update(saved)  # every key, as Optimizer.load_state_dict (a scheduler's initial_lr among them)
     for g in optimizer.param_groups:
         for p in g["params"]:
             state = by_name.get(names[id(p)])
@@ -591,6 +593,14 @@ def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
                 f"{found} in the checkpoint ({len(problems)} mismatching entries); load a checkpoint of the "
                 "same model")
         _check_optimizer(stage.optimizer, saved_class, groups, source)
+    # Every scheduler of every stage is in the same state (one step per applied update each): any file's will do.
+    scheduler_state = next((f["scheduler"] for f in files.values() if f.get("scheduler") is not None), None)
+    if scheduler_state is None and any(stage.schedulers for stage in stages.values()):
+        raise CheckpointError(
+            f"checkpoint {source} holds no learning-rate scheduler state, but this pipeline has an lr_scheduler: a "
+            f"schedule restarted at step 0 would not continue the run. Fix: resume without lr_scheduler (the "
+            f"checkpoint's learning rates stay), or start a new schedule from the weights only: "
+            f"pipetrain.wrap(..., weights={str(source)!r})")
 
     def apply() -> None:
         for v, stage in stages.items():
@@ -602,6 +612,9 @@ def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
         for stage in stages.values():
             if stage.scaler is not None and scaler_state:
                 stage.scaler.load_state_dict(scaler_state)
+        for stage in stages.values():
+            for scheduler in stage.schedulers:
+                scheduler.load_state_dict(scheduler_state)
         if same_layout and stages:
             torch.set_rng_state(files[min(stages)]["rng"])
 
@@ -626,8 +639,11 @@ def _check_optimizer(optimizer: torch.optim.Optimizer | None, saved_class: str |
             f"checkpoint {source} has {len(groups)} optimizer parameter groups, this pipeline's optimizer has "
             f"{len(optimizer.param_groups)}: build the optimizer with the same groups as the run that saved it, "
             f"or start from its weights only: pipetrain.wrap(..., weights={str(source)!r})")
-    changed = sorted({f"{k} {g[k]!r} -> {saved[k]!r}" for g, saved in zip(optimizer.param_groups, groups)
-                      for k in saved if k in g and k != "params" and _differs(g[k], saved[k])})
+    # A scheduler moves lr from initial_lr (the factory's): compare that, not the lr it has reached.
+    start = lambda g: {**g, "lr": g.get("initial_lr", g.get("lr"))}  # noqa: E731
+    changed = sorted({f"{k} {start(g)[k]!r} -> {start(saved)[k]!r}" for g, saved in zip(optimizer.param_groups, groups)
+                      for k in saved if k in g and k not in ("params", "initial_lr")
+                      and _differs(start(g)[k], start(saved)[k])})
     if changed:
         warnings.warn(f"resuming from {source}: the checkpoint's optimizer hyper-parameters replace the factory's "
                       f"({', '.join(changed)}), so the run goes on exactly as it was saved. To change one after "
@@ -673,6 +689,7 @@ def _stage_payload(stage: StageState) -> dict:
     return {"module": stage.module.state_dict(),
             "optimizer": optimizer_state_by_name(stage.optimizer, _param_names(stage.module)),
             "updates": stage.policy.updates, "scaler": stage.scaler.state_dict() if stage.scaler is not None else {},
+            "scheduler": stage.schedulers[0].state_dict() if stage.schedulers else None,
             "rng": torch.get_rng_state()}
 
 

@@ -41,6 +41,13 @@ class PipelineOptions:
     partitioner: str | list[str] = "graph"
     loss_fn: Callable | None = torch.nn.functional.cross_entropy
     optimizer: Callable = _default_optimizer
+    # A factory taking a stage's optimizer (like optimizer=), e.g. lambda opt: LambdaLR(opt, warmup_then_cosine):
+    # stepped once per applied update (not on a skipped one), its state checkpointed.
+    lr_scheduler: Callable | None = None
+    # Clip by the global gradient norm over every stage and replica (tied copies once), after fp16 unscaling,
+    # as torch.nn.utils.clip_grad_norm_ on the unsplit model; float("inf") measures the norm without clipping.
+    max_grad_norm: float | None = None
+    norm_type: float = 2.0
     precision: str = "fp32"
     data_parallel: int = 1
     engine: str = "auto"
@@ -108,6 +115,16 @@ class PipelineOptions:
         if not isinstance(self.receive_ahead, bool):
             raise TypeError(f"receive_ahead must be True (post receives one computation early) or False (at use), "
                             f"got {self.receive_ahead!r}")
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a number > 0 (float('inf'): measure the norm, never clip) or None, "
+                             f"got {self.max_grad_norm!r}")
+        if not (isinstance(self.norm_type, (int, float)) and self.norm_type > 0):
+            raise ValueError(f"norm_type must be a number > 0 (2.0: Euclidean; float('inf'): the largest entry), "
+                             f"got {self.norm_type!r}")
+        if self.lr_scheduler is not None and not callable(self.lr_scheduler):
+            raise TypeError(f"lr_scheduler must be a factory: optimizer -> torch.optim.lr_scheduler.LRScheduler, got "
+                            f"{type(self.lr_scheduler).__name__}; fix: lr_scheduler=lambda opt: "
+                            "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         choose("compress", self.compress, (None, "bf16", "fp16"))

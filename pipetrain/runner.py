@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -35,6 +35,7 @@ class Runner:
         self.last_result: StepResult | None = None
         self.in_stream = False
         self.stop_requested = False
+        self.callbacks: list[Callable[[StepResult], None]] = []  # Pipeline.on_step
         # Sizes the capture runs with, per input position of the first stage, checked per micro-batch.
         limits = parts.plan.graph.input_limits
         self._input_limits = {i: (n, limits[n]) for i, n in enumerate(parts.io.names) if n in limits}
@@ -129,6 +130,7 @@ class Runner:
                 now = time.perf_counter()
                 report, loss_sum = self._report(feed, executors, reported, now - start)
                 report.skipped = [ex.skipped.pop(reported) for ex in executors.values()][0]  # agreed: any device
+                report.grad_norm = [s.grad_norms.pop(reported, float("nan")) for s in p.steppers.values()][0]
                 start = now
                 feed.release(reported)
                 reported += 1
@@ -210,6 +212,8 @@ class Runner:
         self.last_result = result
         if self._log is not None:
             self._log.write(result)
+        for callback in self.callbacks:
+            callback(result)
         return result
 
     def close(self) -> None:
@@ -232,12 +236,13 @@ class _SyncReport:
             return None
         return self.runner.parts.links.reporter.vector(*self._take(t))
 
-    def agreed(self, t: int, skip: bool, total: list[float] | None) -> None:
+    def agreed(self, t: int, skip: bool, total: list[float] | None, grad_norm: float) -> None:
         if total is not None:
             self.result = self.runner.parts.links.reporter.read(self.result, total)
         elif self.result is None:
             self._take(t)
         self.result.skipped = skip
+        self.result.grad_norm = grad_norm
 
     def _take(self, t: int) -> tuple[StepResult, float]:
         """This process's result of mini-batch ``t`` and its loss sum."""

@@ -9,7 +9,7 @@ from torch import nn
 import partitioners
 from pipetrain.comm.replicas import device_owners, trainable
 from pipetrain.runtime.compiled import compile_arguments, compile_stage
-from pipetrain.runtime.optimizer_step import OptimizerStep
+from pipetrain.runtime.optimizer_step import GradientNorm, OptimizerStep
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.staleness import POLICIES, PREDICTING
@@ -33,11 +33,11 @@ def make_optimizer(params: list[nn.Parameter], factory: Callable) -> torch.optim
 
 
 def stepped_parameters(module: nn.Module, owners: list[int] | None, engine: Engine) -> list[nn.Parameter]:
-    """The parameters this process's optimizer of ``module`` steps: all of them, or with ZeRO (``owners``: the
+    """The parameters this process's optimizer of ``module`` steps: the trainable ones, or with ZeRO (``owners``: the
     replica owning each trainable tensor) the tensors its replica owns; the others are stepped by their
     owners and all-gathered after the step."""
     if owners is None:
-        return list(module.parameters())
+        return trainable(module)  # a frozen parameter (a PEFT model's base weights) never enters the optimizer
     return [p for p, owner in zip(trainable(module), owners) if owner == engine.world.replica]
 
 
@@ -75,19 +75,39 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         if compiling is not None:
             compile_stage(module, compiling)
         optimizer = make_optimizer(stepped_parameters(module, owners.get(v), engine), options.optimizer)
-        policy = POLICIES[options.policy_name](module, policy_optimizer(module, optimizer, options), v, V,
+        read_by_policy = policy_optimizer(module, optimizer, options)
+        policy = POLICIES[options.policy_name](module, read_by_policy, v, V,
                                                micro_batches=options.micro_batches, lookahead=options.lookahead)
-        stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed)
+        schedulers = [make_scheduler(o, options.lr_scheduler) for o in dict.fromkeys([optimizer, read_by_policy])
+                      if o is not None and options.lr_scheduler is not None]
+        stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed,
+                                 schedulers=schedulers)
     return stages
 
 
+def make_scheduler(optimizer: torch.optim.Optimizer, factory: Callable) -> torch.optim.lr_scheduler.LRScheduler:
+    """A stage optimizer's learning-rate scheduler from the user's factory."""
+    scheduler = factory(optimizer)
+    if not hasattr(scheduler, "step") or not hasattr(scheduler, "state_dict"):
+        raise TypeError(f"lr_scheduler must be a factory: optimizer -> a learning-rate scheduler (with step() and "
+                        f"state_dict()), got {type(scheduler).__name__}; e.g. lr_scheduler=lambda opt: "
+                        "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))")
+    return scheduler
+
+
 def build_steppers(stages: dict[int, StageRuntime], topology: Topology, links: Connections,
-                   options: PipelineOptions) -> dict[int, OptimizerStep]:
+                   options: PipelineOptions, tied: list[list[tuple[int, str]]], engine: Engine) -> dict[int, OptimizerStep]:
     """Per pipeline position this process runs: what its STEP action does."""
     positions = sorted({topology.position_of(v) for v in stages})
     process_stages = [(v, rt.module) for v, rt in sorted(stages.items())]
+    # The global norm counts each gradient once: a tied parameter's first copy, and one replica's gradients
+    # (replicas hold the same averaged ones) unless ZeRO gives each replica a shard of its own.
+    duplicates = frozenset(id(stages[v].module.get_parameter(name)) for copies in tied for v, name in copies[1:]
+                           if v in stages)
+    counted = bool(options.zero) or engine.world is None or engine.world.replica == 0
+    norm = GradientNorm(float(options.norm_type), options.max_grad_norm, counted, duplicates)
     return {d: OptimizerStep([stages[v] for v in topology.stages_at(d)], links.tied,
                              DynamicLossScaler() if options.precision == "fp16" else None,
                              links.agreement, options.nonfinite, options.precision, d, process_stages,
-                             links.reducers.get(d) if options.zero else None)
+                             links.reducers.get(d) if options.zero else None, norm)
             for d in positions}

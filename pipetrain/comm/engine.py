@@ -15,6 +15,7 @@ engine needs right here.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -60,6 +61,7 @@ class EngineOptions(Protocol):
     timeout: float
     dynamic_shapes: bool
     receive_ahead: bool
+    norm_type: float
 
 
 @dataclass
@@ -91,7 +93,8 @@ class LocalEngine:
     is_rank_zero = True
     decides_plan = True
 
-    def __init__(self, stages: int, devices: list[torch.device | str] | None):
+    def __init__(self, stages: int, devices: list[torch.device | str] | None, norm_type: float = 2.0):
+        self.largest_norm = norm_type == math.inf  # the inf-norm's parts are maximised, not summed
         self.devices = [torch.device(d) for d in (devices or ["cpu"] * stages)]
         if len(self.devices) != stages:
             raise ValueError(f"devices lists {len(self.devices)} devices for {stages} stages; give one per stage")
@@ -117,7 +120,7 @@ class LocalEngine:
         stage_devices = [self.devices[topology.position_of(v)] for v in range(topology.num_stages)]
         describe = lambda d: f"pipeline device {d} ({topology.describe(d)})"  # noqa: E731
         return Connections(LocalTransport(stage_devices, counter), LocalTiedSync(tied, stages, counter),
-                           LocalOverflowAgreement(len(self.devices), describe),
+                           LocalOverflowAgreement(len(self.devices), describe, self.largest_norm),
                            Reporter(topology.num_stages, counter, has_last_stage=True), {}, counter)
 
     def explain_failure(self, error: BaseException) -> BaseException:
@@ -218,7 +221,8 @@ class DistributedEngine:
                             (world.control, world.report), self.data_parallel, world.device)
         S = world.stages
         describe = lambda r: f"rank {r} ({topology.describe(r % S)}, replica {r // S})"  # noqa: E731
-        agreement = DistributedOverflowAgreement(world.agreement, world.device, describe)
+        agreement = DistributedOverflowAgreement(world.agreement, world.device, describe,
+                                                 largest_norm=self.options.norm_type == math.inf)
         reducers = {}
         if self.reduction is not None:
             held = [stages[v] for v in topology.stages_at(world.position)]
@@ -262,4 +266,4 @@ def select_engine(options: EngineOptions) -> Engine:
     if options.data_parallel > 1:
         raise ValueError("data_parallel > 1 runs one process per stage and replica: launch with torchrun "
                          f"--nproc-per-node {options.stages * options.data_parallel} (engine='distributed' or 'auto')")
-    return LocalEngine(options.stages, options.devices)
+    return LocalEngine(options.stages, options.devices, options.norm_type)

@@ -29,33 +29,50 @@ def _first(code: list[float], participants: int) -> list[int | None]:
     return [None if c == 0 else participants - int(c) for c in code]
 
 
+def combine_norm_parts(parts: torch.Tensor, largest: bool) -> torch.Tensor:
+    """The devices' gradient-norm parts (float64, in device or rank order) combined as both engines do: summed
+    (p-th powers) or, for the inf-norm, maximised."""
+    return parts.amax(0) if largest else parts.sum(0)
+
+
 class LocalOverflowAgreement:
     """All devices in one process: the step of mini-batch t waits until every device reported; the
-    first device to go on reads the agreed flags once for all of them."""
+    first device to go on reads the agreed flags (and the summed gradient-norm parts) once for all of them.
+    ``largest_norm``: norm parts are maximised (the inf-norm), not summed."""
 
-    def __init__(self, devices: int, describe: Callable[[int], str] = lambda d: f"pipeline device {d}"):
+    def __init__(self, devices: int, describe: Callable[[int], str] = lambda d: f"pipeline device {d}",
+                 largest_norm: bool = False):
         self.devices = devices
         self.describe = describe
-        self.flags: dict[int, list[torch.Tensor]] = {}
-        self.codes: dict[int, list[float]] = {}
+        self.largest_norm = largest_norm
+        self.flags: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self.codes: dict[int, tuple[list[float], float | None]] = {}
         self.read: dict[int, int] = {}
 
-    def agree(self, t: int, position: int, flags: torch.Tensor,
-              report: torch.Tensor | None = None) -> Generator[str, None, Agreed]:
-        """This device's flags for mini-batch t; waits (BLOCKED) for every device, returns the first reporters.
-        No ``report``: one process has nothing to sum over ranks."""
-        self.flags.setdefault(t, []).append(flags.detach() * (self.devices - position))
+    def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None = None,
+              norm_part: torch.Tensor | None = None) -> Generator[str, None, Agreed]:
+        """This device's flags (and gradient-norm part) for mini-batch t; waits (BLOCKED) for every device, returns
+        the first reporters and the combined norm part. No ``report``: one process has nothing to sum over ranks."""
+        if t not in self.flags:
+            self.flags[t] = {}
+        self.flags[t][position] = (flags.detach() * (self.devices - position), norm_part)
         while len(self.flags[t]) < self.devices:
             yield BLOCKED
         if t not in self.codes:
             host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
-            here = self.flags[t][0].device
-            self.codes[t] = torch.stack([f.to(here) for f in self.flags[t]]).amax(0).tolist()
-        code = self.codes[t]
+            found = [self.flags[t][d] for d in range(self.devices)]
+            here = found[0][0].device
+            code = torch.stack([f.to(here) for f, _ in found]).amax(0).tolist()
+            norm = None
+            if all(n is not None for _, n in found):
+                parts = torch.stack([n.reshape(1).to(here, torch.float64) for _, n in found])
+                norm = float(combine_norm_parts(parts, self.largest_norm)[0])
+            self.codes[t] = (code, norm)
+        code, norm = self.codes[t]
         self.read[t] = self.read.get(t, 0) + 1
         if self.read[t] == self.devices:
             self.forget(t)
-        return Agreed(_first(code, self.devices))
+        return Agreed(_first(code, self.devices), norm=norm)
 
     def where(self, index: int) -> str:
         return self.describe(index)
@@ -78,10 +95,12 @@ class LocalOverflowAgreement:
 
 
 class DistributedOverflowAgreement:
-    """One all-reduce (MAX) of every rank's flags over ``group`` (all ranks), blocking at STEP t."""
+    """One collective over ``group`` (all ranks), blocking at STEP t: an all-reduce (MAX) of every rank's flags,
+    or with a step report or a gradient-norm part a sum with the flags as its maximised part."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
-                 describe: Callable[[int], str] = lambda r: f"rank {r}"):
+                 describe: Callable[[int], str] = lambda r: f"rank {r}", largest_norm: bool = False):
+        self.largest_norm = largest_norm
         self.group = group
         self.device = device  # NCCL reduces device tensors only
         self.rank = dist.get_rank()
@@ -89,26 +108,38 @@ class DistributedOverflowAgreement:
         self.describe = describe
         self.recorder = recording.active()  # None unless a test records what is posted
 
-    def agree(self, t: int, position: int, flags: torch.Tensor,
-              report: torch.Tensor | None = None) -> Generator[str, None, Agreed]:
-        """This rank's flags for mini-batch t, maximised over every rank; returns the first reporters and
-        ``report`` summed over every rank in the same exchange."""
+    def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None = None,
+              norm_part: torch.Tensor | None = None) -> Generator[str, None, Agreed]:
+        """This rank's flags for mini-batch t, maximised over every rank; returns the first reporters,
+        ``report`` summed over every rank and the gradient-norm parts combined, all in the same exchange."""
         code = flags.detach().to(self.device, torch.float32) * (self.size - self.rank)
         if self.recorder is not None:
             self.recorder.collective("agreement", list(range(self.size)), self.rank)
         yield from ()
-        if report is None:
+        if report is None and norm_part is None:
             with self._peers_answer(t):
                 dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
             host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
             return Agreed(_first(code.tolist(), self.size))
-        k = code.numel()
+        summed = [report] if report is not None else []
+        maximised = [code.to(torch.float64)]
+        if norm_part is not None:  # the inf-norm's part is maximised, a p-norm's (a p-th power) summed
+            part = norm_part.detach().reshape(1).to(self.device, torch.float64)
+            (maximised if self.largest_norm else summed).append(part)
+        summed_size = sum(x.numel() for x in summed)
         # Waited on at once, so the broadcast can share the group (nothing else is in flight on it).
-        exchange = SumExchange(torch.cat([report, code.to(report.dtype)]), self.group, self.group, maximised=k)
+        exchange = SumExchange(torch.cat([x.to(self.device, torch.float64) for x in summed + maximised]), self.group,
+                               self.group, maximised=sum(x.numel() for x in maximised))
         with self._peers_answer(t):
             total = exchange.wait().tolist()
-        host_sync.note("skip-or-step decision and step report")  # one host read for both
-        return Agreed(_first(total[-k:], self.size), total[:-k])
+        host_sync.note("skip-or-step decision and step report" if report is not None else "skip-or-step decision")
+        k = code.numel()
+        norm = None
+        if norm_part is not None:
+            norm = total[-1] if self.largest_norm else total[summed_size - 1]
+        report_size = report.numel() if report is not None else 0
+        return Agreed(_first(total[summed_size:summed_size + k], self.size), total[:report_size] if report is not None
+                      else None, norm)
 
     def post(self, t: int, position: int, flags: torch.Tensor) -> Callable[[], list[int | None]]:
         """The same all-reduce, started without waiting; the returned call waits and decodes it."""

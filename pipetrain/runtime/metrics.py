@@ -68,6 +68,10 @@ class StepResult:
     skipped: bool = False  # no update was applied for this mini-batch (non-finite values or fp16 overflow), on any stage
     skipped_total: int = 0  # mini-batches skipped so far by this pipeline, this one included
     stop_requested: bool = False  # some rank called Pipeline.request_stop() before this step's report (agreed)
+    # The global gradient norm of this update (norm_type; over every stage, tied copies once, after fp16 unscaling,
+    # before clipping). NaN where it is not measured: an async-1f1b stream under torchrun without max_grad_norm,
+    # whose skip-or-step agreement runs in the background.
+    grad_norm: float = float("nan")
 
     @property
     def bytes_sent(self) -> list[int]:
@@ -92,6 +96,8 @@ class TensorBoardLog:
         w.add_scalar("train/loss", result.loss, s)
         w.add_scalar("train/samples_per_second", result.samples_per_second, s)
         w.add_scalar("train/skipped_steps", result.skipped_total, s)
+        if result.grad_norm == result.grad_norm:  # NaN: not measured
+            w.add_scalar("train/grad_norm", result.grad_norm, s)
         for k in range(len(result.busy_fraction)):
             w.add_scalar(f"stage{k}/busy_fraction", result.busy_fraction[k], s)
             w.add_scalar(f"stage{k}/version_lag", result.version_lag[k], s)

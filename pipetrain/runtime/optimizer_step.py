@@ -13,6 +13,7 @@ replica. A step is skipped everywhere or nowhere, so stages and replicas never d
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -39,10 +40,13 @@ class TiedSync(Protocol):
 @dataclass
 class Agreed:
     """The skip-or-step decision: per flag, the first device that raised it anywhere (None: no device
-    did), and the sum over ranks of the report that rode in the agreement's exchange (None without one)."""
+    did), the sum over ranks of the report that rode in the agreement's exchange (None without one), and
+    every device's gradient-norm part combined (summed p-th powers, or the largest for the inf-norm; None
+    when none was given)."""
 
     first: list[int | None]
     report: list[float] | None = None
+    norm: float | None = None
 
 
 class OverflowAgreement(Protocol):
@@ -56,8 +60,8 @@ class OverflowAgreement(Protocol):
     read the decision.
     """
 
-    def agree(self, t: int, position: int, flags: torch.Tensor,
-              report: torch.Tensor | None = None) -> Generator[str, None, Agreed]: ...
+    def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None = None,
+              norm_part: torch.Tensor | None = None) -> Generator[str, None, Agreed]: ...
 
     def where(self, index: int) -> str: ...
 
@@ -84,8 +88,40 @@ class StepReport(Protocol):
         """Before the agreement: what this process reports, to be summed over ranks in the agreement's
         exchange (None in one process, whose devices report once all of them agreed)."""
 
-    def agreed(self, t: int, skip: bool, total: list[float] | None) -> None:
-        """Once every device agreed, before the update: the sum of ``vector`` over ranks (None: none)."""
+    def agreed(self, t: int, skip: bool, total: list[float] | None, grad_norm: float) -> None:
+        """Once every device agreed, before the update: the sum of ``vector`` over ranks (None: none) and the
+        global gradient norm."""
+
+
+@dataclass(frozen=True)
+class GradientNorm:
+    """How the global gradient norm is taken and applied: ``norm_type`` (p, or inf), ``max_norm`` (None:
+    measured, not clipped); ``counted``: whether this device's gradients count (replica 0's without ZeRO,
+    every replica's own shard with it); ``duplicates``: ids of tied copies after the first (counted once)."""
+
+    norm_type: float = 2.0
+    max_norm: float | None = None
+    counted: bool = True
+    duplicates: frozenset[int] = frozenset()
+
+    def part(self, params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+        """This device's part of the global norm (float64): the p-th power of its norm, or for the inf-norm its
+        largest entry, as clip_grad_norm_ would take it over these gradients alone."""
+        grads = [p.grad for p in params if id(p) not in self.duplicates] if self.counted else []
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        norm = torch.nn.utils.get_total_norm(grads, self.norm_type).to(device, torch.float64)
+        return norm if self.norm_type == math.inf else norm ** self.norm_type
+
+    def total(self, combined: float) -> float:
+        """The global norm from the devices' parts combined."""
+        return combined if self.norm_type == math.inf else combined ** (1.0 / self.norm_type)
+
+    def clip_(self, params: list[nn.Parameter], total: float, device: torch.device) -> None:
+        """Scale the gradients by max_norm / (total + 1e-6) where that is below 1, as clip_grad_norm_ does."""
+        if self.max_norm is not None and self.max_norm != math.inf:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm,
+                                                 torch.tensor(total, dtype=torch.float32, device=device))
 
 
 class OptimizerStep:
@@ -103,8 +139,10 @@ class OptimizerStep:
     def __init__(self, stages: list[StageRuntime], tied: TiedSync, scaler: DynamicLossScaler | None,
                  agreement: OverflowAgreement, nonfinite: str = "raise", precision: str = "fp32",
                  position: int = 0, process_stages: Sequence[tuple[int, nn.Module]] | None = None,
-                 shards: Shards | None = None):
+                 shards: Shards | None = None, grad_norm: GradientNorm = GradientNorm()):
         self.stages = stages
+        self.grad_norm = grad_norm
+        self.grad_norms: dict[int, float] = {}  # STEP t -> its global gradient norm (streams report it)
         self.shards = shards
         self.indices = [s.index for s in stages]
         self.tied = tied
@@ -136,13 +174,17 @@ class OptimizerStep:
         else:
             grads_bad = check_and_unscale_([p.grad for p in params], 1.0, self.device)
         flags = torch.cat([grads_bad, losses_nonfinite(losses, self.device)])
-        # With ZeRO every replica must take the same decision before stepping: each all-gathers its update.
-        if self.stream and self.nonfinite == "raise" and self.shards is None:
+        # With ZeRO every replica must take the same decision before stepping: each all-gathers its update; with
+        # max_grad_norm every stage needs the global norm of the update before stepping.
+        if self.stream and self.nonfinite == "raise" and self.shards is None and self.grad_norm.max_norm is None:
             result = self.agreement.post(t, self.position, flags)
             if result is not None:
                 return self._step_then_agree(t, flags, result)
         vector = self.report.vector(t) if self.report is not None else None
-        agreed = yield from self.agreement.agree(t, self.position, flags, vector)
+        agreed = yield from self.agreement.agree(t, self.position, flags, vector,
+                                                 self.grad_norm.part(params, self.device))
+        norm = self.grad_norm.total(agreed.norm)
+        self.grad_norms[t] = norm
         first = agreed.first
         overflow = self.scaler is not None and first[GRADS] is not None
         bad = first[LOSSES] is not None or (self.scaler is None and first[GRADS] is not None)
@@ -152,9 +194,11 @@ class OptimizerStep:
             raise NonFiniteError(self._message(t, first))
         skip = overflow or bad
         if self.report is not None:
-            self.report.agreed(t, skip, agreed.report)
+            self.report.agreed(t, skip, agreed.report, norm)
         if self.scaler is not None:
             self.scaler.update(overflow)
+        if not skip:
+            self.grad_norm.clip_(params, norm, self.device)
         self._apply(skip)
         return skip
 
@@ -166,6 +210,8 @@ class OptimizerStep:
                 if not skip:
                     s.policy.before_step()
                     s.optimizer.step()
+                    for scheduler in s.schedulers:
+                        scheduler.step()  # once per applied update: a skipped one does not advance the schedule
                 s.optimizer.zero_grad(set_to_none=True)
             if skip or self.shards is not None:
                 # A stage without an optimizer still must not carry bad gradients into the next step; with
@@ -218,6 +264,7 @@ class OptimizerStep:
         self.first_update = first_update
         self.stream = stream
         self.applied = False
+        self.grad_norms.clear()  # a call that raised may have left some behind
 
     def _message(self, t: int, first: list[int | None], found: tuple[int, str] | None = None) -> str:
         """Every rank raises; the one holding the first bad parameter names it, the others name that rank."""

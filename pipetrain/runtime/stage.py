@@ -72,6 +72,9 @@ class StageRuntime:
     autocast_dtype: torch.dtype | None = None
     seed: int = 0
     in_flight: dict[int, InFlight] = field(default_factory=dict)
+    # Learning-rate schedulers stepped after each applied update: the stage optimizer's, and the one of the
+    # optimizer a predicting policy reads its learning rate from when that is another (ZeRO).
+    schedulers: list = field(default_factory=list)
 
     def __post_init__(self):
         # Bytes autograd saves per forward, by input shapes: counting them takes a Python hook per
