@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -15,7 +16,7 @@ from pipetrain.assembly import assemble
 from pipetrain.comm.peers import peers_answer
 from pipetrain.comm.world import World
 from pipetrain.options import PipelineOptions
-from pipetrain.pretrained import own_tensors, save_pretrained
+from pipetrain.pretrained import check_loadable, own_tensors, save_adapters, save_pretrained
 from pipetrain.runner import Runner
 from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.stage import StageRuntime
@@ -54,23 +55,33 @@ class Pipeline:
     # ----- training and prediction ----------------------------------------------------------
     def step(self, x: Any, y: Any = None) -> float:
         """Train one mini-batch and return its mean loss (on every rank). ``y`` may be None when the
-        model computes its own loss from its inputs (e.g. Hugging Face ``labels``, loss_fn=model_loss)."""
+        model computes its own loss from its inputs (e.g. Hugging Face ``labels``, loss_fn=model_loss).
+        ``x`` is a tensor, a tuple of forward()'s arguments or any Mapping of keyword arguments (a dict, a
+        collator's ``BatchEncoding``)."""
         if self.options.schedule == "async-1f1b":
             return next(iter(self.train([(x, y)]))).loss
-        return self._runner.step(x, y).loss
+        return self._runner.step(plain_inputs(x), y).loss
 
     def train(self, batches: Iterable) -> Iterator[StepResult]:
-        """Train on a stream of (inputs, targets) mini-batches, yielding one result per mini-batch.
+        """Train on a stream of mini-batches, yielding one result per mini-batch. Each is an (inputs, targets)
+        pair, or a Mapping of keyword inputs alone when the model computes its own loss from them (a
+        collator's batch with ``labels``, loss_fn=pipetrain.model_loss): what a DataLoader yields either way.
 
         Synchronous schedules flush after every mini-batch; async-1f1b keeps the pipeline full
         for the whole stream and drains only when it ends. Under torchrun every rank iterates
         the same stream (in hybrid mode each replica keeps its own shard of every mini-batch).
         """
+        pairs = (_as_pair(batch) for batch in batches)
         if self.options.schedule == "async-1f1b":
-            yield from self._runner.stream(batches)
+            yield from self._runner.stream(pairs)
             return
-        for x, y in batches:
+        for x, y in pairs:
             yield self._runner.step(x, y)
+
+    def on_step(self, callback: Callable[[StepResult], None]) -> None:
+        """Call ``callback(result)`` on every rank after each trained mini-batch (step or train), once its
+        result is complete and logged: the place for a progress bar, custom logging or early stopping."""
+        self._runner.callbacks.append(callback)
 
     def predict(self, x: Any) -> Any:
         """Forward only in eval mode: what the unsplit model returns for the whole batch ``x``, on every rank,
@@ -78,7 +89,7 @@ class Pipeline:
         tensor is per sample; an output holding a value reduced over the batch (the loss of a model given
         ``labels``: a token mean with ignored labels is no weighted mean of micro-batch losses) is computed
         on the whole batch in one pass, which gives exactly the unsplit value."""
-        return self._runner.predict(x)
+        return self._runner.predict(plain_inputs(x))
 
     def request_stop(self) -> None:
         """Ask every rank to stop at the same step: from the next step report on, each rank's
@@ -119,23 +130,37 @@ class Pipeline:
         self.load(path)
         return True
 
-    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 10 ** 9) -> Path:
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int = 5 * 10 ** 9,
+                        merge_adapters: bool = False) -> Path:
         """Write the model as a Hugging Face directory (safetensors shards of at most ``max_shard_size`` bytes,
         their index, the model's config.json) that ``from_pretrained`` loads; every rank calls it and writes
-        only the tensors of its stages."""
+        only the tensors of its stages. It refuses (before writing) a directory ``from_pretrained`` would load
+        with missing or unexpected weights. A PEFT model writes its adapter (``adapter_config.json``,
+        ``adapter_model.safetensors``: what ``PeftModel.from_pretrained`` reads), or with ``merge_adapters``
+        the base model with the LoRA factors merged into its weights."""
         parts = self._parts
         world = parts.engine.world
+        group = world.control if world is not None else None
         writes = world is None or world.replica == 0
         tensors = own_tensors({v: rt.module for v, rt in parts.stages.items()}, parts.pretrained,
                               parts.plan.tied_groups()) if writes else {}
-        return save_pretrained(path, tensors, parts.pretrained, world.control if world is not None else None,
-                               max_shard_size)
+        adapters = parts.pretrained.adapters
+        if adapters is not None and not merge_adapters:
+            return save_adapters(path, adapters.adapter_tensors(tensors), adapters, group)
+        if merge_adapters and adapters is None:
+            raise ValueError("merge_adapters=True merges a PEFT model's LoRA adapters into its base model; this "
+                             "model has none: call save_pretrained(path)")
+        if adapters is not None:
+            tensors = adapters.merged(tensors, _gathered_everywhere(adapters.factors(tensors), group))
+        written = set(_gathered_everywhere({name: None for name in tensors}, group))
+        check_loadable(written, parts.pretrained)  # every rank checks every name: all refuse alike
+        return save_pretrained(path, tensors, parts.pretrained, group, max_shard_size)
 
     def _checkpoint_view(self) -> ckpt.PipelineView:
         """What a checkpoint saves and restores of this pipeline, now."""
         parts = self._parts
         stages = {v: ckpt.StageState(rt.module, rt.optimizer, rt.policy,
-                                     parts.steppers[parts.topology.position_of(v)].scaler)
+                                     parts.steppers[parts.topology.position_of(v)].scaler, rt.schedulers)
                   for v, rt in sorted(parts.stages.items())}
         world = parts.engine.world
         streaming = self._runner.in_stream
@@ -175,6 +200,34 @@ class Pipeline:
         """fp16: the current loss scale (every device agrees on it); None in other precisions."""
         scalers = [s.scaler for s in self._parts.steppers.values() if s.scaler is not None]
         return scalers[0].scale_value if scalers else None
+
+
+def plain_inputs(x: Any) -> Any:
+    """A Mapping of keyword inputs that is not a dict (a ``BatchEncoding``, a ``UserDict``) as a dict."""
+    return dict(x) if isinstance(x, Mapping) and not isinstance(x, dict) else x
+
+
+def _as_pair(batch: Any) -> tuple[Any, Any]:
+    """One mini-batch of train(): an (inputs, targets) pair, or keyword inputs alone (targets inside)."""
+    if isinstance(batch, Mapping):
+        return plain_inputs(batch), None
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return plain_inputs(batch[0]), batch[1]
+    raise TypeError(f"train() takes mini-batches as (inputs, targets) pairs, or as a Mapping of keyword inputs "
+                    f"alone when the model computes its own loss from them (labels inside; loss_fn="
+                    f"pipetrain.model_loss); got a {type(batch).__name__}"
+                    + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+                    + "; fix: make the loader yield (x, y), or a dict with the labels")
+
+
+def _gathered_everywhere(mine: dict, group: dist.ProcessGroup | None) -> dict:
+    """Every rank's dict merged, on every rank (CPU copies of tensors; ``mine`` alone in one process)."""
+    if group is None:
+        return mine
+    shares = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shares, {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                                    for k, v in mine.items()}, group=group)
+    return {k: v for share in shares for k, v in share.items()}
 
 
 def _merge_over(group: dist.ProcessGroup) -> Callable[[dict], dict | None]:

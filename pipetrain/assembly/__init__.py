@@ -15,6 +15,7 @@ from torch import nn
 
 import partitioners
 from partitioners import input_sizes
+from pipetrain.assembly.checkpointing import checkpointing_off, honour_model_checkpointing
 from pipetrain.assembly.fingerprint import differences, fingerprint
 from pipetrain.assembly.schedule_book import ScheduleBook
 from pipetrain.assembly.stages import build_stages, build_steppers
@@ -55,6 +56,7 @@ class Parts:
 
 def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) -> Parts:
     """Validate ``options``, then capture, plan, schedule and build this process's share of the pipeline."""
+    options = honour_model_checkpointing(model, options)
     options.validate()
     engine = select_engine(options)
     book = ScheduleBook(options.schedule, options.stages, options.micro_batches, options.chunks_per_device,
@@ -72,7 +74,7 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     pretrained = PretrainedLayout.of(model)
     plan.graph = plan.graph.on_meta()  # the stages hold their tensors now: wrap keeps no other copy alive
     links = engine.connect(topology, stages, plan.tied_groups())
-    steppers = build_steppers(stages, topology, links, options)
+    steppers = build_steppers(stages, topology, links, options, plan.tied_groups(), engine)
     return Parts(options, engine, plan, topology, book, precision, stages, links, steppers, io, pretrained)
 
 
@@ -102,8 +104,9 @@ def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, e
     first agrees on what it traced and was asked (`fingerprint`), then rank 0 decides and every rank follows
     its plan."""
     decides = engine.decides_plan
-    graph = partitioners.trace_for_training(model, example_inputs, profile=options.profile and decides,
-                                            autocast=precision.autocast_dtype)
+    with checkpointing_off(model):
+        graph = partitioners.trace_for_training(model, example_inputs, profile=options.profile and decides,
+                                                autocast=precision.autocast_dtype)
     engine.agree_on_setup(fingerprint(options, graph, example_inputs), differences)
     plan = None
     if decides:

@@ -9,6 +9,7 @@ is read once, when the pipeline is built, so the check per mini-batch is a few s
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,10 +43,10 @@ class ModelIO:
                    not mixes_samples and splits_by_sample(example_output, samples))
 
     def arrange(self, inputs: Any) -> tuple:
-        """``inputs`` (a tensor, a tuple in argument order or a dict of keyword arguments) as the first
+        """``inputs`` (a tensor, a tuple in argument order or a Mapping of keyword arguments) as the first
         stage's positional arguments; an argument that is not one the capture took is an error."""
-        by_position = not isinstance(inputs, dict)
-        given = inputs if not by_position else self._bind(
+        by_position = not isinstance(inputs, Mapping)
+        given = dict(inputs) if not by_position else self._bind(
             tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
         if len(given) != len(self.names) or any(n not in given for n in self.names):
             self._refuse(given, by_position)
