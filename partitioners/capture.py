@@ -66,9 +66,13 @@ def bind_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
 
 
 def training_call(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with the TRAINING_DEFAULTS forward() takes and ``kwargs`` does not set."""
+    """``kwargs`` with the TRAINING_DEFAULTS forward() takes and ``kwargs`` does not set. A forward that takes
+    ``**kwargs`` (a PEFT model, a wrapper) takes one where the model's config has it: the wrapped model's."""
     params = inspect.signature(model.forward).parameters
-    return {**kwargs, **{k: v for k, v in TRAINING_DEFAULTS.items() if k in params and k not in kwargs}}
+    passes_on = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    config = getattr(model, "config", None)
+    takes = lambda k: k in params or (passes_on and hasattr(config, k))  # noqa: E731
+    return {**kwargs, **{k: v for k, v in TRAINING_DEFAULTS.items() if takes(k) and k not in kwargs}}
 
 
 def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> fx.GraphModule:

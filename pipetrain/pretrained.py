@@ -10,6 +10,7 @@ model's ``config.json`` is written beside them when it has one.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -21,9 +22,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from pipetrain.adapters import AdapterLayout
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name
 MAX_SHARD_BYTES = 5 * 10 ** 9  # as Hugging Face's save_pretrained
 
 
@@ -33,6 +37,8 @@ class PretrainedLayout:
 
     canonical: dict[str, str]  # every state-dict name (aliases included) -> the name written
     config: Any                # the model's ``config`` (Hugging Face), or None
+    model_class: type | None = None        # what ``from_pretrained`` loads the files into (with a config)
+    adapters: AdapterLayout | None = None  # a PEFT model's adapters
 
     @classmethod
     def of(cls, model: nn.Module) -> PretrainedLayout:
@@ -42,12 +48,41 @@ class PretrainedLayout:
             if name in order:
                 groups.setdefault(id(t), []).append(name)
         canonical = {n: min(names, key=order.__getitem__) for names in groups.values() for n in names}
-        return cls(canonical, getattr(model, "config", None))
+        config = getattr(model, "config", None)
+        adapters = AdapterLayout.of(model)
+        model_class = (adapters.base_class if adapters else type(model)) if hasattr(config, "to_json_string") else None
+        return cls(canonical, config, model_class, adapters)
 
     def config_json(self) -> str | None:
         """The text of the ``config.json`` the config's ``save_pretrained`` writes; None without a Hugging Face
         config."""
         return self.config.to_json_string() if hasattr(self.config, "to_json_string") else None
+
+    def expected_names(self) -> set[str] | None:
+        """The names ``model_class.from_pretrained`` reads (of a model built from the config on the meta device,
+        each tensor under its first alias, as written); None when the model is not a Hugging Face one."""
+        if self.model_class is None:
+            return None
+        with torch.device("meta"):
+            reference = self.model_class(copy.deepcopy(self.config))
+        return set(PretrainedLayout.of(reference).canonical.values())
+
+
+def check_loadable(written: set[str], layout: PretrainedLayout) -> None:
+    """Refuse to write a directory that ``from_pretrained`` would load with missing or unexpected weights (it
+    would initialise the missing ones at random without an error)."""
+    expected = layout.expected_names()
+    if expected is None or written == expected:
+        return
+    missing, unexpected = sorted(expected - written), sorted(written - expected)
+    fix = ("this is a PEFT model: save its adapters (save_pretrained(path)) or merge them into the base model "
+           "(save_pretrained(path, merge_adapters=True))" if layout.adapters is not None else
+           "the model's parameters do not match its class: save with pipe.save (pipetrain's checkpoint) or "
+           "export_state_dict instead")
+    raise ValueError(f"save_pretrained would write a directory {layout.model_class.__name__}.from_pretrained loads "
+                     f"with {len(missing)} missing weight(s) ({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}) "
+                     f"and {len(unexpected)} unexpected one(s) ({', '.join(unexpected[:3])}"
+                     f"{'...' if len(unexpected) > 3 else ''}): nothing was written; fix: {fix}")
 
 
 def own_tensors(stages: dict[int, nn.Module], layout: PretrainedLayout,
@@ -127,6 +162,26 @@ def write_index(root: Path, maps: list[tuple[dict[str, str], int]], total: int) 
         index = {"metadata": {"total_size": sum(size for _, size in maps)},
                  "weight_map": dict(sorted((k, v) for m, _ in maps for k, v in m.items()))}
         (root / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_adapters(path: str | os.PathLike, adapters: dict[str, torch.Tensor], layout: AdapterLayout,
+                  group: Any = None) -> Path:
+    """Write a PEFT model's adapter as peft's ``PeftModel.from_pretrained`` reads it: ``adapter_config.json`` and
+    ``adapter_model.safetensors``. ``adapters`` is this process's share (names as peft writes them); adapters are
+    small, so the first rank gathers every share and writes the file."""
+    root = Path(path)
+    shares = [adapters]
+    if group is not None:
+        shares = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, {k: t.detach().cpu() for k, t in adapters.items()}, group=group)
+    if group is None or dist.get_rank(group) == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        tensors = {k: t.detach().to("cpu", copy=True).contiguous() for share in shares for k, t in share.items()}
+        save_file(tensors, str(root / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        layout.config.save_pretrained(str(root))
+    if group is not None:
+        dist.barrier(group=group)
+    return root
 
 
 def save_pretrained(path: str | os.PathLike, tensors: dict[str, torch.Tensor], layout: PretrainedLayout,

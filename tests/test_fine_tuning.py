@@ -1,0 +1,136 @@
+"""Fine-tuning a Hugging Face language model: its own activation checkpointing becomes recomputation, and a
+PEFT (LoRA) model wraps with its default config and trains only its adapters. Each against the unsplit
+model trained with gradient accumulation over the same micro-batches (fp32, 1e-5 relative as in
+test_language_models)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import pipetrain
+from language_models import build_language_model, lm_loss, token_batch
+
+MICRO, STEPS = 2, 3
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def batches():
+    return [token_batch(8, seed) for seed in range(1, STEPS + 1)]
+
+
+def unsplit(model):
+    opt = sgd([p for p in model.parameters() if p.requires_grad])
+    for x, y in batches():
+        opt.zero_grad()
+        for i in range(MICRO):
+            part = slice(i * 4, (i + 1) * 4)
+            (lm_loss(model(**{k: v[part] for k, v in x.items()}), y[part]) / MICRO).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def piped(model, stages, **options):
+    pipe = pipetrain.wrap(model, token_batch(2, 0)[0], stages=stages, micro_batches=MICRO, partitioner="uniform",
+                          profile=False, engine="local", loss_fn=lm_loss, optimizer=sgd, **options)
+    for x, y in batches():
+        pipe.step(x, y)
+    return pipe
+
+
+def assert_close(state, expected):
+    assert state.keys() == expected.keys()
+    for k, v in expected.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-7, msg=k)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hugging_face_gradient_checkpointing_becomes_recomputation(reentrant):
+    expected = unsplit(build_language_model("llama"))
+    model = build_language_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    with pytest.warns(UserWarning, match="recompute='always'"):
+        pipe = piped(model, 2)
+    assert pipe.options.recompute == "always"
+    assert model.is_activation_checkpointing  # the user's model is as it was given
+    assert_close(pipe.state_dict(), expected)
+    plain = piped(build_language_model("llama"), 2)
+    kept, all_kept = pipe.last_result.activation_bytes, plain.last_result.activation_bytes
+    # Activations held between a micro-batch's forward and backward: the stages with micro-batches in flight keep
+    # only their inputs; the last one runs each backward right after its forward, so recomputing saves nothing there.
+    assert kept[0] < all_kept[0] / 1.5 and kept[-1] <= all_kept[-1], (kept, all_kept)
+
+
+def test_an_explicit_recompute_setting_is_kept():
+    model = build_language_model("llama")
+    model.gradient_checkpointing_enable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = piped(model, 2, recompute="except-last")
+    assert pipe.options.recompute == "except-last"
+
+
+# ----- PEFT (LoRA) -------------------------------------------------------------------------------------
+
+def lora(seed=0):
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    model = get_peft_model(build_language_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # LoRA starts with B = 0: give B values so the adapters change the logits from step 0
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lora_pipe():
+    """A LoRA pipeline (the model's default config: use_cache on) trained 3 steps, and the unsplit one."""
+    expected = unsplit(lora())
+    return piped(lora(), 2), expected
+
+
+def test_a_peft_model_wraps_with_its_default_config_and_trains_only_its_adapters(lora_pipe):
+    pipe, expected = lora_pipe
+    assert_close(pipe.state_dict(), expected)
+    for stage in pipe.held_stages.values():
+        names = {id(p): n for n, p in stage.module.named_parameters()}
+        stepped = [names[id(p)] for g in stage.optimizer.param_groups for p in g["params"]]
+        assert stepped and all(".lora_" in n for n in stepped), stepped
+
+
+def test_save_pretrained_of_a_peft_pipeline_writes_what_peft_loads(lora_pipe, tmp_path):
+    from peft import PeftModel
+    pipe, _ = lora_pipe
+    pipe.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    loaded = PeftModel.from_pretrained(build_language_model("llama"), tmp_path).eval()
+    x = token_batch(3, 9)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**x).logits, pipe.predict(x).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_merged_adapters_load_into_the_base_class_with_the_logits_of_predict(lora_pipe, tmp_path):
+    from transformers import LlamaForCausalLM
+    pipe, _ = lora_pipe
+    pipe.save_pretrained(tmp_path, merge_adapters=True)
+    loaded, info = LlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    x = token_batch(3, 9)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(**x).logits, pipe.predict(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_save_pretrained_refuses_names_its_class_would_not_load(tmp_path):
+    model = build_language_model("llama")
+    model.extra = torch.nn.Linear(2, 2)  # a parameter LlamaForCausalLM does not have: it would be dropped
+    pipe = pipetrain.wrap(model, token_batch(2, 0)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
+                          profile=False, engine="local", loss_fn=lm_loss, optimizer=sgd)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM.from_pretrained loads with 0 missing weight\(s\) \(\) "
+                                         r"and 2 unexpected one\(s\) \(extra.bias, extra.weight\)"):
+        pipe.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
