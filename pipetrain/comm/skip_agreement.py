@@ -62,12 +62,13 @@ class LocalOverflowAgreement:
             host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
             found = [self.flags[t][d] for d in range(self.devices)]
             here = found[0][0].device
-            code = torch.stack([f.to(here) for f, _ in found]).amax(0).tolist()
-            norm = None
-            if all(n is not None for _, n in found):
+            code = torch.stack([f.to(here) for f, _ in found]).amax(0).double()
+            measured = all(n is not None for _, n in found)
+            if measured:
                 parts = torch.stack([n.reshape(1).to(here, torch.float64) for _, n in found])
-                norm = float(combine_norm_parts(parts, self.largest_norm)[0])
-            self.codes[t] = (code, norm)
+                code = torch.cat([code, combine_norm_parts(parts, self.largest_norm)])
+            read = code.tolist()  # one host read for the decision and the norm
+            self.codes[t] = (read[:-1], read[-1]) if measured else (read, None)
         code, norm = self.codes[t]
         self.read[t] = self.read.get(t, 0) + 1
         if self.read[t] == self.devices:
