@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pipetrain
+from dist_harness import run_world
 from language_models import build_language_model, lm_loss, token_batch
 
 MICRO, STEPS = 2, 3
@@ -87,20 +88,25 @@ def lora(seed=0):
     return model
 
 
-@pytest.fixture(scope="module")
-def lora_pipe():
-    """A LoRA pipeline (the model's default config: use_cache on) trained 3 steps, and the unsplit one."""
+@pytest.fixture(scope="module", params=[2, 4])
+def lora_pipe(request):
+    """A LoRA pipeline (the model's default config: use_cache on) trained 3 steps on 2 and 4 stages, and the
+    unsplit one."""
     expected = unsplit(lora())
-    return piped(lora(), 2), expected
+    return piped(lora(), request.param), expected
 
 
 def test_a_peft_model_wraps_with_its_default_config_and_trains_only_its_adapters(lora_pipe):
     pipe, expected = lora_pipe
     assert_close(pipe.state_dict(), expected)
+    stepped = []
     for stage in pipe.held_stages.values():
         names = {id(p): n for n, p in stage.module.named_parameters()}
-        stepped = [names[id(p)] for g in stage.optimizer.param_groups for p in g["params"]]
-        assert stepped and all(".lora_" in n for n in stepped), stepped
+        if stage.optimizer is None:  # a stage without adapters (4 stages: the embedding's) has no optimizer at all
+            assert not any(p.requires_grad for p in stage.module.parameters())
+            continue
+        stepped += [names[id(p)] for g in stage.optimizer.param_groups for p in g["params"]]
+    assert len(stepped) == 8 and all(".lora_" in n for n in stepped), stepped  # 2 layers x (q, v) x (A, B)
 
 
 def test_save_pretrained_of_a_peft_pipeline_writes_what_peft_loads(lora_pipe, tmp_path):
@@ -123,6 +129,30 @@ def test_merged_adapters_load_into_the_base_class_with_the_logits_of_predict(lor
     x = token_batch(3, 9)[0]
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(**x).logits, pipe.predict(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def distributed_lora(rank, world, out):
+    """2 gloo ranks: the LoRA pipeline trained, its adapter and its merged model written, every rank its share."""
+    pipe = pipetrain.wrap(lora(), token_batch(2, 0)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
+                          profile=False, engine="distributed", loss_fn=lm_loss, optimizer=sgd)
+    for x, y in batches():
+        pipe.step(x, y)
+    pipe.save_pretrained(f"{out}/adapter")
+    pipe.save_pretrained(f"{out}/merged", merge_adapters=True)
+    return pipe.predict(token_batch(3, 9)[0]).logits
+
+
+def test_two_ranks_write_the_adapter_and_the_merged_model_that_load_with_the_logits_of_predict(tmp_path):
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+    logits = run_world(2, "test_fine_tuning", "distributed_lora", tmp_path / "ranks", str(tmp_path))
+    assert torch.equal(logits[0], logits[1])
+    x = token_batch(3, 9)[0]
+    with torch.no_grad():
+        adapter = PeftModel.from_pretrained(build_language_model("llama"), tmp_path / "adapter").eval()(**x).logits
+        merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()(**x).logits
+    torch.testing.assert_close(adapter, logits[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged, logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_save_pretrained_refuses_names_its_class_would_not_load(tmp_path):
