@@ -561,6 +561,28 @@ def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
     return posted["result"].step
 
 
+def found_everywhere(pipe: PipelineView, path: str | os.PathLike) -> bool:
+    """Whether every rank finds a checkpoint under ``path`` (False: none does); a rank that finds one where
+    another does not (a directory not shared by every machine) or finds a damaged one raises on every rank."""
+    role = pipe.role
+    posted, own = _attempt(lambda: (latest(path) is not None, str(path)), role.rank)
+    found = role.agree(f"resume from {path}", posted, _one_answer)
+    if found["failures"]:
+        _raise_failed("resume", found["failures"], own, role,
+                      "No rank loaded anything: give every rank the same checkpoint directory (one every machine "
+                      "can read), or start over in a new directory.")
+    return found["found"]
+
+
+def _one_answer(outcomes: list[dict]) -> dict:
+    failures = _failures(outcomes)
+    answers = [o["result"] for o in outcomes]
+    if not failures and len({found for found, _ in answers}) > 1:
+        failures = [(r, f"finds {'a checkpoint' if found else 'none'} under {where}")
+                    for r, (found, where) in enumerate(answers)]
+    return {"failures": failures, "found": not failures and answers[0][0]}
+
+
 @dataclass
 class _CheckedLoad:
     """A checkpoint read and checked for this process's stages, not yet applied."""

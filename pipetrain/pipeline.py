@@ -124,8 +124,9 @@ class Pipeline:
             reducer.share_updates()  # ZeRO with a predicting policy: v of the loaded state, from each owner
 
     def resume(self, path: str | os.PathLike) -> bool:
-        """Load the newest checkpoint under ``path`` if there is one (``--resume auto``); True if it did."""
-        if ckpt.latest(path) is None:
+        """Load the newest checkpoint under ``path`` if there is one (``--resume auto``); True if it did. Every
+        rank takes the same decision: if some see a checkpoint there and others do not, all raise."""
+        if not ckpt.found_everywhere(self._checkpoint_view(), path):
             return False
         self.load(path)
         return True

@@ -190,6 +190,11 @@ def checkpoint_scenarios(rank, world, root):
     pipe.load(old)  # the old checkpoint still loads, exactly
     out["old checkpoint loads"] = _state_digest(pipe) == saved and pipe.updates == 1
 
+    # A checkpoint directory that only rank 0 sees (as on machines that do not share it): no rank resumes alone.
+    elsewhere = root.parent / f"empty-on-rank{rank}"
+    out["resume seen by rank 0 only"] = _refusal(lambda: pipe.resume(root if rank == 0 else elsewhere))
+    out["resume where no rank finds one"] = pipe.resume(elsewhere)
+
     adam = _new(rank, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3))
     out["another optimizer"] = _refusal(lambda: adam.load(old))
     slower = _new(rank, optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
@@ -237,6 +242,14 @@ def test_a_refused_load_is_refused_by_every_rank_and_changes_no_state(checkpoint
     assert messages[0] == messages[1], messages  # rank 0 could read its own file, yet it loads nothing either
     assert re.search(expected, messages[0]) and "No rank loaded anything" in messages[0], messages[0]
     assert all(checkpoints[r][f"unchanged after {case}"] for r in range(2))
+
+
+def test_a_checkpoint_only_some_ranks_see_is_resumed_by_none(checkpoints):
+    messages = [checkpoints[r]["resume seen by rank 0 only"] for r in range(2)]
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("resume failed on 2 ranks:\n  rank 0: finds a checkpoint under "), messages[0]
+    assert "\n  rank 1: finds none under " in messages[0] and "empty-on-rank1" in messages[0], messages[0]
+    assert all(checkpoints[r]["resume where no rank finds one"] is False for r in range(2))
 
 
 def test_resuming_with_another_optimizer_class_is_refused_and_hyper_parameters_follow_the_checkpoint(checkpoints):
