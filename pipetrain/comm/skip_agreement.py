@@ -45,13 +45,13 @@ class LocalOverflowAgreement:
         self.devices = devices
         self.describe = describe
         self.largest_norm = largest_norm
-        self.flags: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = {}
-        self.codes: dict[int, tuple[list[float], float | None]] = {}
+        self.flags: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.codes: dict[int, tuple[list[float], float]] = {}
         self.read: dict[int, int] = {}
 
-    def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None = None,
-              norm_part: torch.Tensor | None = None) -> Generator[str, None, Agreed]:
-        """This device's flags (and gradient-norm part) for mini-batch t; waits (BLOCKED) for every device, returns
+    def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None,
+              norm_part: torch.Tensor) -> Generator[str, None, Agreed]:
+        """This device's flags and gradient-norm part for mini-batch t; waits (BLOCKED) for every device, returns
         the first reporters and the combined norm part. No ``report``: one process has nothing to sum over ranks."""
         if t not in self.flags:
             self.flags[t] = {}
@@ -63,12 +63,9 @@ class LocalOverflowAgreement:
             found = [self.flags[t][d] for d in range(self.devices)]
             here = found[0][0].device
             code = torch.stack([f.to(here) for f, _ in found]).amax(0).double()
-            measured = all(n is not None for _, n in found)
-            if measured:
-                parts = torch.stack([n.reshape(1).to(here, torch.float64) for _, n in found])
-                code = torch.cat([code, combine_norm_parts(parts, self.largest_norm)])
-            read = code.tolist()  # one host read for the decision and the norm
-            self.codes[t] = (read[:-1], read[-1]) if measured else (read, None)
+            parts = torch.stack([n.reshape(1).to(here, torch.float64) for _, n in found])
+            read = torch.cat([code, combine_norm_parts(parts, self.largest_norm)]).tolist()  # one host read
+            self.codes[t] = (read[:-1], read[-1])
         code, norm = self.codes[t]
         self.read[t] = self.read.get(t, 0) + 1
         if self.read[t] == self.devices:
@@ -96,8 +93,8 @@ class LocalOverflowAgreement:
 
 
 class DistributedOverflowAgreement:
-    """One collective over ``group`` (all ranks), blocking at STEP t: an all-reduce (MAX) of every rank's flags,
-    or with a step report or a gradient-norm part a sum with the flags as its maximised part."""
+    """One collective over ``group`` (all ranks), blocking at STEP t: a sum of the step report and the gradient-norm
+    parts with the flags as its maximised part (an async stream's background agreement: an all-reduce, ``post``)."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
                  describe: Callable[[int], str] = lambda r: f"rank {r}", largest_norm: bool = False):
@@ -109,38 +106,29 @@ class DistributedOverflowAgreement:
         self.describe = describe
         self.recorder = recording.active()  # None unless a test records what is posted
 
-    def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None = None,
-              norm_part: torch.Tensor | None = None) -> Generator[str, None, Agreed]:
+    def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None,
+              norm_part: torch.Tensor) -> Generator[str, None, Agreed]:
         """This rank's flags for mini-batch t, maximised over every rank; returns the first reporters,
-        ``report`` summed over every rank and the gradient-norm parts combined, all in the same exchange."""
-        code = flags.detach().to(self.device, torch.float32) * (self.size - self.rank)
+        ``report`` summed over every rank and the gradient-norm parts combined, all in one exchange: the summed
+        part is [report..., norm (a p-th power)], the maximised one [flags..., norm (the inf-norm's)]."""
+        code = flags.detach().to(self.device, torch.float64) * (self.size - self.rank)
         if self.recorder is not None:
             self.recorder.collective("agreement", list(range(self.size)), self.rank)
         yield from ()
-        if report is None and norm_part is None:
-            with self._peers_answer(t):
-                dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
-            host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
-            return Agreed(_first(code.tolist(), self.size))
-        summed = [report] if report is not None else []
-        maximised = [code.to(torch.float64)]
-        if norm_part is not None:  # the inf-norm's part is maximised, a p-norm's (a p-th power) summed
-            part = norm_part.detach().reshape(1).to(self.device, torch.float64)
-            (maximised if self.largest_norm else summed).append(part)
-        summed_size = sum(x.numel() for x in summed)
+        norm = norm_part.detach().reshape(1).to(self.device, torch.float64)
+        reported = [report.to(self.device, torch.float64)] if report is not None else []
+        summed = reported + ([] if self.largest_norm else [norm])
+        maximised = [code] + ([norm] if self.largest_norm else [])
         # Waited on at once, so the broadcast can share the group (nothing else is in flight on it).
-        exchange = SumExchange(torch.cat([x.to(self.device, torch.float64) for x in summed + maximised]), self.group,
-                               self.group, maximised=sum(x.numel() for x in maximised))
+        exchange = SumExchange(torch.cat(summed + maximised), self.group, self.group,
+                               maximised=sum(x.numel() for x in maximised))
         with self._peers_answer(t):
             total = exchange.wait().tolist()
         host_sync.note("skip-or-step decision and step report" if report is not None else "skip-or-step decision")
-        k = code.numel()
-        norm = None
-        if norm_part is not None:
-            norm = total[-1] if self.largest_norm else total[summed_size - 1]
-        report_size = report.numel() if report is not None else 0
-        return Agreed(_first(total[summed_size:summed_size + k], self.size), total[:report_size] if report is not None
-                      else None, norm)
+        at = sum(x.numel() for x in summed)  # where the flags start
+        first = _first(total[at:at + code.numel()], self.size)
+        reported_total = total[:report.numel()] if report is not None else None
+        return Agreed(first, reported_total, total[-1] if self.largest_norm else total[at - 1])
 
     def post(self, t: int, position: int, flags: torch.Tensor) -> Callable[[], list[int | None]]:
         """The same all-reduce, started without waiting; the returned call waits and decodes it."""

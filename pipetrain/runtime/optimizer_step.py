@@ -41,12 +41,11 @@ class TiedSync(Protocol):
 class Agreed:
     """The skip-or-step decision: per flag, the first device that raised it anywhere (None: no device
     did), the sum over ranks of the report that rode in the agreement's exchange (None without one), and
-    every device's gradient-norm part combined (summed p-th powers, or the largest for the inf-norm; None
-    when none was given)."""
+    every device's gradient-norm part combined (summed p-th powers, or the largest for the inf-norm)."""
 
     first: list[int | None]
     report: list[float] | None = None
-    norm: float | None = None
+    norm: float = math.nan
 
 
 class OverflowAgreement(Protocol):
@@ -56,12 +55,13 @@ class OverflowAgreement(Protocol):
     non-finite losses]) and returns, per flag, the index of the first device (``where`` describes
     it) that raised it anywhere, or None where no device did; a ``report`` (a float64 vector, across
     processes only) is summed over every rank in the same exchange, so a sync step waits for one
-    collective, not two. ``abandon`` drops what is kept for a step that raised before every device
+    collective, not two, and so is this device's ``norm_part`` of the global gradient norm (GradientNorm.part;
+    maximised for the inf-norm). ``abandon`` drops what is kept for a step that raised before every device
     read the decision.
     """
 
-    def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None = None,
-              norm_part: torch.Tensor | None = None) -> Generator[str, None, Agreed]: ...
+    def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None,
+              norm_part: torch.Tensor) -> Generator[str, None, Agreed]: ...
 
     def where(self, index: int) -> str: ...
 
@@ -184,7 +184,8 @@ class OptimizerStep:
         agreed = yield from self.agreement.agree(t, self.position, flags, vector,
                                                  self.grad_norm.part(params, self.device))
         norm = self.grad_norm.total(agreed.norm)
-        self.grad_norms[t] = norm
+        if self.stream:  # a sync step hands its norm to its report (report.agreed)
+            self.grad_norms[t] = norm
         first = agreed.first
         overflow = self.scaler is not None and first[GRADS] is not None
         bad = first[LOSSES] is not None or (self.scaler is None and first[GRADS] is not None)
