@@ -21,6 +21,9 @@ from pipetrain.runtime.executor import DeviceExecutor, Recompute, drive
 from pipetrain.runtime.feed import Feed, StreamFeed
 from pipetrain.runtime.interrupts import interrupts_after_commit
 from pipetrain.runtime.metrics import StepResult, TensorBoardLog
+from pipetrain.runtime.nonfinite import NonFiniteError
+from pipetrain.runtime.topology import ACT, Link
+from schedules import ActionKind
 from schedules.nccl_order import posted_batches
 
 
@@ -123,6 +126,21 @@ class Runner:
         self._start(stream=True)
         start = time.perf_counter()
         pending: list[tuple] = []
+        try:
+            yield from self._stream_results(feed, executors, runs, start, pending)
+        except NonFiniteError:
+            # Every rank raises at the same STEP; what its peers take before theirs must still reach them.
+            self._deliver_before_step(min(ex.steps_done for ex in executors.values()))
+            raise
+        p.links.transport.flush()
+        for item in pending:
+            yield self._finish(p.links.reporter.collect(*item))
+
+    def _stream_results(self, feed: StreamFeed, executors: dict[int, DeviceExecutor], runs: dict,
+                        start: float, pending: list[tuple]) -> Iterator[StepResult]:
+        """Drive the stream; a StepResult per mini-batch once every rank's report of it is in (``pending``
+        keeps the ones still being summed); ends with the non-finite agreement of the last step read."""
+        p = self.parts
         reported = 0
         for _ in drive(runs):
             done = min(ex.steps_done for ex in executors.values())
@@ -142,9 +160,19 @@ class Runner:
                     yield self._finish(p.links.reporter.collect(*pending.pop(0)))
         for stepper in p.steppers.values():
             stepper.finish_stream()
-        p.links.transport.flush()
-        for item in pending:
-            yield self._finish(p.links.reporter.collect(*item))
+
+    def _deliver_before_step(self, step: int) -> None:
+        """Complete the sends whose receivers take them before their STEP ``step`` in this stream."""
+        p = self.parts
+        work: dict[int, set] = {}
+
+        def taken(link: Link, kind: str, micro_batch: int) -> bool:
+            stage, computation = (link.dst, ActionKind.FORWARD) if kind == ACT else (link.src, ActionKind.BACKWARD)
+            position = p.topology.position_of(stage)
+            if position not in work:
+                work[position] = p.schedules.stream_work_before_step(position, step)
+            return (computation, micro_batch) in work[position]
+        p.links.transport.deliver(taken)
 
     @torch.no_grad()
     def predict(self, x: Any) -> Any:

@@ -92,6 +92,14 @@ def _rank(rank, port, out, mode, world, victim):
             Path(out, f"error{rank}").write_text(f"{type(error).__name__}: {error}")
         pipe.step(*data("mlp", 8, seed=2))
         torch.save(pipe.state_dict(), Path(out, f"state{rank}.pt"))
+        # A second pipeline in the same process group fails in its turn: its errors are its own.
+        second = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd,
+                                partitioner="uniform", profile=False, engine="distributed", timeout=2.0)
+        bad[-1] = -5
+        try:
+            second.step(x, bad)
+        except Exception as error:  # noqa: BLE001
+            Path(out, f"second{rank}").write_text(f"{type(error).__name__}: {error}")
         os._exit(0)
     try:
         pipe.step(x, bad if mode == "bad-label" else y)
@@ -186,6 +194,10 @@ def test_every_rank_carries_on_after_a_step_that_raised_as_if_it_never_ran(tmp_p
     assert _run(tmp_path, "go-on", victim=None, world=2) == [0, 0]  # no victim: both ranks end by themselves
     assert (tmp_path / "error1").read_text().startswith("IndexError")
     assert "rank 1 raised IndexError" in (tmp_path / "error0").read_text()
+    # The second pipeline's failure names its own error (label -5), not the first pipeline's (99).
+    assert "-5" in (tmp_path / "second1").read_text()
+    second = (tmp_path / "second0").read_text()
+    assert second.startswith("PeerFailure") and "rank 1 raised IndexError" in second and "-5" in second, second
     reference = pipetrain.wrap(make("mlp"), data("mlp", 8)[0][:2], stages=2, micro_batches=4, optimizer=sgd,
                                partitioner="uniform", profile=False, engine="local")
     for seed in (1, 2):

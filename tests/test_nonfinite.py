@@ -1,13 +1,21 @@
 """Non-finite losses and gradients: nonfinite="raise" stops every rank naming step, stage and parameter;
 nonfinite="skip" skips the update on every stage and replica alike (local engine, 2 ranks; the 2x2
 hybrid case lives in test_hybrid.py, which shares its 4-process start-up)."""
+import gc
+import itertools
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import pipetrain
+from pipetrain.assembly.schedule_book import ScheduleBook
+from pipetrain.comm.consensus import default_store
 from pipetrain.runtime.staleness import VersionStore
 from dist_harness import run_world
 from runtime_models import data, make, sgd
+from schedules import ActionKind
 
 NAN = float("nan")
 
@@ -202,6 +210,48 @@ def async_raise(engine, stages):
     return results, error, name, finite, {v: rt.policy.updates for v, rt in pipe.held_stages.items()}
 
 
+def async_raise_then_drop(world):
+    """async_raise on 2 ranks where rank 1 drops its pipeline as soon as it raised, before rank 0 even posted
+    its receive of the gradients of micro-batch 7 it still needs to reach the STEP where it raises too: rank
+    0's forward of micro-batch 8 (which comes first) waits until rank 1 either dropped the pipeline or began
+    to deliver what its peer still takes. Returns the error as text (a PeerFailure too) and the (kind,
+    micro-batch) of the sends pending when the rank raised and of those it left undelivered."""
+    store = default_store()
+    released = "test_nonfinite/rank-1-released"
+    pipe = wrap("distributed", stages=world, schedule="async-1f1b", staleness="stash")
+    m = pipe.options.micro_batches
+    rank = dist.get_rank()
+    if rank == 0:
+        forwards = itertools.count()
+
+        def hold(module, args):
+            if next(forwards) == 4 * m:
+                store.wait([released], timedelta(seconds=120))
+        pipe.held_stages[0].module.register_forward_pre_hook(hold)
+    else:
+        poison(pipe, 1, lambda g: g // m == 2)
+    transport = pipe._parts.links.transport
+    deliver, sends = transport.deliver, {}
+
+    def recorded(taken):
+        if rank == 1:
+            store.set(released, "delivering")
+        sends["pending"] = {e[3][1:] for e in transport.pending_sends}
+        deliver(taken)
+        sends["left"] = {e[3][1:] for e in transport.pending_sends}
+    transport.deliver = recorded
+    try:
+        results, error = [r.step for r in pipe.train(batches(steps=6))], None
+    except (pipetrain.NonFiniteError, pipetrain.PeerFailure) as e:
+        results, error = None, f"{type(e).__name__}: {e}"
+    finally:
+        if rank == 1:
+            del pipe, transport
+            gc.collect()
+            store.set(released, "dropped")
+    return results, error, sends
+
+
 def loss_raise(engine, stages):
     """A NaN in one sample of mini-batch 1 (bad data): the loss itself is NaN at step 2."""
     pipe = wrap(engine, stages=stages)
@@ -221,6 +271,7 @@ def loss_raise(engine, stages):
 def world2(rank, world):
     return {"skip": sync_run("distributed", world, "skip"), "raise": sync_run("distributed", world, "raise"),
             "async": async_stash("distributed", world), "async-raise": async_raise("distributed", world),
+            "async-raise-then-drop": async_raise_then_drop(world),
             "async-bf16": async_stash("distributed", world, precision="bf16"),
             "loss-raise": loss_raise("distributed", world)}
 
@@ -308,6 +359,34 @@ def test_async_stream_raises_on_every_rank_without_waiting_at_each_step(two_rank
         assert updates == {rank: 2 if rank == 1 else 3}, (rank, updates)
     assert f"stage 1, parameter {name!r}" in two_ranks[1]["async-raise"][1]
     assert "found by rank 1 (stage 1, replica 0)" in two_ranks[0]["async-raise"][1]
+
+
+def test_an_async_raise_reaches_every_rank_when_the_first_to_raise_drops_its_pipeline(two_ranks, one_thread):
+    # Rank 1 raises at its STEP 3 once it sent micro-batch 7's gradients; rank 0 needs them to reach its own
+    # STEP 3. On gloo a send whose work is dropped before the receive is posted is lost, so rank 1 must see
+    # them delivered before it lets the caller drop the pipeline (or end the process).
+    # What each rank delivers is what its peer takes before its own STEP 3: rank 1 every gradient up to
+    # micro-batch 7; rank 0 the activations up to micro-batch 7, not 8's (rank 1 runs F8 after STEP 3).
+    for rank in range(2):
+        results, error, _ = two_ranks[rank]["async-raise-then-drop"]
+        assert results is None and error.startswith("NonFiniteError: "), (rank, error)
+        assert "optimizer step 3 (mini-batch 2 of this train() stream)" in error, error
+    rank0, rank1 = two_ranks[0]["async-raise-then-drop"][2], two_ranks[1]["async-raise-then-drop"][2]
+    assert ("act", 7) in rank0["pending"] and rank0["left"] == {("act", 8)}, rank0
+    assert ("grad", 7) in rank1["pending"] and rank1["left"] == set(), rank1
+
+
+def test_a_stream_position_computes_before_its_step_what_1f1b_counts():
+    # The messages a raising rank still delivers: position k of p runs the forwards up to L + p - k - 1 and
+    # the backwards up to L before its STEP t, L being mini-batch t's last micro-batch.
+    p, m = 4, 2
+    book = ScheduleBook("async-1f1b", p, m, 1, data_parallel=False)
+    for k in range(p):
+        for t in range(4):
+            last = (t + 1) * m - 1
+            expected = {(ActionKind.FORWARD, g) for g in range(last + p - k)} | {
+                (ActionKind.BACKWARD, g) for g in range(last + 1)}
+            assert book.stream_work_before_step(k, t) == expected, (k, t)
 
 
 def test_async_stream_in_one_process_raises_before_any_stage_applies_the_step():

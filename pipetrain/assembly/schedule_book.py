@@ -82,6 +82,17 @@ class ScheduleBook:
         actions = schedules.async_1f1b_actions(position, self.positions, self.micro_batches, has)
         return schedules.stream_with_reductions(actions) if self.data_parallel else actions
 
+    def stream_work_before_step(self, position: int, step: int) -> set[tuple[ActionKind, int]]:
+        """async-1f1b: the (FORWARD or BACKWARD, micro-batch) computations position ``position`` runs before its
+        STEP ``step``, as a stream long enough to reach it runs them."""
+        done = set()
+        for a in schedules.async_1f1b_actions(position, self.positions, self.micro_batches, lambda t: True):
+            if a.kind == ActionKind.STEP and a.micro_batch == step:
+                return done
+            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                done.add((a.kind, a.micro_batch))
+        raise AssertionError("an endless stream reaches every STEP")
+
     def forward_only(self, micro_batches: int) -> list[list[Action]]:
         """predict: the forwards of GPipe with the same stage placement (any m works, unlike
         interleaved-1f1b, which needs m divisible by stages: a short last batch need not be)."""

@@ -149,10 +149,13 @@ class DistributedEngine:
         self.receive_ahead = options.receive_ahead
         self.reduction = ReductionSettings.of(options) if options.data_parallel > 1 else None
         self.rank = dist.get_rank()
-        self.failures = FailureBoard(self.rank)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.consensus = Consensus(default_store(), self.rank, dist.get_world_size(), options.timeout,
-                                   f"pipetrain/attempt-{attempt}/pipeline-{next(_PIPELINES)}")
+        # Keys of their own per pipeline and torchrun attempt: a later pipeline in the same process group
+        # must not read an earlier one's posts.
+        keys = f"pipetrain/attempt-{attempt}/pipeline-{next(_PIPELINES)}"
+        store = default_store()
+        self.failures = FailureBoard(store, self.rank, keys)
+        self.consensus = Consensus(store, self.rank, dist.get_world_size(), options.timeout, keys)
 
     def agree_on_setup(self, fingerprint: dict[str, str], rule: Callable[[list[dict[str, str]]], str | None]) -> None:
         """Every rank posts what it is about to train (``fingerprint``); ``rule`` names what differs. Any

@@ -8,29 +8,24 @@ import torch.distributed as dist
 
 from pipetrain.comm.transport import PeerFailure
 
-_KEY = "pipetrain/failed-step/{}"
-
 
 class FailureBoard:
     """Posts and reads the first error of each failed step; ``failures`` counts them alike on every rank
-    (each failure makes every rank raise once), so that all ranks use the same key."""
+    (each failure makes every rank raise once), so that all ranks use the same key under ``prefix`` (one
+    pipeline's: another pipeline's failures are not this one's)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, store: dist.Store, rank: int, prefix: str):
+        self.store = store
         self.rank = rank
+        self.prefix = prefix
         self.failures = 0
-        # torch.distributed offers the process group's store only through this accessor; without one
-        # (a process group made without a store) the peers' errors just name what they waited for.
-        try:
-            self.store = dist.distributed_c10d._get_default_store()
-        except (RuntimeError, ValueError):
-            self.store = None
 
     def explain(self, error: BaseException) -> BaseException:
         """What to raise for ``error``: a PeerFailure gains the first error posted for this failure;
         any other error is posted (first writer wins) and raised as it is."""
-        key = _KEY.format(self.failures)
+        key = f"{self.prefix}/failed-step/{self.failures}"
         self.failures += 1
-        if self.store is None or isinstance(error, GeneratorExit):
+        if isinstance(error, GeneratorExit):
             return error
         try:
             if isinstance(error, PeerFailure):

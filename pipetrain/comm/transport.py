@@ -66,6 +66,9 @@ class LocalTransport:
     def flush(self) -> None:
         pass
 
+    def deliver(self, taken: Callable[[Link, str, int], bool]) -> None:
+        """In one process a send is complete once made."""
+
     def abandon(self) -> None:
         """A step raised: drop the messages nobody will take (their micro-batch numbers come again)."""
         self.messages.clear()
@@ -118,7 +121,8 @@ class DistributedTransport:
         self.agreed_sent = AgreedShapes(KEPT_SHAPES)
         self.agreed_received = AgreedShapes(KEPT_SHAPES)
         self.sent_meta: dict[tuple[int, int], tuple] = {}  # (link, micro-batch) -> activation meta, for its gradient
-        self.pending_sends: list[tuple[_Posted, list, list]] = []  # (its group, tensors kept alive, recorded ids)
+        # (its group, tensors kept alive, recorded ids, (link, kind, micro-batch) of the message)
+        self.pending_sends: list[tuple[_Posted, list, list, tuple[Link, str, int]]] = []
         self.posted: dict[tuple, tuple] = {}  # (link, kind, micro-batch) -> (its group, buffers, meta, recorded ids)
         self.deferred: list[Message] = []  # receives to post ahead whose shapes were not agreed: due next exchange
         self.recorder = recording.active()  # None unless a test records what is posted
@@ -206,7 +210,7 @@ class DistributedTransport:
                 message = self._message("header", link, m.micro_batch)
                 works = batch.add(batch.headers, comm, dist.P2POp(dist.isend, header, peer, group),
                                   self._op(True, peer, message))
-                self.pending_sends.append((works, [header], self._recorded(message)))
+                self.pending_sends.append((works, [header], self._recorded(message), (link, kind, m.micro_batch)))
             elif agreed != meta:
                 raise RuntimeError(
                     f"boundary values {link.names} from stage {link.src} to {link.dst} changed shape or "
@@ -222,7 +226,7 @@ class DistributedTransport:
                               self._op(True, peer, message, i))
         src = link.src if kind == ACT else link.dst
         self.counter.add(COMM_KIND[kind], src, sum(t.numel() * t.element_size() for t in tensors))
-        self.pending_sends.append((works, tensors, self._recorded(message, len(tensors))))
+        self.pending_sends.append((works, tensors, self._recorded(message, len(tensors)), (link, kind, m.micro_batch)))
 
     def _known_meta(self, m: Message) -> tuple | None:
         """The metadata of a message to receive, or None when a header must bring it."""
@@ -288,7 +292,7 @@ class DistributedTransport:
             self._wait_sent(self.pending_sends.pop(0))
 
     def _wait_sent(self, entry: tuple) -> None:
-        works, _, recorded = entry
+        works, _, recorded, _ = entry
         if self.recorder is not None and recorded:
             self.recorder.wait(recorded)
         try:
@@ -342,6 +346,20 @@ class DistributedTransport:
             self._wait_sent(entry)
         self.pending_sends.clear()
         self.sent_meta.clear()  # a predict's activations get no gradient
+
+    def deliver(self, taken: Callable[[Link, str, int], bool]) -> None:
+        """Wait until the sends that their receivers will still ``taken(link, kind, micro_batch)`` have completed;
+        leave the others. For a raise every rank takes at the same point of an async stream: on gloo a send
+        whose work is dropped before its receiver posted the receive is lost, and the caller may drop this
+        pipeline (or end the process) right after the raise, while its peers still need those messages to
+        reach that point themselves."""
+        kept = []
+        for entry in self.pending_sends:
+            if taken(*entry[3]):
+                self._wait_sent(entry)
+            else:
+                kept.append(entry)
+        self.pending_sends = kept
 
     def abandon(self) -> None:
         """A step raised: drop the messages between this rank's own stages. Sends and receives posted to
