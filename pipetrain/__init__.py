@@ -8,6 +8,7 @@ look-ahead), in one process or one process per stage under torchrun.
 from importlib.metadata import version
 
 from pipetrain.api import wrap
+from pipetrain.assembly.parameter_names import parameter_name
 from pipetrain.checkpoint import CheckpointError, export_state_dict
 from pipetrain.comm.transport import PeerFailure
 from pipetrain.losses import model_loss
@@ -18,5 +19,6 @@ from pipetrain.pipeline import Pipeline
 from pipetrain.weights.errors import InitialisationError, WeightsError
 
 __all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult", "export_state_dict", "CheckpointError",
-           "NonFiniteError", "PeerFailure", "model_loss", "WeightsError", "InitialisationError"]
+           "NonFiniteError", "PeerFailure", "model_loss", "WeightsError", "InitialisationError",
+           "parameter_name"]
 __version__ = version("pipetrain")  # one source: pyproject.toml

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import partitioners
+from pipetrain.assembly.parameter_names import name_parameters
 from pipetrain.comm.replicas import device_owners, trainable
 from pipetrain.runtime.compiled import compile_arguments, compile_stage
 from pipetrain.runtime.optimizer_step import GradientNorm, OptimizerStep
@@ -74,6 +75,7 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         device = engine.torch_device(topology.position_of(v))
         if compiling is not None:
             compile_stage(module, compiling)
+        name_parameters(module)
         optimizer = make_optimizer(stepped_parameters(module, owners.get(v), engine), options.optimizer)
         read_by_policy = policy_optimizer(module, optimizer, options)
         policy = POLICIES[options.policy_name](module, read_by_policy, v, V,
