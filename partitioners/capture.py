@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import inspect
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -84,7 +85,7 @@ def export_capture(model: nn.Module, call: dict[str, Any], given: set[str]) -> f
     # allows and fixes the rest to the example's size; input_sizes records which, for a clear error.
     dynamic = {k: ({d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) and v.dim() > 0
                    else None) for k, v in call.items()}
-    with _symbolic_len():
+    with _symbolic_len(), _attention_masks_as_eager(given):
         program = torch.export.export(model, (), _unaliased(call), strict=False, dynamic_shapes=dynamic)
     limits = input_sizes.from_export(program)
     mixes_samples = input_sizes.outputs_mix_samples(program)
@@ -141,6 +142,35 @@ def _symbolic_len() -> Iterator[None]:
         yield
     finally:
         builtins.len = original
+
+
+@contextlib.contextmanager
+def _attention_masks_as_eager(given: set[str]) -> Iterator[None]:
+    """Hugging Face's mask builders decide as they do in eager mode while export traces, where no input
+    makes the decision depend on values.
+
+    Eager, a decoder given neither ``attention_mask`` nor ``position_ids`` builds no mask: SDPA runs with
+    ``is_causal=True`` and, with grouped-query attention, ``enable_gqa=True`` on the key/value heads as they
+    are. Under export the builders keep a mask (an exported program might later decode one token, where
+    ``is_causal`` is wrong; a pipeline's captured graph is the training forward alone) and so repeat the
+    key/value heads: the same values, rounded otherwise (2e-6 relative after 6 AdamW steps on a small
+    grouped-query Llama). The builders read ``position_ids`` for packed sequences: the model's own
+    (none given) are never packed. A mask given as input stays a mask: eager drops it only after
+    reading that no token is padded, a decision on values the captured graph cannot take."""
+    masking = sys.modules.get("transformers.masking_utils")  # imported with any Hugging Face model
+    if masking is None or not hasattr(masking, "is_torchdynamo_exporting") or "attention_mask" in given:
+        yield
+        return
+    exporting, packed = masking.is_torchdynamo_exporting, getattr(masking, "find_packed_sequence_indices", None)
+    masking.is_torchdynamo_exporting = lambda: False
+    if "position_ids" not in given and packed is not None:
+        masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting = exporting
+        if packed is not None:
+            masking.find_packed_sequence_indices = packed
 
 
 def _unaliased(call: dict[str, Any]) -> dict[str, Any]:

@@ -43,14 +43,12 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     The meta device only has the unfused math path, which saves the attention weights (sequence^2 per head)
     for the backward; the fused kernels CPUs and GPUs run save the inputs, the output and a log-sum-exp row.
-    The CPU's flash kernel has a meta implementation that saves just that. A mask that requires grad (T5's
+    The CPU's flash kernel has a meta implementation that saves just that; it takes grouped-query attention's
+    fewer key/value heads as they are (``enable_gqa``), as the real kernel does. A mask that requires grad (T5's
     learned position bias) is one no fused kernel takes: real devices run the math path then, as here."""
     if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                                 scale=scale, enable_gqa=enable_gqa)
-    if enable_gqa:  # the fused kernel takes as many key/value heads as query heads
-        repeat = query.size(-3) // key.size(-3)
-        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
     if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool:  # as the CPU kernel does: additive
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             attn_mask.logical_not(), float("-inf"))

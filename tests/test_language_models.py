@@ -11,9 +11,8 @@ Tolerances:
   which group a sum differently.
 - bf16 and fp16: both runs execute the same calls in the same dtypes (the capture records the model's
   own dtype code under the stages' autocast, and boundary values keep their dtype), so they differ
-  only where a sum is grouped or rounded at another point: an ATen decomposition, a gradient summed on
-  two stages, or Hugging Face's attention, which under torch.export repeats k/v per query head where
-  eager asks SDPA for grouped-query attention (the backward then sums each group outside the kernel).
+  only where a sum is grouped or rounded at another point: an ATen decomposition, or a gradient summed
+  on two stages (attention runs as eager runs it: partitioners.capture._attention_masks_as_eager).
   Each such difference changes an element by about one rounding to the low precision, a relative
   u = 2^-8 in bf16 (8 significant bits) and 2^-11 in fp16 (11). The loss averages over every
   position, so its relative difference stays far below u after a few steps: we allow u. Predictions
