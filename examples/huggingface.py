@@ -1,16 +1,20 @@
-"""Pretrain a small GPT-2- or Llama-style language model (Hugging Face transformers, from its config) on the offline text data.
+"""Pretrain or fine-tune a small GPT-2- or Llama-style language model (Hugging Face transformers) on the offline text data.
 
 Trained as language models are trained: in bf16 (``--precision`` changes it), on documents of different
-lengths, each batch padded to its longest one with an attention mask, and with the loss the model computes
-itself from ``labels`` (``pipetrain.model_loss``; padding is labelled -100, so it does not count). The model
-is passed to pipetrain.wrap as it is: torch.export captures it (its forward takes **kwargs, which torch.fx
-cannot), with the batch and sequence dimensions dynamic, so every batch length runs on the same stages.
+lengths that a collator pads to the longest of each batch (attention mask; padding labelled -100, so it does
+not count), with the loss the model computes itself from ``labels`` (``pipetrain.model_loss``), the global
+gradient norm clipped (``--max-grad-norm``) and the learning rate warmed up then decayed on a cosine
+(``--warmup``). The model is passed to pipetrain.wrap as it is: torch.export captures it (its forward takes
+**kwargs, which torch.fx cannot), with the batch and sequence dimensions dynamic, so every batch length runs
+on the same stages. ``--lora R`` fine-tunes LoRA adapters of rank R (peft) on the frozen model instead, and
+``--save-pretrained`` then writes the adapter, which ``PeftModel.from_pretrained`` loads.
 
     python examples/huggingface.py --model gpt2 --stages 2
     python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness stash
     python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness spectrain --precision fp32
     torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2 --save-pretrained out/gpt2
     torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2 --weights out/gpt2   # fine-tune it
+    python examples/huggingface.py --stages 2 --weights out/gpt2 --lora 8 --optimizer adam --save-pretrained out/adapter
 
 With ``--weights DIR`` (a Hugging Face directory: ``config.json`` and safetensors) the model is built from the
 directory's config on the meta device, as models too large for one process are: no process ever holds the
@@ -19,15 +23,15 @@ whole model, and each rank reads only its own stage's tensors from DIR.
 from __future__ import annotations
 
 import argparse
+import math
 import time
-from typing import Iterator
 
 import torch
 import transformers
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 import pipetrain
-from pipetrain.apps.datasets import dataset_info, load_dataset, make_loader
+from pipetrain.apps.datasets import dataset_info, load_dataset
 from pipetrain.apps.training import add_arguments, config_from_args, is_rank_zero, optimizer_factory
 
 # Tiny defaults: one epoch of the text data takes seconds on 2 CPU cores (like the other examples).
@@ -53,23 +57,54 @@ def document_length(index: int, longest: int) -> int:
     return longest // 2 + (index * 7919) % (longest - longest // 2 + 1)
 
 
-def padded_batch(dataset: Dataset, indices: list[int]) -> dict[str, torch.Tensor]:
-    """Samples cut to their document lengths and padded to the longest of this batch: the model's inputs,
-    labels included (the model shifts them by one itself)."""
-    texts = [dataset[i][0] for i in indices]
-    lengths = [document_length(i, len(t)) for i, t in zip(indices, texts)]
-    longest = max(lengths)
-    ids = torch.full((len(texts), longest), PAD, dtype=torch.long)
+class Documents(Dataset):
+    """Sample i of ``texts`` cut to its document length: one row of token ids, as a tokenizer gives them."""
+
+    def __init__(self, texts: Dataset):
+        self.texts = texts
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        text = self.texts[index][0]
+        return {"input_ids": text[:document_length(index, len(text))]}
+
+
+def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A causal-LM collator: rows padded to the longest of the batch, with their attention mask and labels
+    (the model shifts them by one itself; padding is -100)."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), longest), PAD, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for row, (text, n) in enumerate(zip(texts, lengths)):
-        ids[row, :n], mask[row, :n] = text[:n], 1
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n], mask[i, :n] = r["input_ids"], 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def batches(dataset: Dataset, order: list[int], size: int) -> Iterator[tuple[dict, None]]:
-    """(inputs, None) pairs: the labels are among the inputs."""
-    for start in range(0, len(order) - size + 1, size):
-        yield padded_batch(dataset, order[start:start + size]), None
+def loader(texts: Dataset, size: int, seed: int | None) -> DataLoader:
+    """Batches of ``size`` documents, shuffled by ``seed`` (None: in order): the same on every rank."""
+    order = torch.Generator().manual_seed(seed) if seed is not None else None
+    return DataLoader(Documents(texts), batch_size=size, shuffle=order is not None, generator=order,
+                      collate_fn=collate, drop_last=True)
+
+
+def with_lora(model: torch.nn.Module, rank: int, family: str) -> torch.nn.Module:
+    """LoRA adapters of rank ``rank`` on the attention projections; everything else frozen."""
+    import peft
+
+    targets = ["c_attn"] if family == "gpt2" else ["q_proj", "v_proj"]
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+
+
+def warmup_then_cosine(warmup: int, total: int):
+    """The learning-rate factor at update ``step``: linear warm-up over ``warmup`` updates, then a cosine to 0."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return factor
 
 
 @torch.no_grad()
@@ -77,7 +112,7 @@ def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, size: int) -> tuple[flo
     """Per-token validation loss and next-token accuracy over the real tokens (predict runs the model in
     eval mode: no dropout; its loss is the whole batch's)."""
     loss, correct, tokens = 0.0, 0, 0
-    for x, _ in batches(dataset, list(range(len(dataset))), size):
+    for x in loader(dataset, size, seed=None):
         out = pipe.predict(x)
         counted = x["labels"][:, 1:] != -100
         n = int(counted.sum())
@@ -94,6 +129,12 @@ def main(argv: list[str] | None = None) -> None:
                         "directory (from_pretrained loads it); every rank writes its own stage")
     parser.add_argument("--weights", metavar="DIR", help="fine-tune from this Hugging Face directory (config.json "
                         "and safetensors): the model is built on the meta device, each rank reads its own stage")
+    parser.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R on the "
+                        "frozen model (peft); --save-pretrained then writes the adapter")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm to this "
+                        "(0: no clipping)")
+    parser.add_argument("--warmup", type=int, default=10, help="updates of linear learning-rate warm-up, then a "
+                        "cosine decay to 0 at the last update")
     parser.set_defaults(precision="bf16")
     args = parser.parse_args(argv)
     c = config_from_args(args)
@@ -112,22 +153,28 @@ def main(argv: list[str] | None = None) -> None:
     else:
         torch.manual_seed(c.seed)  # the same initial weights on every rank and engine
         model = build(c.model, info.num_classes, width, depth, info.input_shape[0])
-    example = padded_batch(train, list(range(max(1, size // (c.micro_batches * c.data_parallel)))))
+    family = "gpt2" if "GPT2" in type(model).__name__ else "llama"
+    if args.lora:
+        model = with_lora(model, args.lora, family)
+    example = collate([Documents(train)[i] for i in range(max(1, size // (c.micro_batches * c.data_parallel)))])
+    updates = epochs * (len(train) // size)
     pipe = pipetrain.wrap(model, example, stages=c.stages, micro_batches=c.micro_batches, schedule=c.schedule,
                           staleness=c.staleness, partitioner=c.partitioner, loss_fn=pipetrain.model_loss, precision=c.precision,
                           data_parallel=c.data_parallel, logdir=c.logdir, seed=c.seed, weights=args.weights,
                           profile=c.partitioner in ("graph", "time"),
-                          optimizer=optimizer_factory(c.optimizer, lr, c.momentum))
+                          optimizer=optimizer_factory(c.optimizer, lr, c.momentum),
+                          lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+                              opt, warmup_then_cosine(args.warmup, updates)),
+                          max_grad_norm=args.max_grad_norm or None)
     val_log = None
     if c.logdir and is_rank_zero():
         from torch.utils.tensorboard import SummaryWriter
 
         val_log = SummaryWriter(c.logdir, filename_suffix=".val")
-    loader = make_loader(train, size, shuffle=True, seed=c.seed, drop_last=True)
     start = time.perf_counter()
     train_losses, val_losses, accuracies = [], [], []
     for epoch in range(epochs):
-        losses = [r.loss for r in pipe.train(batches(train, list(loader.sampler), size))]  # every rank, same order
+        losses = [r.loss for r in pipe.train(loader(train, size, seed=c.seed + epoch))]  # every rank, same order
         val_loss, val_accuracy = evaluate(pipe, val, size)
         train_losses.append(sum(losses) / len(losses))
         val_losses.append(val_loss)

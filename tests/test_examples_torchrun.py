@@ -49,3 +49,16 @@ def test_huggingface_example_fine_tunes_its_saved_model_under_torchrun(tmp_path)
     before = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained").state_dict()
     after = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "tuned").state_dict()
     assert set(before) == set(after) and any(not torch.equal(before[k], after[k]) for k in before)
+    # LoRA on the same pretrained model (built on meta, its base tensors read from the directory): the adapter it
+    # writes loads with peft onto the pretrained model, trained (B moved from its zeros).
+    adapted = subprocess.run([sys.executable, str(EXAMPLES / "huggingface.py"), *common, "--schedule", "1f1b",
+                              "--weights", str(tmp_path / "pretrained"), "--lora", "4", "--optimizer", "adam",
+                              "--save-pretrained", str(tmp_path / "adapter")],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert adapted.returncode == 0, adapted.stderr[-3000:]
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained"),
+                                      tmp_path / "adapter")
+    factors = {k: v for k, v in model.state_dict().items() if ".lora_B." in k}
+    assert factors and all(torch.count_nonzero(v) > 0 for v in factors.values())

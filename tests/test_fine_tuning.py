@@ -167,6 +167,38 @@ def test_save_pretrained_refuses_names_its_class_would_not_load(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_peft_model_on_meta_reads_its_base_checkpoint_and_starts_as_the_base_model(tmp_path, stages):
+    # The recipe for a model too large for one process: the base model's config on the meta device, LoRA on
+    # it, weights= the base model's Hugging Face directory. Every base tensor is read under its base name, the
+    # factors are initialised as peft initialises them (B = 0), so the pipeline starts as the base model and
+    # then trains as the unsplit PEFT model built from the loaded base with the same factors.
+    from peft import LoraConfig, get_peft_model
+
+    base = build_language_model("llama")
+    base.save_pretrained(tmp_path / "base")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    pipe = piped(get_peft_model(_meta_copy(base), config), stages, weights=str(tmp_path / "base"))
+    state = pipe.state_dict()  # after 3 steps; the factors' start is checked on a fresh pipeline below
+    fresh = pipetrain.wrap(get_peft_model(_meta_copy(base), config), token_batch(2, 0)[0], stages=stages,
+                           micro_batches=MICRO, partitioner="uniform", profile=False, engine="local",
+                           loss_fn=lm_loss, optimizer=sgd, weights=str(tmp_path / "base"))
+    start = fresh.state_dict()
+    factors = {k: v for k, v in start.items() if ".lora_" in k}
+    assert factors and all(torch.count_nonzero(v) == 0 for k, v in factors.items() if ".lora_B." in k)
+    assert all(torch.count_nonzero(v) == v.numel() for k, v in factors.items() if ".lora_A." in k)
+    x = token_batch(3, 7)[0]
+    torch.testing.assert_close(fresh.predict(x).logits, base.eval()(**x).logits, rtol=1e-5, atol=1e-6)
+    reference = get_peft_model(type(base).from_pretrained(tmp_path / "base"), config)
+    reference.load_state_dict(start)  # the same factors: the base tensors are the checkpoint's already
+    assert_close(state, unsplit(reference))
+
+
+def _meta_copy(model):
+    with torch.device("meta"):
+        return type(model)(model.config)
+
+
 def test_grouped_query_attention_runs_as_eager_runs_it():
     # Given no padding mask, eager Llama hands SDPA its key/value heads as they are (enable_gqa) and
     # is_causal; the capture does the same, instead of repeating k/v per query head against a built mask.

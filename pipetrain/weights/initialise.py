@@ -160,9 +160,36 @@ def _module_initialisers(root: nn.Module) -> list[_Initialiser]:
             run = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
         if callable(run):
             found.append(_Initialiser(module, run, hf_model))
+        lora = _lora_initialiser(module, root)
+        if lora is not None:  # after the generic one: it overrides what that wrote in its factors
+            found.append(_Initialiser(module, lora, None))
 
     visit(root, "", None)
     return found
+
+
+# peft's LoRA initialisations that need no data: True (A as nn.Linear, B zeros: the adapted layer starts as
+# the base one) and "gaussian". The others (PiSSA, OLoRA, LoftQ, EVA ...) compute the factors from the base
+# weights or from data.
+_LORA_INITS = (True, "gaussian")
+
+
+def _lora_initialiser(module: nn.Module, root: nn.Module) -> Callable[[], object] | None:
+    """A PEFT LoRA layer's own initialisation of its factors (``reset_lora_parameters``), as ``get_peft_model``
+    ran it: the enclosing Hugging Face model's ``_init_weights`` would draw B at random, so that the adapted
+    model would not start as the base model."""
+    if not (hasattr(module, "reset_lora_parameters") and hasattr(module, "lora_A") and hasattr(root, "peft_config")):
+        return None
+    steps = []
+    for adapter in module.lora_A:
+        init = root.peft_config[adapter].init_lora_weights
+        if init not in _LORA_INITS:
+            raise InitialisationError(
+                f"LoRA adapter {adapter!r} has init_lora_weights={init!r}, which computes its factors from the base "
+                "weights or from data: pipetrain initialises a model built on the meta device from nothing but "
+                "the seed; build the PEFT model from the loaded base model instead, or use init_lora_weights=True")
+        steps.append(partial(module.reset_lora_parameters, adapter, init))
+    return lambda: [step() for step in steps]
 
 
 def _initialiser_chains(root: nn.Module, wanted: set[int]) -> dict[int, list[_Initialiser]]:

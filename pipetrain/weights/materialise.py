@@ -21,6 +21,7 @@ from torch import nn
 
 from partitioners.stage_builder import retarget_devices
 from partitioners.state_names import StateNames
+from pipetrain.adapters import AdapterLayout
 from pipetrain.weights.initialise import initial_tensors
 from pipetrain.weights.sources import WeightSource, copy_into, match_names, open_weights
 
@@ -45,11 +46,15 @@ class StageTensors:
             tensors.source = open_weights(weights)
             expected = {n: (t.shape, t.dtype) for n, t in {**names.params, **names.buffers}.items()
                         if n in names.persistent}
-            groups = dict.fromkeys(tuple(names.aliases.get(n, [n])) for n in expected)  # in state-dict order
+            groups = [list(g) for g in dict.fromkeys(tuple(names.aliases.get(n, [n])) for n in expected)]
             recomputed = set(names.buffers) - names.persistent
-            tensors.keys = match_names(tensors.source.names(), expected,
-                                       [[n for n in g if n in expected] for g in groups], recomputed,
-                                       source=tensors.source.describe())
+            adapters = AdapterLayout.of(model)
+            if adapters is not None and not set(expected) & set(tensors.source.names()):
+                tensors.keys = _base_keys(tensors.source, adapters, expected, groups, recomputed)
+            else:
+                tensors.keys = match_names(tensors.source.names(), expected,
+                                           [[n for n in g if n in expected] for g in groups], recomputed,
+                                           source=tensors.source.describe())
         return tensors
 
     def materialise(self, stage: nn.Module, device: torch.device) -> nn.Module:
@@ -80,6 +85,17 @@ class StageTensors:
         """Release the checkpoint once every stage is made (its memory-mapped pages count until then)."""
         if self.source is not None:
             self.source.close()
+
+
+def _base_keys(source: WeightSource, adapters: AdapterLayout, expected: dict, groups: list[list[str]],
+               recomputed: set[str]) -> dict[str, str]:
+    """A PEFT model read from its base model's checkpoint (none of the PEFT names in it): every tensor but the
+    adapter's factors is read under its base name; the factors are initialised as LoRA initialises them."""
+    base = {n: adapters.base_name(n) for n in expected if ".lora_A." not in n and ".lora_B." not in n}
+    keys = match_names(source.names(), {base[n]: expected[n] for n in base},
+                       [[base[n] for n in g if n in base] for g in groups if any(n in base for n in g)],
+                       {adapters.base_name(n) for n in recomputed}, source=source.describe())
+    return {n: keys[b] for n, b in base.items()}
 
 
 def _state(stage: nn.Module) -> dict[str, torch.Tensor]:
