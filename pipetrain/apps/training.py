@@ -376,17 +376,19 @@ def is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def run(config: RunConfig) -> RunSummary:
-    """Train ``config`` (every rank under torchrun) and return what it measured.
+def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | None = None) -> RunSummary:
+    """Train ``config`` (every rank under torchrun) and return what it measured; ``on_step`` is called with
+    each mini-batch's result (``Pipeline.on_step``).
 
     With ``checkpoint_dir`` set, SIGTERM makes the run save at the next mini-batch boundary and
     return early with ``preempted`` set (see the module docstring); without it SIGTERM keeps its
     usual meaning."""
     with _sigterm_requests_stop(bool(config.checkpoint_dir)) as request:
-        return _run(config, request)
+        return _run(config, request, on_step)
 
 
-def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
+def _run(config: RunConfig, request: _StopRequest | None,
+         on_step: Callable[[pipetrain.StepResult], None] | None) -> RunSummary:
     from tqdm import tqdm
 
     c = config.resolved()
@@ -406,6 +408,8 @@ def _run(config: RunConfig, request: _StopRequest | None) -> RunSummary:
     x0, _ = default_collate([train[i] for i in range(c.batch_size)])
     example = x0[:max(1, c.batch_size // (c.micro_batches * c.data_parallel))]
     pipe = pipetrain.wrap(model, example, **c.wrap_options())
+    if on_step is not None:
+        pipe.on_step(on_step)
     rank0 = is_rank_zero()
     agreement = None
     if request is not None:
