@@ -16,6 +16,8 @@ from pipetrain.allreduce.buckets import assign_buckets
 from pipetrain.allreduce.hierarchy import build_hierarchy_groups
 from pipetrain.comm.reporting import SumExchange
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
+
 WORLD = 4
 SHAPES = [(7,), (3, 5), (1,), (13, 3), (2, 2, 3), (31,), (5, 1), (9,), (4, 4)]
 DTYPES = [torch.float32, torch.float64, torch.float32, torch.bfloat16, torch.float32, torch.float64, torch.float32,

@@ -22,6 +22,7 @@ def run_script(name: str, *args: str, timeout: float = 300) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_jia_reproduction_matches_the_readme():
     # Pure cost model on ResNet-50's real gradient tensors: deterministic, so README's numbers must
     # come out exactly (per-tensor flat ring baseline and the best fused + hierarchical + overlap).
@@ -32,6 +33,7 @@ def test_jia_reproduction_matches_the_readme():
     assert "the model predicts 8.3% -> 99.1%" in (ROOT / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster(tmp_path):
     # One round of every micro-benchmark and validation run (W = 2 and 4 gloo processes). Timing
     # is noisy, so this checks that each validated layout gets a measured and a predicted step
@@ -54,6 +56,7 @@ def test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster(tm
     assert re.search(r"^\s+1\s+\d+\s+\d+\s+\d+\s+\d+\s+(1f1b|gpipe)", plan.stdout, re.M), plan.stdout
 
 
+@pytest.mark.slow
 def test_soak_counts_every_step_and_prints_rss_per_rank():
     # The short mode of README's 20,000-step soak: every rank receives every result in order and the
     # script prints an RSS sample per rank at each interval (growth is only meaningful in the full run).
@@ -74,6 +77,7 @@ def test_memory_benchmark_predicts_every_stage_within_ten_percent():
     assert len(re.findall(r"^\s+(1f1b|gpipe)\s+(none|except-last|always)\s", out, re.M)) == 12, out
 
 
+@pytest.mark.slow
 def test_big_model_benchmark_runs_both_paths_and_checks_the_bound(tmp_path):
     # A tiny configuration of README's ~1 B run: 2 gloo ranks (README's run has 4) build on meta and read their stage from the
     # sharded checkpoint the script writes; the materialised path runs beside it (it fits at this size).
@@ -87,6 +91,7 @@ def test_big_model_benchmark_runs_both_paths_and_checks_the_bound(tmp_path):
     assert re.search(r"within 1.3 x its stage's training state \+ 1 GiB: (True|False)$", out, re.M), out
 
 
+@pytest.mark.slow
 def test_runtime_benchmark_pairs_each_schedule_with_torchs_on_the_same_stages():
     # --tiny: both frameworks' first step on identical stage modules must report the same loss (the script
     # raises otherwise), then every pair prints its CPU per action; timing itself is not checked.
@@ -107,6 +112,7 @@ def test_runtime_benchmark_times_the_local_engine_against_the_unsplit_model():
     assert all(float(v) > 0 for v in rows.values()), out
 
 
+@pytest.mark.slow
 def test_runtime_benchmark_on_vgg_prices_async_against_the_bubble_of_its_stream_length():
     # The README's main table: VGG pairs with equal first-step losses, and the async ratio a stream of
     # n mini-batches of equal stages can reach, n (M + S - 1) / (n M + S - 1), here 2 * 5 / 9 (2 stages,

@@ -57,6 +57,7 @@ def second_half(rank, world, root, engine):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["local", "distributed"])
 def test_resume_in_a_new_process_is_exact(tmp_path, engine):
     world = 2 if engine == "distributed" else 1
@@ -158,6 +159,7 @@ def load_local_checkpoint_distributed(rank, world, root):
 
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_from_the_local_to_the_distributed_engine(tmp_path, one_thread):
     local = new_pipe("local", 2)
     train(local, stream()[:3])
@@ -218,6 +220,7 @@ def fresh_save_below(rank, world, root):
     return "saved"
 
 
+@pytest.mark.slow
 def test_every_rank_refuses_a_save_below_another_runs_checkpoint(tmp_path, one_thread):
     root = tmp_path / "ckpt"
     other = new_pipe("local", 2, name="mlp")

@@ -98,6 +98,7 @@ def test_tiny_config_plans_and_stage_weights_sum_to_the_model(tmp_path, capsys, 
         assert s["total"] <= 110e3 * (1 + PRINTED) and s["in_flight"] >= 1
 
 
+@pytest.mark.slow
 def test_llama_default_config_plans_on_meta_in_little_memory():
     # The default Llama config is the 6.7 B model: 27 GB in fp32, more than this machine has. Built on the
     # meta device, the whole plan stays within the memory of importing torch and transformers.

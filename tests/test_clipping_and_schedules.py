@@ -214,6 +214,7 @@ def _async_inf(engine):
                           staleness="stash", max_grad_norm=0.05, norm_type=math.inf, engine=engine)
 
 
+@pytest.mark.slow
 def test_replicas_and_zero_shards_clip_by_one_global_norm(tmp_path):
     per_rank = run_world(4, "test_clipping_and_schedules", "hybrid_clipping", tmp_path)
     model = make("tied")

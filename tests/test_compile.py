@@ -68,6 +68,7 @@ def assert_weights_close(state, eager_state, case):
         torch.testing.assert_close(state[name], value, atol=tol, rtol=tol, msg=f"{case}: {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_compiled_stages_train_like_eager_and_weight_swaps_do_not_recompile(case, one_thread):
     eager = train(False, *case)
@@ -104,6 +105,7 @@ def lm_pipeline(compile):
                           partitioner="uniform", profile=False, engine="local", compile=compile)
 
 
+@pytest.mark.slow
 def test_new_batch_and_sequence_sizes_compile_within_the_bound(one_thread):
     # (mini-batch, sequence length), 2 micro-batches: the first size; the micro-batch size changes (its
     # dimension becomes symbolic); the length changes (likewise); a micro-batch of one sample (torch
@@ -136,6 +138,7 @@ def distributed_training(rank, world, cases):
     return results, graphs()
 
 
+@pytest.mark.slow
 def test_compiled_stages_on_two_gloo_ranks_train_like_eager(tmp_path, one_thread):
     cases = [("1f1b", "none", "none", "fp32"), ("async-1f1b", "stash", "none", "fp32")]
     per_rank = run_world(2, "test_compile", "distributed_training", tmp_path, cases)

@@ -85,6 +85,7 @@ def test_text_targets_are_inputs_shifted_and_decode_to_english():
     assert " the " in text and len(text) == 50 * 64
 
 
+@pytest.mark.slow
 def test_no_network_while_loading(tmp_path):
     code = (
         "import socket\n"

@@ -137,6 +137,7 @@ def wrong_world(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_world_size_must_equal_stages_times_data_parallel(tmp_path):
     messages = run_world(2, "test_errors", "wrong_world", tmp_path)
     assert all("2 processes but stages x data_parallel = 3 x 1" in m for m in messages)

@@ -2,6 +2,7 @@
 goes down, only rank 0 logs."""
 from __future__ import annotations
 
+import pytest
 from pathlib import Path
 
 import torch.distributed as dist
@@ -20,6 +21,7 @@ def train_all(rank: int, world: int, logdir: str) -> dict[str, list[float]]:
     return out
 
 
+@pytest.mark.slow
 def test_examples_train_on_two_processes(tmp_path):
     logdir = tmp_path / "runs"
     rank0, rank1 = run_world(2, "test_examples_distributed", "train_all", tmp_path / "world", str(logdir))

@@ -2,6 +2,7 @@
 rank 0 alone prints the summary, and the per-epoch checkpoint is written."""
 from __future__ import annotations
 
+import pytest
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 from _example_runs import CASES, COMMON, EXAMPLES
 
 
+@pytest.mark.slow
 def test_script_under_torchrun(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -25,6 +27,7 @@ def test_script_under_torchrun(tmp_path):
     assert (tmp_path / "ckpt" / "latest").exists()
 
 
+@pytest.mark.slow
 def test_huggingface_example_fine_tunes_its_saved_model_under_torchrun(tmp_path):
     # Pretrain (one process, 1f1b) and write a Hugging Face directory; then fine-tune it under torchrun with
     # async-1f1b: the model is built on the meta device from the directory's config and every rank reads its

@@ -60,6 +60,7 @@ def assert_sharded(out: Path) -> None:
                                                   for f in files for t in load_file(out / f).values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_export_loads_as_the_pipeline_learned(name: str, tmp_path: Path, capsys) -> None:
     pipe = trained(name, 2, "local")
@@ -94,6 +95,7 @@ def ranks_train_and_save(rank: int, world: int, root: str) -> dict:
     return {"prediction": pipe.predict(CASES["gpt2"].batch(5, 3)[0]).logits, "state": pipe.state_dict()}
 
 
+@pytest.mark.slow
 def test_the_pipetrain_command_exports_a_checkpoint_saved_by_two_ranks(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     per_rank = run_world(2, "test_export_hf", "ranks_train_and_save", tmp_path / "ranks", str(root))

@@ -129,6 +129,7 @@ def _run(tmp_path, mode, victim=VICTIM, world=WORLD):
     return codes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_other_ranks_stop_within_the_timeout_naming_the_rank(tmp_path, mode):
     codes = _run(tmp_path, mode)
@@ -147,6 +148,7 @@ def test_other_ranks_stop_within_the_timeout_naming_the_rank(tmp_path, mode):
         assert f"rank {VICTIM}" in (tmp_path / f"rank{r}").read_text()
 
 
+@pytest.mark.slow
 def test_a_rank_hung_before_a_collective_stops_the_others_within_the_timeout(tmp_path):
     # The default process group of this test waits 60 s; every collective of pipetrain must give up
     # after wrap(timeout=8) instead.
@@ -159,6 +161,7 @@ def test_a_rank_hung_before_a_collective_stops_the_others_within_the_timeout(tmp
         assert "PeerFailure" in message and "skip-or-step agreement" in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, victim, waits_in", [
     ("hang-in-plan", 0, "the plan broadcast from rank 0"),
     ("hang-before-wrap", 1, "wrap(): agreeing on what every rank trains"),
@@ -176,6 +179,7 @@ def test_a_rank_hung_outside_the_step_stops_the_others_within_the_timeout(tmp_pa
         assert "PeerFailure" in message and waits_in in message and "timeout=" in message, message
 
 
+@pytest.mark.slow
 def test_a_step_that_raises_on_one_rank_is_named_by_the_others(tmp_path):
     # The last stage's loss raises (a label out of range); rank 0 waits for gradients that never come and
     # stops after the timeout with a PeerFailure that names rank 1's own error, read from the store.
@@ -187,6 +191,7 @@ def test_a_step_that_raises_on_one_rank_is_named_by_the_others(tmp_path):
     assert message.startswith("PeerFailure") and "rank 1 raised IndexError" in message, message
 
 
+@pytest.mark.slow
 def test_every_rank_carries_on_after_a_step_that_raised_as_if_it_never_ran(tmp_path):
     # Both ranks raise in the failed step (rank 1 its IndexError, rank 0 a PeerFailure after the timeout), catch
     # it and step again: on new process groups, from gradients and buffers as before the failed step, so the

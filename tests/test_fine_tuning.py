@@ -143,6 +143,7 @@ def distributed_lora(rank, world, out):
     return pipe.predict(token_batch(3, 9)[0]).logits
 
 
+@pytest.mark.slow
 def test_two_ranks_write_the_adapter_and_the_merged_model_that_load_with_the_logits_of_predict(tmp_path):
     from peft import PeftModel
     from transformers import LlamaForCausalLM
@@ -199,6 +200,7 @@ def _meta_copy(model):
         return type(model)(model.config)
 
 
+@pytest.mark.slow
 def test_grouped_query_attention_runs_as_eager_runs_it():
     # Given no padding mask, eager Llama hands SDPA its key/value heads as they are (enable_gqa) and
     # is_causal; the capture does the same, instead of repeating k/v per query head against a built mask.

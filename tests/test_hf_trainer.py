@@ -125,6 +125,7 @@ def two_ranks(rank: int, world: int, out: str) -> dict:
     return {"history": {k: history(trainer, k) for k in keys}, "state": trainer.pipe.state_dict()}
 
 
+@pytest.mark.slow
 def test_two_ranks_train_as_the_trainer_trains_the_model(tmp_path, reference):
     ranks = run_world(2, "test_hf_trainer", "two_ranks", tmp_path, str(tmp_path))
     for rank in ranks:  # every rank logs the same, summed over the ranks

@@ -11,6 +11,8 @@ from schedules.cluster import load_cluster
 from schedules.cluster.reductions import Group, prefers_hierarchical
 from test_nonfinite import poison
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
+
 
 def batches(name, steps=3, size=13):
     # 13 samples: replica shards of 7 and 6, micro-batches of uneven sizes inside each.

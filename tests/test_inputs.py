@@ -118,6 +118,7 @@ def missing_mask_ranks(rank: int, world: int) -> tuple[str, str, float]:
     return messages[0], messages[1], pipe.step({"input_ids": inputs["input_ids"]}, y)
 
 
+@pytest.mark.slow
 def test_every_rank_refuses_the_mask_before_any_communication(tmp_path, one_thread) -> None:
     per_rank = run_world(2, "test_inputs", "missing_mask_ranks", tmp_path)
     pipe, inputs, y = wrap_bert(("input_ids",))

@@ -188,6 +188,7 @@ def interleaved_ranks(rank: int, world: int) -> tuple[list[float], dict]:
     return _interleaved_llama_bf16("distributed")
 
 
+@pytest.mark.slow
 def test_mixed_dtype_boundaries_under_gloo_train_like_the_local_engine(tmp_path, one_thread, monkeypatch) -> None:
     # The transport describes every tensor's dtype in its header: bf16 and fp32 values (and their
     # gradients) cross processes as they are, so both engines give the same bits.

@@ -26,6 +26,8 @@ from dist_harness import run_world
 from test_third_party_models import MICRO, assert_same_state, reference_training, sgd
 from third_party_models import CASES, build
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
+
 hf.logging.set_verbosity_error()
 HF_MODELS = ("gpt2", "t5", "llama")
 

@@ -185,6 +185,7 @@ def distributed_ranks(rank: int, world: int) -> dict[str, tuple]:
     return {"mixtral": _mixtral("distributed"), "counting": _counting_router("distributed")}
 
 
+@pytest.mark.slow
 def test_the_distributed_engine_sends_routing_values_and_trains_like_the_local_one(tmp_path, one_thread) -> None:
     # Integer positions and labels, a boolean mask and rotary tables the model does not differentiate
     # cross Mixtral's boundary; the histogram and the expert choices cross CountingRouter's.

@@ -22,6 +22,7 @@ def _model(name, seed=0, **kw):
     return build_model(name, num_classes=dataset_info(DEFAULT_DATASET[name]).num_classes, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_forward_shape_class_dim_second(name):
     x, y = _batch(name, 4)

@@ -79,6 +79,7 @@ def posts_receives_ahead(program) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_recorded_traffic_replays_under_nccl(tmp_path, world, one_thread):
     per_rank = run_world(world, "test_nccl_traffic", "record", tmp_path, CASES[world])

@@ -282,6 +282,7 @@ def two_ranks(tmp_path_factory):
     return run_world(2, "test_nonfinite", "world2", tmp_path_factory.mktemp("nonfinite"))
 
 
+@pytest.mark.slow
 def test_two_ranks_skip_the_same_step_as_the_local_engine(two_ranks, one_thread):
     local_results, _, _, local_state = sync_run("local", 2, "skip")
     assert [r[0] for r in local_results] == [False, True, False, False]
@@ -293,6 +294,7 @@ def test_two_ranks_skip_the_same_step_as_the_local_engine(two_ranks, one_thread)
     assert same(merged, local_state)
 
 
+@pytest.mark.slow
 def test_two_ranks_raise_together_and_name_the_parameter(two_ranks, one_thread):
     _, _, name, _ = two_ranks[1]["raise"]
     _, _, _, local_state = sync_run("local", 2, "raise")  # after step 1: the local test shows nothing moved
@@ -307,6 +309,7 @@ def test_two_ranks_raise_together_and_name_the_parameter(two_ranks, one_thread):
     assert "found by rank 1 (stage 1, replica 0), whose error names the parameter" in two_ranks[0]["raise"][1]
 
 
+@pytest.mark.slow
 def test_two_ranks_async_stash_skip_equals_the_local_engine(two_ranks, one_thread):
     skipped, losses, state, steps, policies, lags = async_stash("local", 2)
     assert skipped == [False, False, True, False, False, False]
@@ -319,6 +322,7 @@ def test_two_ranks_async_stash_skip_equals_the_local_engine(two_ranks, one_threa
     assert same(merged, state)
 
 
+@pytest.mark.slow
 def test_two_ranks_async_bf16_skip_equals_the_local_engine(two_ranks, one_thread):
     skipped, losses, state, _, policies, _ = async_stash("local", 2, precision="bf16")
     assert skipped == [False, False, True, False, False, False]
@@ -331,6 +335,7 @@ def test_two_ranks_async_bf16_skip_equals_the_local_engine(two_ranks, one_thread
     assert same(merged, state)
 
 
+@pytest.mark.slow
 def test_two_ranks_nan_loss_raises_on_both_naming_the_last_stage(two_ranks, one_thread):
     local_error, local_state, untouched = loss_raise("local", 2)
     assert "the loss is NaN or infinite at optimizer step 2, computed by pipeline device 1" in local_error
@@ -345,6 +350,7 @@ def test_two_ranks_nan_loss_raises_on_both_naming_the_last_stage(two_ranks, one_
     assert same(merged, local_state)  # after step 1 on every rank: the bad step was applied nowhere
 
 
+@pytest.mark.slow
 def test_async_stream_raises_on_every_rank_without_waiting_at_each_step(two_ranks, one_thread):
     # Across processes an async stream's STEP t does not wait for the other ranks' verdict (that would
     # hold each stage until stage 0 finished the mini-batch's backward); STEP t + 1 reads it. Both ranks
@@ -361,6 +367,7 @@ def test_async_stream_raises_on_every_rank_without_waiting_at_each_step(two_rank
     assert "found by rank 1 (stage 1, replica 0)" in two_ranks[0]["async-raise"][1]
 
 
+@pytest.mark.slow
 def test_an_async_raise_reaches_every_rank_when_the_first_to_raise_drops_its_pipeline(two_ranks, one_thread):
     # Rank 1 raises at its STEP 3 once it sent micro-batch 7's gradients; rank 0 needs them to reach its own
     # STEP 3. On gloo a send whose work is dropped before the receive is posted is lost, so rank 1 must see

@@ -60,6 +60,7 @@ def _canonical(model: nn.Module) -> dict[str, str]:
             for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_chained_stages_match_model(name: str, stages: int) -> None:

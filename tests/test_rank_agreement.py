@@ -22,6 +22,8 @@ from pipetrain.comm import replica_start
 from dist_harness import free_port, run_world
 from runtime_models import data, make, sgd
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
+
 TIMEOUT = 5.0
 
 

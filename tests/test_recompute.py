@@ -155,6 +155,7 @@ def distributed_run(rank, world):
     return [r.loss for r in results], results[-1].peak_memory, pipe.state_dict()
 
 
+@pytest.mark.slow
 def test_distributed_recomputation_and_peak_memory_equal_the_local_engine(tmp_path, one_thread):
     per_rank = run_world(2, "test_recompute", "distributed_run", tmp_path)
     x, y = data("dropout", 16)

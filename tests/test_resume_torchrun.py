@@ -1,5 +1,6 @@
 """A run killed mid-training under torchrun --max-restarts resumes from its last checkpoint by itself; one
 stopped by SIGTERM saves on every rank and resumes exactly."""
+import pytest
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ def torchrun(tmp_path, name, *extra):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_killed_run_restarts_and_ends_equal_to_an_uninterrupted_one(tmp_path):
     crashed = torchrun(tmp_path, "crashed")
     assert crashed.returncode == 0, crashed.stderr[-3000:]
@@ -31,6 +33,7 @@ def test_killed_run_restarts_and_ends_equal_to_an_uninterrupted_one(tmp_path):
             assert torch.equal(a["state"][key], value), key
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_saves_on_every_rank_and_the_resume_is_exact(tmp_path, one_thread):
     """torchrun forwards SIGTERM to both ranks; they agree on a mini-batch, save, exit 0, and the resume
     under a new torchrun ends equal to an uninterrupted run (the local engine, the reference)."""

@@ -50,6 +50,7 @@ def scenarios(rank, world, cases):
     return [train("distributed", world, *case) for case in cases]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
 def test_distributed_equals_local_exactly(tmp_path, world, cases, one_thread):
     # one_thread: the same kernels and thread count as the ranks, for bitwise equality
@@ -84,6 +85,7 @@ def long_async_stream(rank, world):
     return most, steps
 
 
+@pytest.mark.slow
 def test_a_never_flushed_stream_keeps_a_bounded_number_of_sends_alive(tmp_path):
     # gloo marks a send complete only once it is waited on; without the window an async stream kept
     # every activation and gradient it ever sent (400 after 200 mini-batches here: a memory leak).
@@ -125,6 +127,7 @@ def report_before_update(rank, world, signal_dir):
     return loss
 
 
+@pytest.mark.slow
 def test_a_sync_step_has_its_report_before_the_updates_run(tmp_path):
     # The last rank's optimizer step is held until rank 0 has returned from its step with the global loss:
     # that is possible only if the step report travels before the updates (it did after them, and
@@ -162,6 +165,7 @@ def collectives_per_step(rank, world):
     return per_step
 
 
+@pytest.mark.slow
 def test_a_sync_step_takes_one_collective_for_its_decision_and_report(tmp_path):
     # The skip-or-step flags ride in the step report's sum: on gloo one gather to rank 0 and one broadcast
     # back per step (an all-reduce of the flags, then a gather and a broadcast of the report, before).

@@ -75,6 +75,7 @@ def ranks_save(rank: int, world: int, out: str) -> dict:
     return {"prediction": pipe.predict(x).logits, "state": pipe.state_dict(), "local": local}
 
 
+@pytest.mark.slow
 def test_every_rank_writes_its_own_stage_and_the_directory_loads_whole(tmp_path: Path) -> None:
     per_rank = run_world(2, "test_save_pretrained", "ranks_save", tmp_path, str(tmp_path))
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())

@@ -250,6 +250,7 @@ def distributed_ranks(rank: int, world: int) -> tuple[dict, torch.Tensor, list, 
     return _distributed_run("distributed")
 
 
+@pytest.mark.slow
 def test_torchrun_sends_one_header_per_link_and_new_input_shape(tmp_path, one_thread) -> None:
     per_rank = run_world(2, "test_sequence_lengths", "distributed_ranks", tmp_path)
     expected_state, expected_prediction, _, _ = _distributed_run("local")

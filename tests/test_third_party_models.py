@@ -78,6 +78,7 @@ CONVOLUTIONAL = {"torchvision-resnet18", "torchvision-mobilenet_v3_small", "timm
                  "timm-regnetx_002", "timm-resnet10t"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, stages", [(n, s) for n in CASES for s in ((4,) if n in CONVOLUTIONAL else (2, 4))])
 def test_trains_predicts_and_loads_like_the_unsplit_model(name: str, stages: int) -> None:
     case = CASES[name]
@@ -100,6 +101,7 @@ def test_trains_predicts_and_loads_like_the_unsplit_model(name: str, stages: int
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["torchvision-resnet18", "timm-vit"])
 def test_fx_captured_models_train_bit_for_bit_under_autocast(name: str, precision: str) -> None:
@@ -114,6 +116,7 @@ def test_fx_captured_models_train_bit_for_bit_under_autocast(name: str, precisio
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     assert_same_state(pipe.state_dict(), reference_training(name, batches, dtype).state_dict(), exact=True)
 
+@pytest.mark.slow
 def test_every_alias_of_a_tied_embedding_survives_save_load_and_export(tmp_path) -> None:
     case = TRANSFORMERS["t5"]
     pipe = pipetrain.wrap(build("t5"), case.batch(2, 0)[0], stages=4, micro_batches=MICRO, loss_fn=case.loss_fn,
@@ -135,6 +138,7 @@ def test_every_alias_of_a_tied_embedding_survives_save_load_and_export(tmp_path)
     assert_same_state(again.state_dict(), state, exact=True)
 
 
+@pytest.mark.slow
 def test_hand_written_batch_norm_profiles_without_making_buffers_require_grad() -> None:
     # timm's BatchNormAct2d calls F.batch_norm(x, self.running_mean, ...) itself.
     model = build("timm-efficientnet_b0")
@@ -232,6 +236,7 @@ def async_ranks(rank: int, world: int) -> tuple[list[float], dict, torch.Tensor]
     return _async_spectrain("distributed")
 
 
+@pytest.mark.slow
 def test_async_spectrain_under_gloo_trains_like_the_local_engine(tmp_path, one_thread) -> None:
     # one_thread: the ranks' thread count, for bitwise equality
     per_rank = run_world(2, "test_third_party_models", "async_ranks", tmp_path)
@@ -246,6 +251,7 @@ def test_async_spectrain_under_gloo_trains_like_the_local_engine(tmp_path, one_t
     build("gpt2", seed=1).load_state_dict(merged, strict=True)
 
 
+@pytest.mark.slow
 def test_a_capture_refused_for_training_only_randomness_names_the_config_values_to_turn_off() -> None:
     # Wav2Vec2's fine-tuning defaults: LayerDrop (a torch.rand draw in a Python branch) and SpecAugment
     # masking (numpy draws baked into any capture) under self.training.

@@ -220,6 +220,7 @@ def saved_step(root: Path) -> int:
     return int((root / "latest").read_text().strip().split("-")[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "async-1f1b"])
 def test_sigterm_saves_mid_epoch_and_the_resume_is_exact(tmp_path, schedule):
     from preempt_worker import PAUSE_AT, config
@@ -318,6 +319,7 @@ def sigterm_on_rank0_only(rank, world, root):
     return out
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_where_to_stop_when_only_one_got_sigterm(tmp_path):
     from dist_harness import run_world
     from preempt_worker import PAUSE_AT

@@ -31,6 +31,7 @@ def _two_agents(out: Path, allreduce: str, replicas: int, zero: int) -> None:
     assert all(agent.returncode == 0 for agent in agents), "\n".join(log[-3000:] for log in logs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("allreduce, replicas, zero", [("hybrid", 2, 0), ("hierarchical", 4, 0),
                                                        ("hierarchical", 4, 2)])
 def test_two_agents_two_stages_equal_one_process(tmp_path, allreduce, replicas, zero):

@@ -106,6 +106,7 @@ FORMS: dict[str, Callable[[torch.nn.Module, Path], Path]] = {
 ONE_NAME_PER_TENSOR = {"hf-shards", "hf-single", "safetensors-file"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
 def test_every_form_loads_into_a_fresh_model_exactly(family: str, form: str, tmp_path: Path, one_thread) -> None:

@@ -16,6 +16,8 @@ from pipetrain.optim import LARS, linear_warmup
 from runtime_models import data, lm_loss, make, sgd
 from test_nonfinite import poison
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
+
 TOL = 1e-6
 
 
