@@ -90,7 +90,11 @@ class PipelineOptions:
     # owns, gradients reduce-scattered, parameters all-gathered); 2 also drops the gradients it does not own.
     zero: int = 0
 
+    def __post_init__(self) -> None:
+        self.validate()  # a bad value fails where it is written, before anything is captured
+
     def validate(self) -> None:
+        """Raise one error naming the first bad value and its fix (called on construction)."""
         def choose(name: str, value: Any, valid) -> None:
             if value not in valid:
                 raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(str, valid))}")

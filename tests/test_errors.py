@@ -92,6 +92,21 @@ def test_unknown_names_list_the_valid_ones(option, value, valid):
         wrap(**{option: value})
 
 
+class NeverCaptured(nn.Module):
+    """A model that fails if anything runs it: a bad option must be refused before the capture."""
+
+    def forward(self, x):
+        raise AssertionError("the model ran although an option was bad")
+
+
+@pytest.mark.parametrize("options", [dict(stages=0), dict(schedule="nope"), dict(micro_batches=-1)])
+def test_a_bad_option_fails_where_it_is_written_before_any_capture(options):
+    with pytest.raises(ValueError, match=next(iter(options))):
+        pipetrain.PipelineOptions(**options)
+    with pytest.raises(ValueError, match=next(iter(options))):
+        pipetrain.wrap(NeverCaptured(), torch.randn(2, 3), **options)
+
+
 def test_unknown_option_is_an_error_not_ignored():
     with pytest.raises(TypeError, match="unknown option.*micro_batch"):
         wrap(micro_batch=4)

@@ -137,7 +137,7 @@ class RunConfig:
 
     def check(self) -> None:
         """Raise the error wrap() would raise for these options, before any data is loaded or trained."""
-        pipetrain.PipelineOptions(**self.resolved().wrap_options()).validate()
+        pipetrain.PipelineOptions(**self.resolved().wrap_options())  # validates on construction
 
     def describe(self) -> str:
         """Schedule and layout in a few words, e.g. 'async-1f1b/spectrain 4 stages x 1 micro-batch'."""

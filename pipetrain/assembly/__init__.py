@@ -55,9 +55,8 @@ class Parts:
 
 
 def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) -> Parts:
-    """Validate ``options``, then capture, plan, schedule and build this process's share of the pipeline."""
+    """Capture, plan, schedule and build this process's share of the pipeline (``options`` validated themselves)."""
     options = honour_model_checkpointing(model, options)
-    options.validate()
     engine = select_engine(options)
     book = ScheduleBook(options.schedule, options.stages, options.micro_batches, options.chunks_per_device,
                         data_parallel=options.data_parallel > 1)
