@@ -1,28 +1,112 @@
-"""``pipetrain.wrap``: the one call users make."""
+"""``pipetrain.wrap``: the one call users make. Its options are PipelineOptions' fields, written out so that
+``help(pipetrain.wrap)`` and an IDE show each with its type and meaning (tests/test_errors.py holds the two
+equal: names, order and defaults)."""
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Callable, Literal
 
+import torch
 from torch import nn
 
 from pipetrain.options import PipelineOptions
 from pipetrain.pipeline import Pipeline, plain_inputs
 
 
-def wrap(model: nn.Module, example_inputs: Any, **options: Any) -> Pipeline:
+def wrap(model: nn.Module, example_inputs: Any, *,
+         # --- the pipeline
+         stages: int = 4,
+         micro_batches: int = 8,
+         schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b"] = "1f1b",
+         staleness: Literal["none", "vanilla", "stash", "2bw", "spectrain", "nesterov"] = "none",
+         partitioner: Literal["graph", "time", "params", "uniform"] | list[str] = "graph",
+         # --- what it trains with
+         loss_fn: Callable | None = PipelineOptions.loss_fn,
+         optimizer: Callable = PipelineOptions.optimizer,
+         lr_scheduler: Callable | None = None,
+         max_grad_norm: float | None = None,
+         norm_type: float = 2.0,
+         precision: Literal["fp32", "bf16", "fp16"] = "fp32",
+         data_parallel: int = 1,
+         engine: Literal["auto", "local", "distributed"] = "auto",
+         logdir: str | None = None,
+         weights: str | os.PathLike | None = None,
+         nonfinite: Literal["raise", "skip"] = "raise",
+         # --- tuning knobs with safe defaults
+         chunks: int = 2,
+         spectrain_variant: Literal["paper", "forward-only"] = "paper",
+         lookahead: float = 1.0,
+         devices: list[torch.device] | None = None,
+         seed: int = 0,
+         profile: bool = True,
+         bandwidth: float | None = None,
+         memory_limit: float | None = None,
+         recompute: Literal["none", "except-last", "always", "auto"] = "none",
+         compile: bool | dict = False,
+         dynamic_shapes: bool = False,
+         receive_ahead: bool = True,
+         timeout: float = 30.0,
+         # --- hybrid mode (data_parallel > 1)
+         allreduce: Literal["hybrid", "flat", "hierarchical", "per-tensor"] = "hybrid",
+         cluster: str | None = None,
+         bucket_mb: float = 25.0,
+         hierarchy: tuple[int, int] | None = None,
+         overlap: bool = True,
+         compress: Literal["bf16", "fp16"] | None = None,
+         zero: Literal[0, 1, 2] = 0,
+         **unknown: Any) -> Pipeline:
     """Split ``model`` into pipeline stages and return a :class:`Pipeline` that trains it.
 
     ``example_inputs`` is one micro-batch of inputs (a tensor, a tuple in argument order or a Mapping of
-    keyword arguments such as ``{"input_ids": ids, "attention_mask": mask}``), used to capture and
-    profile the model; ``step``/``train``/``predict`` take inputs of the same form. The model's
-    output reaches ``loss_fn`` and ``predict`` in its own structure (``ModelOutput``, dict, tuple);
-    ``loss_fn=pipetrain.model_loss`` trains a model that computes its loss itself (``labels``). Options are those of :class:`PipelineOptions` (stages, micro_batches,
-    schedule, staleness, partitioner, loss_fn, optimizer, precision, data_parallel, engine,
-    logdir, ...); an unknown option is an error, not ignored.
+    keyword arguments such as ``{"input_ids": ids, "attention_mask": mask}``), used to capture and profile
+    the model; ``step``/``train``/``predict`` take inputs of the same form. The model's output reaches
+    ``loss_fn`` and ``predict`` in its own structure (``ModelOutput``, dict, tuple). A bad value raises
+    before anything is captured; an unknown option is an error, not ignored.
+
+    The pipeline:
+        stages: pipeline stages (one process each under torchrun, times data_parallel).
+        micro_batches: micro-batches each mini-batch is split into.
+        schedule: "gpipe", "1f1b", "interleaved-1f1b" (chunks virtual stages per device), "zb-h1"
+            (zero bubble, backward split into input and weight gradients) or "async-1f1b" (no flush).
+        staleness: async-1f1b's weight policy: "vanilla", "stash" (PipeDream), "2bw" (PipeDream-2BW),
+            "spectrain" (weight prediction) or "nesterov"; "none" for the synchronous schedules.
+        partitioner: "graph" (balanced cost graph), "time", "params", "uniform", or a list of the
+            graph's node names that start stages 1..stages-1.
+    What it trains with:
+        loss_fn: (output, target) -> scalar loss; ``pipetrain.model_loss`` for a model that computes its own.
+        optimizer: a factory, params -> torch.optim.Optimizer, called once per stage.
+        lr_scheduler: a factory, optimizer -> scheduler, stepped once per applied update and checkpointed.
+        max_grad_norm: clip by the global gradient norm over every stage and replica (tied copies once),
+            after fp16 unscaling; float("inf") measures without clipping. norm_type: its p (inf: max).
+        precision: "fp32", "bf16" (autocast) or "fp16" (autocast, fp32 master weights, loss scaling).
+        data_parallel: replicas of the pipeline (hybrid mode under torchrun).
+        engine: "local" (every stage in this process), "distributed" (torchrun) or "auto".
+        logdir: TensorBoard directory (rank 0 writes).
+        weights: where the parameters come from: a Hugging Face directory, a .safetensors file, a
+            torch.save'd state dict or a pipetrain checkpoint; each rank reads only its stages' tensors.
+        nonfinite: a NaN/inf loss or gradient: "raise" on every rank, or "skip" the update everywhere.
+    Tuning knobs:
+        chunks: virtual stages per device for interleaved-1f1b.
+        spectrain_variant: "paper" or "forward-only" prediction. lookahead: scales the prediction distance.
+        devices: local engine: the torch.device of each stage.
+        seed: dropout and initialisation streams (a meta-device model's weights depend on it and names only).
+        profile: time the model's nodes for the graph partitioner. bandwidth: bytes/s between stages.
+        memory_limit: bytes per stage the split must fit (predicted peak).
+        recompute: activation recomputation: "none", "except-last", "always" or "auto" (fits memory_limit).
+        compile: torch.compile each stage: False, True or a dict of torch.compile arguments.
+        dynamic_shapes: boundary shapes may depend on values (a header per message).
+        receive_ahead: distributed engine: post each receive one computation early.
+        timeout: seconds a rank waits for another before it stops with an error naming it.
+    Hybrid mode:
+        allreduce: "hybrid" (per bucket, flat or hierarchical as ``cluster`` prices them), "flat",
+            "hierarchical" or "per-tensor". cluster: a preset or Cluster JSON. bucket_mb: bucket size.
+        hierarchy: (nodes, replicas per node); None: from LOCAL_WORLD_SIZE.
+        overlap: reduce buckets during the last backward. compress: send gradients in "bf16" or "fp16".
+        zero: 1 shards the optimizer state over a stage's replicas, 2 the gradients too.
     """
-    known = PipelineOptions.__dataclass_fields__
-    unknown = sorted(k for k in options if k not in known)
     if unknown:
-        raise TypeError(f"wrap() got unknown option(s) {unknown}; valid options: "
-                        f"{', '.join(known)}")
-    return Pipeline(model, plain_inputs(example_inputs), PipelineOptions(**options))
+        raise TypeError(f"wrap() got unknown option(s) {sorted(unknown)}; valid options: "
+                        f"{', '.join(PipelineOptions.__dataclass_fields__)}")
+    given = locals()
+    options = PipelineOptions(**{name: given[name] for name in PipelineOptions.__dataclass_fields__})
+    return Pipeline(model, plain_inputs(example_inputs), options)

@@ -107,6 +107,38 @@ def test_a_bad_option_fails_where_it_is_written_before_any_capture(options):
         pipetrain.wrap(NeverCaptured(), torch.randn(2, 3), **options)
 
 
+def test_wraps_signature_is_pipeline_options_fields_each_documented():
+    # One source of truth: wrap's keyword options are PipelineOptions' fields (names, order, defaults), each
+    # named in wrap's docstring, and each Literal vocabulary is the one the validation accepts.
+    import dataclasses
+    import inspect
+    import typing
+
+    from pipetrain import options as vocabularies
+
+    params = [p for p in inspect.signature(pipetrain.wrap).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    fields = dataclasses.fields(pipetrain.PipelineOptions)
+    assert [p.name for p in params] == [f.name for f in fields]
+    assert all(p.default == f.default for p, f in zip(params, fields)), [
+        p.name for p, f in zip(params, fields) if p.default != f.default]
+    documented = [p.name for p in params if f"{p.name}:" not in pipetrain.wrap.__doc__ and
+                  f" {p.name}: " not in pipetrain.wrap.__doc__]
+    assert not documented, documented
+    hints = typing.get_type_hints(pipetrain.wrap)
+    literal = lambda name: next(typing.get_args(a) for a in (hints[name], *typing.get_args(hints[name]))  # noqa: E731
+                                if typing.get_origin(a) is typing.Literal)
+    assert literal("schedule") == vocabularies.SCHEDULES
+    assert literal("staleness") == vocabularies.STALENESS
+    assert literal("precision") == vocabularies.PRECISIONS
+    assert literal("engine") == vocabularies.ENGINES
+    assert literal("nonfinite") == vocabularies.NONFINITE
+    assert literal("recompute") == vocabularies.RECOMPUTE
+    assert literal("partitioner") == vocabularies.PARTITIONERS
+    assert literal("allreduce") == vocabularies.ALLREDUCE
+    assert literal("spectrain_variant") == tuple(vocabularies.SPECTRAIN_VARIANTS)
+    assert literal("zero") == vocabularies.ZERO
+
+
 def test_unknown_option_is_an_error_not_ignored():
     with pytest.raises(TypeError, match="unknown option.*micro_batch"):
         wrap(micro_batch=4)
