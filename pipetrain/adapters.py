@@ -57,16 +57,21 @@ class AdapterLayout:
         """Of ``tensors`` (state names), the adapter's, under their names in adapter_model.safetensors."""
         return {self.saved_names[k]: t for k, t in tensors.items() if k in self.saved_names}
 
+    @staticmethod
+    def is_factor(name: str) -> bool:
+        """Whether the state name ``name`` is a LoRA factor (A or B), not a base model's tensor."""
+        return ".lora_A." in name or ".lora_B." in name
+
     def factors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Of ``tensors`` (state names), the LoRA factors (every rank needs all of them to merge its weights)."""
-        return {k: t for k, t in tensors.items() if ".lora_A." in k or ".lora_B." in k}
+        return {k: t for k, t in tensors.items() if self.is_factor(k)}
 
     def merged(self, tensors: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` as the base model's: the adapter factors dropped, each adapted weight W replaced by
         W + scaling * B @ A (what peft's merge_and_unload computes), every name without the PEFT prefix."""
         out = {}
         for name, t in tensors.items():
-            if ".lora_A." in name or ".lora_B." in name:
+            if self.is_factor(name):
                 continue
             path = name[:-len(f"{_BASE}.weight")] if name.endswith(f"{_BASE}.weight") else None
             if path in self.lora:

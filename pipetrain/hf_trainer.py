@@ -137,14 +137,14 @@ class PipelineTrainer(Trainer):
             raise ValueError("PipelineTrainer does not run hyper-parameter searches")
         args = self.args
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self._replicas()
-        steps_per_epoch = len(self._loader(self.train_dataset, batch, 0, training=True))
+        first_epoch = self._loader(self.train_dataset, batch, 0, training=True)
+        steps_per_epoch = len(first_epoch)
         if steps_per_epoch == 0:
             raise ValueError(f"the training set holds fewer samples than one step's {batch}; lower "
                              "per_device_train_batch_size or gradient_accumulation_steps")
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
         if self.pipe is None:
-            example = next(iter(self._loader(self.train_dataset, batch, 0, training=True)))
-            self.pipe = self._wrap(example, max_steps)
+            self.pipe = self._wrap(next(iter(first_epoch)), max_steps)
         self.state = TrainerState(stateful_callbacks=[], is_local_process_zero=self.is_local_process_zero(),
                                   is_world_process_zero=self.is_world_process_zero())
         self.state.max_steps, self.state.num_train_epochs = max_steps, math.ceil(max_steps / steps_per_epoch)
@@ -152,7 +152,7 @@ class PipelineTrainer(Trainer):
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        losses, total_loss, start = [], 0.0, time.time()
+        losses, total_loss, start, resumed_at = [], 0.0, time.time(), self.state.global_step
         epoch = self.state.global_step // steps_per_epoch
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
@@ -177,7 +177,7 @@ class PipelineTrainer(Trainer):
             self._log_evaluate_save(losses, None, learning_rate, ignore_keys_for_eval)
             epoch += 1
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        steps = max(self.state.global_step, 1)
+        steps = max(self.state.global_step - resumed_at, 1)  # the steps this call ran (total_loss sums theirs)
         metrics = {"train_runtime": time.time() - start, "train_loss": total_loss / steps, "epoch": self.state.epoch}
         self.log(metrics)
         return TrainOutput(self.state.global_step, total_loss / steps, metrics)

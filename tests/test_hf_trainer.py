@@ -93,13 +93,14 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path, reference):
     first.train()
     assert first.state.global_step == 2
     resumed = pipelined(tmp_path, 2, save_strategy="steps", save_steps=2)
-    resumed.train(resume_from_checkpoint=True)
+    output = resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == STEPS
     # Steps 3 and 4 equal the uninterrupted pipeline (itself within 1e-5 of the Trainer): the scheduler and the
     # optimizer resumed; the log history of steps 1 and 2 came back with the checkpoint.
     uninterrupted = pipelined(tmp_path / "whole", 2)
     uninterrupted.train()
     assert history(resumed, "loss") == history(uninterrupted, "loss")
+    assert output.training_loss == sum(history(uninterrupted, "loss")[2:]) / 2  # the mean of the steps it ran
     assert history(resumed, "learning_rate") == history(uninterrupted, "learning_rate")
     state, expected = resumed.pipe.state_dict(), uninterrupted.pipe.state_dict()
     assert all(torch.equal(state[k], expected[k]) for k in expected)

@@ -91,7 +91,7 @@ def _base_keys(source: WeightSource, adapters: AdapterLayout, expected: dict, gr
                recomputed: set[str]) -> dict[str, str]:
     """A PEFT model read from its base model's checkpoint (none of the PEFT names in it): every tensor but the
     adapter's factors is read under its base name; the factors are initialised as LoRA initialises them."""
-    base = {n: adapters.base_name(n) for n in expected if ".lora_A." not in n and ".lora_B." not in n}
+    base = {n: adapters.base_name(n) for n in expected if not adapters.is_factor(n)}
     keys = match_names(source.names(), {base[n]: expected[n] for n in base},
                        [[base[n] for n in g if n in base] for g in groups if any(n in base for n in g)],
                        {adapters.base_name(n) for n in recomputed}, source=source.describe())
