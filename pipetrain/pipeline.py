@@ -7,16 +7,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import partitioners
 from pipetrain import checkpoint as ckpt
 from pipetrain.assembly import assemble
-from pipetrain.comm.peers import peers_answer
+from pipetrain.checkpoint_view import pipeline_view
 from pipetrain.comm.world import World
 from pipetrain.options import PipelineOptions
-from pipetrain.pretrained import check_loadable, own_tensors, save_adapters, save_pretrained
+from pipetrain.pretrained import write_pretrained
 from pipetrain.runner import Runner
 from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.stage import StageRuntime
@@ -71,12 +70,7 @@ class Pipeline:
         for the whole stream and drains only when it ends. Under torchrun every rank iterates
         the same stream (in hybrid mode each replica keeps its own shard of every mini-batch).
         """
-        pairs = (_as_pair(batch) for batch in batches)
-        if self.options.schedule == "async-1f1b":
-            yield from self._runner.stream(pairs)
-            return
-        for x, y in pairs:
-            yield self._runner.step(x, y)
+        yield from self._runner.train(_as_pair(batch) for batch in batches)
 
     def on_step(self, callback: Callable[[StepResult], None]) -> None:
         """Call ``callback(result)`` on every rank after each trained mini-batch (step or train), once its
@@ -101,10 +95,8 @@ class Pipeline:
     # ----- state and checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers under the original model's names (this rank's share when distributed)."""
-        out: dict[str, torch.Tensor] = {}
-        for v in sorted(self._parts.stages):
-            out.update(self._parts.stages[v].module.state_dict())
-        return out
+        stages = self._parts.stages
+        return {name: t for v in sorted(stages) for name, t in stages[v].module.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load original-model names into the stages that hold them."""
@@ -119,9 +111,7 @@ class Pipeline:
     def load(self, path: str | os.PathLike) -> None:
         """Resume from the newest checkpoint under ``path`` (or a step directory), re-partitioning
         parameters and optimizer state when it was saved with another stage count or engine."""
-        self._runner.updates = ckpt.load_pipeline(self._checkpoint_view(), path)
-        for reducer in self._parts.links.reducers.values():
-            reducer.share_updates()  # ZeRO with a predicting policy: v of the loaded state, from each owner
+        self._runner.loaded(ckpt.load_pipeline(self._checkpoint_view(), path))
 
     def resume(self, path: str | os.PathLike) -> bool:
         """Load the newest checkpoint under ``path`` if there is one (``--resume auto``); True if it did. Every
@@ -139,39 +129,15 @@ class Pipeline:
         with missing or unexpected weights. A PEFT model writes its adapter (``adapter_config.json``,
         ``adapter_model.safetensors``: what ``PeftModel.from_pretrained`` reads), or with ``merge_adapters``
         the base model with the LoRA factors merged into its weights."""
-        parts = self._parts
-        world = parts.engine.world
-        group = world.control if world is not None else None
-        writes = world is None or world.replica == 0
-        tensors = own_tensors({v: rt.module for v, rt in parts.stages.items()}, parts.pretrained,
-                              parts.plan.tied_groups()) if writes else {}
-        adapters = parts.pretrained.adapters
-        if adapters is not None and not merge_adapters:
-            return save_adapters(path, adapters.adapter_tensors(tensors), adapters, group)
-        if merge_adapters and adapters is None:
-            raise ValueError("merge_adapters=True merges a PEFT model's LoRA adapters into its base model; this "
-                             "model has none: call save_pretrained(path)")
-        if adapters is not None:
-            tensors = adapters.merged(tensors, _gathered_everywhere(adapters.factors(tensors), group))
-        written = set(_gathered_everywhere({name: None for name in tensors}, group))
-        check_loadable(written, parts.pretrained)  # every rank checks every name: all refuse alike
-        return save_pretrained(path, tensors, parts.pretrained, group, max_shard_size)
+        parts, world = self._parts, self._parts.engine.world
+        return write_pretrained(path, {v: rt.module for v, rt in parts.stages.items()}, parts.pretrained,
+                                parts.plan.tied_groups(), world.control if world is not None else None,
+                                writes=world is None or world.replica == 0, max_shard_size=max_shard_size,
+                                merge_adapters=merge_adapters)
 
     def _checkpoint_view(self) -> ckpt.PipelineView:
         """What a checkpoint saves and restores of this pipeline, now."""
-        parts = self._parts
-        stages = {v: ckpt.StageState(rt.module, rt.optimizer, rt.policy,
-                                     parts.steppers[parts.topology.position_of(v)].scaler, rt.schedulers)
-                  for v, rt in sorted(parts.stages.items())}
-        world = parts.engine.world
-        streaming = self._runner.in_stream
-        if world is None:
-            role = ckpt.CheckpointRole(True, True, "local", ckpt.agree_alone, streaming, 0)
-        else:
-            merge = _merge_over(world.data_parallel_group) if parts.options.zero else None
-            role = ckpt.CheckpointRole(world.replica == 0, world.rank == 0, "distributed",
-                                       parts.engine.consensus.decide, streaming, world.rank, merge)
-        return ckpt.PipelineView(parts.plan, parts.options, self._runner.updates, stages, role, parts.pretrained)
+        return pipeline_view(self._parts, self._runner.updates, streaming=self._runner.in_stream)
 
     def close(self) -> None:
         """Close the TensorBoard log."""
@@ -219,23 +185,3 @@ def _as_pair(batch: Any) -> tuple[Any, Any]:
                     f"pipetrain.model_loss); got a {type(batch).__name__}"
                     + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
                     + "; fix: make the loader yield (x, y), or a dict with the labels")
-
-
-def _gathered_everywhere(mine: dict, group: dist.ProcessGroup | None) -> dict:
-    """Every rank's dict merged, on every rank (CPU copies of tensors; ``mine`` alone in one process)."""
-    if group is None:
-        return mine
-    shares = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shares, {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                                    for k, v in mine.items()}, group=group)
-    return {k: v for share in shares for k, v in share.items()}
-
-
-def _merge_over(group: dist.ProcessGroup) -> Callable[[dict], dict | None]:
-    """ZeRO checkpoints: gathers the replicas' optimizer shares onto replica 0 (group rank 0), merged."""
-    def merge(share: dict) -> dict | None:
-        shares = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-        with peers_answer("save: the replicas' ZeRO optimizer shares gathered onto replica 0 (every rank saves)"):
-            dist.gather_object(share, shares, group=group, group_dst=0)
-        return ckpt.merge_optimizer_shares(shares) if shares is not None else None
-    return merge

@@ -210,3 +210,34 @@ def save_pretrained(path: str | os.PathLike, tensors: dict[str, torch.Tensor], l
     if group is not None:
         dist.barrier(group=group)
     return root
+
+
+def write_pretrained(path: str | os.PathLike, stages: dict[int, nn.Module], layout: PretrainedLayout,
+                     tied: list[list[tuple[int, str]]], group: Any = None, writes: bool = True,
+                     max_shard_size: int = MAX_SHARD_BYTES, merge_adapters: bool = False) -> Path:
+    """``Pipeline.save_pretrained``: this process's ``stages`` written into the Hugging Face directory ``path``
+    (with ``writes`` false, as for the ranks of replicas other than the first, it only takes part in the
+    collectives of ``group``): a PEFT model's adapter, or the model (with the LoRA factors merged into its
+    weights when ``merge_adapters``). Refuses before writing what ``from_pretrained`` would load wrongly."""
+    tensors = own_tensors(stages, layout, tied) if writes else {}
+    adapters = layout.adapters
+    if adapters is not None and not merge_adapters:
+        return save_adapters(path, adapters.adapter_tensors(tensors), adapters, group)
+    if merge_adapters and adapters is None:
+        raise ValueError("merge_adapters=True merges a PEFT model's LoRA adapters into its base model; this "
+                         "model has none: call save_pretrained(path)")
+    if adapters is not None:
+        tensors = adapters.merged(tensors, _gathered_everywhere(adapters.factors(tensors), group))
+    written = set(_gathered_everywhere({name: None for name in tensors}, group))
+    check_loadable(written, layout)  # every rank checks every name: all refuse alike
+    return save_pretrained(path, tensors, layout, group, max_shard_size)
+
+
+def _gathered_everywhere(mine: dict, group: Any) -> dict:
+    """Every rank's dict merged, on every rank (CPU copies of tensors; ``mine`` alone in one process)."""
+    if group is None:
+        return mine
+    shares = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shares, {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                                    for k, v in mine.items()}, group=group)
+    return {k: v for share in shares for k, v in share.items()}

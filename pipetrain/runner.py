@@ -46,6 +46,14 @@ class Runner:
         self._reconnect = False  # a step raised under torchrun: the next one starts on new process groups
         self._ahead = parts.engine.receive_ahead  # receives posted one computation early (the engine decides)
 
+    def train(self, pairs: Iterable[tuple[Any, Any]]) -> Iterator[StepResult]:
+        """One result per (inputs, targets) pair: async-1f1b streams them, synchronous schedules step each."""
+        if self.parts.options.schedule == "async-1f1b":
+            yield from self.stream(pairs)
+            return
+        for x, y in pairs:
+            yield self.step(x, y)
+
     def step(self, x: Any, y: Any) -> StepResult:
         """One mini-batch of a synchronous schedule. A step that raises before any stage applied its update
         (bad data, a failing loss, a non-finite value, Ctrl-C) leaves no trace: gradients, buffers, in-flight
@@ -243,6 +251,12 @@ class Runner:
         for callback in self.callbacks:
             callback(result)
         return result
+
+    def loaded(self, updates: int) -> None:
+        """A checkpoint saved after ``updates`` steps was loaded into the stages."""
+        self.updates = updates
+        for reducer in self.parts.links.reducers.values():
+            reducer.share_updates()  # ZeRO with a predicting policy: v of the loaded state, from each owner
 
     def close(self) -> None:
         if self._log is not None:

@@ -1,0 +1,36 @@
+"""What a checkpoint saves and restores of a running pipeline: its parts seen as a ``PipelineView``."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.distributed as dist
+
+from pipetrain.assembly import Parts
+from pipetrain.checkpoint import (CheckpointRole, PipelineView, StageState, agree_alone,
+                                  merge_optimizer_shares)
+from pipetrain.comm.peers import peers_answer
+
+
+def pipeline_view(parts: Parts, updates: int, streaming: bool) -> PipelineView:
+    """What a checkpoint saves and restores of the pipeline made of ``parts``, after ``updates`` steps."""
+    stages = {v: StageState(rt.module, rt.optimizer, rt.policy,
+                            parts.steppers[parts.topology.position_of(v)].scaler, rt.schedulers)
+              for v, rt in sorted(parts.stages.items())}
+    world = parts.engine.world
+    if world is None:
+        role = CheckpointRole(True, True, "local", agree_alone, streaming, 0)
+    else:
+        merge = _merge_over(world.data_parallel_group) if parts.options.zero else None
+        role = CheckpointRole(world.replica == 0, world.rank == 0, "distributed", parts.engine.consensus.decide,
+                              streaming, world.rank, merge)
+    return PipelineView(parts.plan, parts.options, updates, stages, role, parts.pretrained)
+
+
+def _merge_over(group: dist.ProcessGroup) -> Callable[[dict], dict | None]:
+    """ZeRO checkpoints: gathers the replicas' optimizer shares onto replica 0 (group rank 0), merged."""
+    def merge(share: dict) -> dict | None:
+        shares = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+        with peers_answer("save: the replicas' ZeRO optimizer shares gathered onto replica 0 (every rank saves)"):
+            dist.gather_object(share, shares, group=group, group_dst=0)
+        return merge_optimizer_shares(shares) if shares is not None else None
+    return merge
