@@ -69,7 +69,8 @@ def partition(graph: CostGraph | nx.DiGraph, stages: int, *, method: str | Seque
     plan = Plan.from_cuts(graph, chain, cuts, method=label, bandwidth=bw, replicas=reps,
                           allreduce_bandwidth=allreduce_bandwidth)
     if memory is not None:
-        _predict_memory(plan, chain, memory, memory_limit)
+        recompute, stage_memory = _predict_memory(plan, chain, memory, memory_limit)
+        plan = plan.replaced(recompute=recompute, stage_memory=stage_memory)
     elif memory_limit is not None and method not in ("time", "graph"):
         for k in range(stages):
             need = chain.segment(cuts[k], cuts[k + 1])["memory"]
@@ -80,20 +81,22 @@ def partition(graph: CostGraph | nx.DiGraph, stages: int, *, method: str | Seque
     return plan
 
 
-def _predict_memory(plan: Plan, chain: Chain, memory: MemoryModel, memory_limit: float | None) -> None:
-    """Set each stage's recomputation setting and predicted peak; a stage over the limit is an error."""
-    plan.recompute, plan.stage_memory = [], []
+def _predict_memory(plan: Plan, chain: Chain, memory: MemoryModel,
+                    memory_limit: float | None) -> tuple[list[str], list[float]]:
+    """Each stage's recomputation setting and predicted peak; a stage over the limit is an error."""
+    recompute, stage_memory = [], []
     for k in range(plan.num_stages):
         seg = chain.segment(plan.cuts[k], plan.cuts[k + 1])
         setting, peak = memory.choose(k, plan.param_bytes[k], seg["activations"], seg["boundary"], memory_limit)
-        plan.recompute.append(setting)
-        plan.stage_memory.append(peak)
+        recompute.append(setting)
+        stage_memory.append(peak)
         if memory_limit is not None and peak > memory_limit:
             fix = "" if memory.recompute in ("auto", "always") else "recompute='always' or 'auto', "
             raise PartitionError(
                 f"stage {k} needs {peak / 2**20:.1f} MiB at its predicted peak (recompute={setting!r}), over "
                 f"memory_limit={memory_limit / 2**20:.1f} MiB; fix: use {fix}method='graph' (which splits to "
                 "fit), more stages, fewer micro-batches in flight or a smaller micro-batch")
+    return recompute, stage_memory
 
 
 def _replicas(replicas: Sequence[int] | None, stages: int) -> list[int]:

@@ -30,7 +30,8 @@ class Plan:
                  replicas: list[int], ops: list[str], inputs: list[list[str]],
                  outputs: list[list[str]], stage_times: list[float], compute_times: list[float],
                  comm_bytes: list[float], param_bytes: list[float], act_bytes: list[float],
-                 tied: list[list[tuple[int, str]]] | None = None, graph: CostGraph | None = None):
+                 tied: list[list[tuple[int, str]]] | None = None, graph: CostGraph | None = None,
+                 stage_memory: list[float] | None = None, recompute: list[str] | None = None):
         self.order, self.cuts, self.method = order, cuts, method
         self.bandwidth, self.replicas, self.ops = bandwidth, replicas, ops
         self._inputs, self._outputs = inputs, outputs
@@ -38,10 +39,10 @@ class Plan:
         self.param_bytes, self.act_bytes = param_bytes, act_bytes
         self.graph = graph
         self._tied = tied
-        # Set by partition() when given a MemoryModel: per stage, the predicted peak bytes and the
+        # Given by partition() when it has a MemoryModel: per stage, the predicted peak bytes and the
         # recomputation setting they assume.
-        self.stage_memory: list[float] | None = None
-        self.recompute: list[str] | None = None
+        self.stage_memory = stage_memory
+        self.recompute = recompute
         self._stage_of = {name: int(np.searchsorted(cuts, i, side="right")) - 1
                           for i, name in enumerate(order)}
 
@@ -75,9 +76,20 @@ class Plan:
                    param_bytes=[s["params"] for s in segs],
                    act_bytes=[float(chain.acts[cuts[k]:cuts[k + 1]].sum()) for k in range(p)],
                    graph=graph if isinstance(graph, CostGraph) else None)
-        if plan.graph is not None:
-            plan.param_bytes = [plan._stage_param_bytes(k) for k in range(p)]
+        if plan.graph is not None:  # the stages' own parameters, each counted once
+            return plan.replaced(param_bytes=[plan._stage_param_bytes(k) for k in range(p)])
         return plan
+
+    def replaced(self, **changes: Any) -> Plan:
+        """A copy of this plan with ``changes`` to the constructor's arguments (``graph=graph.on_meta()``,
+        ``stage_memory=...``); the tied groups carry over where they were found already."""
+        fields = dict(order=self.order, cuts=self.cuts, method=self.method, bandwidth=self.bandwidth,
+                      replicas=self.replicas, ops=self.ops, inputs=self._inputs, outputs=self._outputs,
+                      stage_times=self.stage_times, compute_times=self.compute_times, comm_bytes=self.comm_bytes,
+                      param_bytes=self.param_bytes, act_bytes=self.act_bytes,
+                      tied=self._tied, graph=self.graph,
+                      stage_memory=self.stage_memory, recompute=self.recompute)
+        return Plan(**{**fields, **changes})
 
     # -- the runtime's interface ------------------------------------------------------
     @property
@@ -192,13 +204,11 @@ class Plan:
             raise PartitionError("the graph's nodes differ from the plan's: the plan was made for "
                                  "another model or trace; fix: trace the same model and inputs")
         tied = d["tied"]
-        plan = cls(order=d["order"], cuts=d["cuts"], method=d["method"],
+        return cls(order=d["order"], cuts=d["cuts"], method=d["method"],
                    bandwidth=d["bandwidth"], replicas=d["replicas"], ops=d["ops"],
                    inputs=d["inputs"], outputs=d["outputs"], stage_times=d["stage_times"],
                    compute_times=d["compute_times"], comm_bytes=d["comm_bytes"],
                    param_bytes=d["param_bytes"], act_bytes=d["act_bytes"],
                    tied=None if tied is None else [[(int(k), n) for k, n in g] for g in tied],
-                   graph=graph)
-        plan.stage_memory, plan.recompute = d.get("stage_memory"), d.get("recompute")
-        return plan
+                   graph=graph, stage_memory=d.get("stage_memory"), recompute=d.get("recompute"))
 

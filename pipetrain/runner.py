@@ -69,20 +69,14 @@ class Runner:
         for rt in p.stages.values():
             rt.begin_step()
         report = _SyncReport(self, feed, executors, start)
-        for stepper in p.steppers.values():
-            stepper.report = report
-        try:
-            with interrupts_after_commit(self._committed), self._abandoned_on_error():
-                for _ in drive({d: ex.run(p.schedules.posted(p.schedules.training.actions[d], self._ahead))
-                                for d, ex in executors.items()}):
-                    pass
-                p.links.transport.flush()
-                for rt in p.stages.values():
-                    rt.end_step()
-                return self._finish(report.result)
-        finally:
-            for stepper in p.steppers.values():
-                stepper.report = None
+        with interrupts_after_commit(self._committed), self._abandoned_on_error():
+            for _ in drive({d: ex.run(p.schedules.posted(p.schedules.training.actions[d], self._ahead), report)
+                            for d, ex in executors.items()}):
+                pass
+            p.links.transport.flush()
+            for rt in p.stages.values():
+                rt.end_step()
+            return self._finish(report.result)
 
     def _connected(self) -> None:
         if self._reconnect:
@@ -264,7 +258,7 @@ class Runner:
 
 
 class _SyncReport:
-    """A sync step's report (OptimizerStep.report). Under torchrun each process takes its part at its
+    """A sync step's report (the StepReport its executors hand to each OptimizerStep). Under torchrun each process takes its part at its
     STEP, where its only device finished the mini-batch, and the sum over ranks rides in the
     skip-or-step agreement's exchange; in one process the first device past the agreement takes it
     for all (every device finished by then)."""

@@ -71,7 +71,8 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     stages = build_stages(plan, topology, engine, options, precision.autocast_dtype, tensors)
     tensors.close()
     pretrained = PretrainedLayout.of(model)
-    plan.graph = plan.graph.on_meta()  # the stages hold their tensors now: wrap keeps no other copy alive
+    # The stages hold their tensors now: the plan keeps no other copy (its tied groups found on the real graph).
+    plan = plan.replaced(graph=plan.graph.on_meta(), tied=plan.tied_groups())
     links = engine.connect(topology, stages, plan.tied_groups())
     steppers = build_steppers(stages, topology, links, options, plan.tied_groups(), engine)
     return Parts(options, engine, plan, topology, book, precision, stages, links, steppers, io, pretrained)

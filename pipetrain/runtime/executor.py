@@ -23,13 +23,15 @@ from torch.utils import _pytree as pytree
 
 from pipetrain.runtime.devices import move, to_device
 from pipetrain.runtime.feed import Feed
+from pipetrain.runtime.optimizer_step import StepReport
 from pipetrain.runtime.progress import BLOCKED, DONE, STEPPED
 from pipetrain.runtime.stage import StageRuntime, takes_grad
 from pipetrain.runtime.topology import ACT, GRAD, Message, Topology
 from schedules import Action, ActionKind
 from schedules.nccl_order import CommBatch
 
-StepCall = Callable[[int, list[torch.Tensor]], Iterator[str]]  # (t, losses) -> ...; returns whether t was skipped
+# (t, losses, report) -> ...; returns whether t was skipped
+StepCall = Callable[[int, list[torch.Tensor], StepReport | None], Iterator[str]]
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ class DeviceExecutor:
             ActionKind.REDUCE: self._reduce,
         }
 
-    def run(self, program: Iterable[Action | CommBatch]) -> Iterator[str]:
-        """Execute ``program``: a device's actions as ``posted_batches`` yields them."""
+    def run(self, program: Iterable[Action | CommBatch], report: StepReport | None = None) -> Iterator[str]:
+        """Execute ``program``: a device's actions as ``posted_batches`` yields them; a sync step's STEP hands
+        ``report`` to the optimizer step."""
         for action in program:
             if isinstance(action, CommBatch):
                 self.transport.exchange([m for a in action.actions for m in self._messages(a)],
@@ -95,7 +98,7 @@ class DeviceExecutor:
             if handler is None:
                 raise ValueError(f"the runtime cannot execute action {action} ({action.kind.name}); "
                                  "use gpipe, 1f1b, interleaved-1f1b, zb-h1 or async-1f1b")
-            yield from handler(action)
+            yield from (self._step(action, report) if action.kind == ActionKind.STEP else handler(action))
             yield STEPPED if action.kind == ActionKind.STEP else DONE
 
     def _stage(self, action: Action) -> StageRuntime:
@@ -193,10 +196,10 @@ class DeviceExecutor:
         self._busy[stage.index] += time.perf_counter() - start
         return iter(())
 
-    def _step(self, a: Action) -> Iterator[str]:
+    def _step(self, a: Action, report: StepReport | None = None) -> Iterator[str]:
         t, m = a.micro_batch, self.feed.micro_batches
         losses = [self.losses[g] for g in range(t * m, (t + 1) * m) if g in self.losses]
-        self.skipped[t] = yield from self.step(t, losses)
+        self.skipped[t] = yield from self.step(t, losses, report)
         self.steps_done += 1
 
     def take_busy(self) -> dict[int, float]:

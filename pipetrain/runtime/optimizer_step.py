@@ -160,12 +160,12 @@ class OptimizerStep:
         self.first_update = 1  # the pipeline's update number of mini-batch 0 of the current call (messages)
         self.stream = False
         self.applied = False  # whether this call changed weights or optimizer state (a step past undoing)
-        # A sync step's report: under torchrun it rides in the agreement's exchange, so the step waits for one
-        # collective (not an agreement, then a report after it); in one process it is taken once all agreed.
-        self.report: StepReport | None = None
 
-    def __call__(self, t: int, losses: list[torch.Tensor]) -> Generator[str, None, bool]:
-        """STEP t, given the losses of mini-batch t's micro-batches computed on this device (if any)."""
+    def __call__(self, t: int, losses: list[torch.Tensor],
+                 report: StepReport | None = None) -> Generator[str, None, bool]:
+        """STEP t, given the losses of mini-batch t's micro-batches computed on this device (if any). A sync
+        step's ``report``: under torchrun it rides in the agreement's exchange, so the step waits for one
+        collective (not an agreement, then a report after it); in one process it is taken once all agreed."""
         yield from self.tied.sync(self.indices, t)
         params = [p for s in self.stages for p in s.params
                   if p.grad is not None and (self.shards is None or self.shards.owns(p))]
@@ -180,7 +180,7 @@ class OptimizerStep:
             result = self.agreement.post(t, self.position, flags)
             if result is not None:
                 return self._step_then_agree(t, flags, result)
-        vector = self.report.vector(t) if self.report is not None else None
+        vector = report.vector(t) if report is not None else None
         agreed = yield from self.agreement.agree(t, self.position, flags, vector,
                                                  self.grad_norm.part(params, self.device))
         norm = self.grad_norm.total(agreed.norm)
@@ -194,8 +194,8 @@ class OptimizerStep:
             # (gradients dropped, loss scale unchanged), as for any step that raises.
             raise NonFiniteError(self._message(t, first))
         skip = overflow or bad
-        if self.report is not None:
-            self.report.agreed(t, skip, agreed.report, norm)
+        if report is not None:
+            report.agreed(t, skip, agreed.report, norm)
         if self.scaler is not None:
             self.scaler.update(overflow)
         if not skip:
@@ -249,9 +249,8 @@ class OptimizerStep:
         self.in_flight = None
         first = result()
         if first[LOSSES] is not None or first[GRADS] is not None:
-            raise NonFiniteError(self._message(t, first, found).replace(
-                "the update was not applied on any stage",
-                "stages whose gradients were finite applied it (an async stream learns of it one step later)"))
+            raise NonFiniteError(self._message(t, first, found, applied="stages whose gradients were finite applied "
+                                               "it (an async stream learns of it one step later)"))
 
     def connect(self, tied: TiedSync, agreement: OverflowAgreement, shards: Shards | None = None) -> None:
         """Use new connections to the other devices (the engine reconnected after a failed step)."""
@@ -267,8 +266,10 @@ class OptimizerStep:
         self.applied = False
         self.grad_norms.clear()  # a call that raised may have left some behind
 
-    def _message(self, t: int, first: list[int | None], found: tuple[int, str] | None = None) -> str:
-        """Every rank raises; the one holding the first bad parameter names it, the others name that rank."""
+    def _message(self, t: int, first: list[int | None], found: tuple[int, str] | None = None,
+                 applied: str = "the update was not applied on any stage") -> str:
+        """Every rank raises; the one holding the first bad parameter names it, the others name that rank.
+        ``applied``: what became of the update."""
         update = self.first_update + t
         when = f"optimizer step {update}" + (f" (mini-batch {t} of this train() stream)" if self.stream else "")
         if first[LOSSES] is not None:
@@ -281,5 +282,5 @@ class OptimizerStep:
                 what += f": stage {found[0]}, parameter {found[1]!r} (the first bad one)"
             else:
                 what += f", found by {self.agreement.where(first[GRADS])}, whose error names the parameter"
-        return (f"{what}; the update was not applied on any stage (nonfinite='raise'). To fix: "
+        return (f"{what}; {applied} (nonfinite='raise'). To fix: "
                 f"{advice(self.precision)}")
