@@ -12,7 +12,7 @@ from torch import nn
 import partitioners
 from pipetrain import checkpoint as ckpt
 from pipetrain.assembly import assemble
-from pipetrain.checkpoint_view import pipeline_view
+from pipetrain.checkpoint.parts_view import pipeline_view
 from pipetrain.comm.world import World
 from pipetrain.options import PipelineOptions
 from pipetrain.pretrained import write_pretrained

@@ -283,13 +283,13 @@ def _own_group_rank(rank, port, out, world):
         pipe.step(*data("mlp", 8, seed=seed))
     torch.save(pipe.state_dict(), out / f"state{rank}.pt")
     if rank == 1:  # stopped in the middle of the save, before it writes its stage file
-        write = pipetrain.checkpoint.atomic_save
+        write = pipetrain.checkpoint.save.atomic_save
 
         def stop(*args):
             (out / "t0").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
             return write(*args)
-        pipetrain.checkpoint.atomic_save = stop
+        pipetrain.checkpoint.save.atomic_save = stop
     try:
         pipe.save(out / "ckpt")
         (out / f"save{rank}").write_text("saved")

@@ -6,8 +6,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from pipetrain.assembly import Parts
-from pipetrain.checkpoint import (CheckpointRole, PipelineView, StageState, agree_alone,
-                                  merge_optimizer_shares)
+from pipetrain.checkpoint.optimizer_state import merge_optimizer_shares
+from pipetrain.checkpoint.view import CheckpointRole, PipelineView, StageState, agree_alone
 from pipetrain.comm.peers import peers_answer
 
 

@@ -1,0 +1,101 @@
+"""Optimizer state by parameter name instead of position, so a checkpoint loads into another stage count or
+engine (re-partitioned); with ZeRO the replicas' shares are merged into one state by name."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetrain.checkpoint.errors import CheckpointError
+
+
+def param_names(module: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: dict[int, str]) -> dict:
+    """Optimizer state keyed by parameter name instead of position (survives re-partitioning)."""
+    if optimizer is None:
+        return {"state": {}, "groups": []}
+    state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"]
+             if p in optimizer.state}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"state": state, "groups": groups, "class": optimizer_class(optimizer)}
+
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+
+def merge_optimizer_shares(shares: list[dict]) -> dict:
+    """One stage's optimizer state by name from the replicas' ZeRO shares (each holds the names it owns)."""
+    state = {name: value for share in shares for name, value in share["state"].items()}
+    groups = next((share["groups"] for share in shares if share["groups"]), [])
+    classes = [share["class"] for share in shares if "class" in share]  # a replica owning nothing has none
+    return {"state": state, "groups": groups, **({"class": classes[0]} if classes else {})}
+
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer | None, by_name: dict[str, dict],
+                         groups: list[dict], names: dict[int, str]) -> None:
+    """Put each parameter's saved state back, by name; hyper-parameters (every group key) from the saved groups."""
+    if optimizer is None:
+        return
+    for g, saved in zip(optimizer.param_groups, groups):
+        g.update(saved)  # every key, as Optimizer.load_state_dict (a scheduler's initial_lr among them)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            state = by_name.get(names[id(p)])
+            if state is not None:
+                optimizer.state[p] = {k: _owned(v, p.device) for k, v in state.items()}
+
+
+
+def _owned(value: Any, device: torch.device) -> Any:
+    """A saved optimizer value in memory of its own, not in the memory-mapped stage file (retention deletes
+    it later): per-parameter tensors on the parameter's device, scalars (Adam's step) on the CPU."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device, copy=True) if value.dim() > 0 else value.clone()
+
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer | None, saved_class: str | None, groups: list[dict],
+                     source: Path) -> None:
+    """Refuse a checkpoint whose optimizer state this optimizer cannot take. Hyper-parameters follow the
+    checkpoint (an exact resume, as torch's Optimizer.load_state_dict): a factory's other value is named."""
+    if optimizer is None or not groups:
+        return
+    mine = optimizer_class(optimizer)
+    if saved_class is not None and saved_class != mine:
+        raise CheckpointError(
+            f"checkpoint {source} holds the state of a {saved_class} optimizer, but this pipeline's optimizer "
+            f"factory makes a {mine}: its state cannot be resumed by another optimizer class. Fix: resume with "
+            f"the optimizer the run used, or keep only the weights and start a fresh optimizer: "
+            f"pipetrain.wrap(..., weights={str(source)!r})")
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint {source} has {len(groups)} optimizer parameter groups, this pipeline's optimizer has "
+            f"{len(optimizer.param_groups)}: build the optimizer with the same groups as the run that saved it, "
+            f"or start from its weights only: pipetrain.wrap(..., weights={str(source)!r})")
+    # A scheduler moves lr from initial_lr (the factory's): compare that, not the lr it has reached.
+    start = lambda g: {**g, "lr": g.get("initial_lr", g.get("lr"))}  # noqa: E731
+    changed = sorted({f"{k} {start(g)[k]!r} -> {start(saved)[k]!r}" for g, saved in zip(optimizer.param_groups, groups)
+                      for k in saved if k in g and k not in ("params", "initial_lr")
+                      and _differs(start(g)[k], start(saved)[k])})
+    if changed:
+        warnings.warn(f"resuming from {source}: the checkpoint's optimizer hyper-parameters replace the factory's "
+                      f"({', '.join(changed)}), so the run goes on exactly as it was saved. To change one after "
+                      "resuming, set it in held_stages[v].optimizer.param_groups after load()", stacklevel=4)
+
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return a != b
