@@ -10,7 +10,7 @@ from importlib.metadata import version
 from pipetrain.api import wrap
 from pipetrain.assembly.parameter_names import parameter_name
 from pipetrain.checkpoint import CheckpointError, export_state_dict
-from pipetrain.comm.transport import PeerFailure
+from pipetrain.comm.failures import PeerFailure
 from pipetrain.losses import model_loss
 from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.nonfinite import NonFiniteError

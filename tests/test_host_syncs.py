@@ -24,7 +24,7 @@ READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 # The functions allowed to read device values on the host during training, each a point README lists.
 ALLOWED = {("runner.py", "_loss_sum"), ("skip_agreement.py", "agree"), ("skip_agreement.py", "result"),
            ("reporting.py", "collect"), ("reporting.py", "_read_on_host"), ("transport.py", "exchange"),
-           ("transport.py", "_decode_header")}
+           ("wire.py", "decode_header")}
 
 
 @pytest.fixture

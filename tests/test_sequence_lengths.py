@@ -27,7 +27,7 @@ import pipetrain
 from dist_harness import run_world
 from partitioners import input_sizes
 from pipetrain.comm.recording import recording
-from pipetrain.comm.transport import AgreedShapes
+from pipetrain.comm.agreed_shapes import AgreedShapes
 from pipetrain.runtime import host_sync
 from pipetrain.runtime.batching import batch_size, split_micro_batches
 from schedules.nccl_order import Group

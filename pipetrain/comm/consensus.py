@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from pipetrain.comm.transport import PeerFailure
+from pipetrain.comm.failures import PeerFailure
 
 
 @dataclass(frozen=True)

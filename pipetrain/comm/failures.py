@@ -1,4 +1,7 @@
-"""The first error of a failed step, posted where every rank can read it: the rendezvous store of the
+"""Failures of other ranks: ``PeerFailure``, what a rank raises when a peer died or stopped answering, and the
+board that explains it.
+
+The first error of a failed step is posted where every rank can read it: the rendezvous store of the
 process group. A rank whose step raises posts its error; the others stop waiting for it after ``timeout``
 (gloo cannot be woken earlier: a point-to-point wait that times out closes the connection) with a
 PeerFailure, which then names the rank that raised first and its error instead of only the wait."""
@@ -6,7 +9,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from pipetrain.comm.transport import PeerFailure
+
+class PeerFailure(RuntimeError):
+    """Another rank of the pipeline died or stopped answering."""
 
 
 class FailureBoard:

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from pipetrain.comm.transport import PeerFailure
+from pipetrain.comm.failures import PeerFailure
 
 
 @contextlib.contextmanager

@@ -7,9 +7,6 @@ on one link for one micro-batch: activations src -> dst, gradients dst -> src.
 """
 from __future__ import annotations
 
-import functools
-import pickle
-from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
@@ -18,6 +15,9 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from pipetrain.comm import recording
+from pipetrain.comm.agreed_shapes import KEPT_SHAPES, AgreedShapes
+from pipetrain.comm.failures import PeerFailure
+from pipetrain.comm.wire import HEADER_BYTES, decode_header, describe, encode_header, flatten, list_spec
 from pipetrain.runtime import host_sync
 from pipetrain.runtime.devices import to_device
 from pipetrain.runtime.metrics import CommCounter
@@ -25,14 +25,8 @@ from pipetrain.runtime.topology import ACT, GRAD, Link, Message, Topology
 from schedules.nccl_order import Op, link_comm
 
 
-class PeerFailure(RuntimeError):
-    """Another rank of the pipeline died or stopped answering."""
-
-
 COMM_KIND = {ACT: "activations", GRAD: "activation_grads"}
-HEADER_BYTES = 1 << 16
 SEND_WINDOW = 64  # sends kept before the oldest are waited on (DistributedTransport._prune)
-KEPT_SHAPES = 64  # shape keys remembered per link (AgreedShapes); a forgotten one costs one header again
 
 
 class LocalTransport:
@@ -76,11 +70,6 @@ class LocalTransport:
 
 def payload_bytes(values: Any) -> int:
     return sum(v.numel() * v.element_size() for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor))
-
-
-def _describe(leaves: list) -> tuple:
-    """What the receiver needs to allocate buffers: shape/dtype per tensor, the value otherwise."""
-    return tuple(("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("v", v) for v in leaves)
 
 
 class DistributedTransport:
@@ -168,7 +157,7 @@ class DistributedTransport:
         for m, header, works, recorded in reads:
             self._wait(works, m.link, m.kind, m.micro_batch, recorded)
             host_sync.note("shape header")
-            meta = _decode_header(header.cpu())
+            meta = decode_header(header.cpu())
             if not self.dynamic_shapes:
                 self.agreed_received.add(m.link.index, m.shape_key, meta)
             self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch.payloads)
@@ -199,14 +188,14 @@ class DistributedTransport:
         link, kind = m.link, m.kind
         comm, group, peer = self.routes[(link.index, kind)]
         if kind == ACT:
-            leaves, spec = _flatten(m.values)
-            meta = (_describe(leaves), spec)  # the spec is serialised only for a header
+            leaves, spec = flatten(m.values)
+            meta = (describe(leaves), spec)  # the spec is serialised only for a header
             self.sent_meta[(link.index, m.micro_batch)] = meta
             agreed = None if self.dynamic_shapes else self.agreed_sent.get(link.index, m.shape_key)
             if agreed is None:
                 if not self.dynamic_shapes:
                     self.agreed_sent.add(link.index, m.shape_key, meta)
-                header = _encode_header(meta).to(self.device)
+                header = encode_header(meta).to(self.device)
                 message = self._message("header", link, m.micro_batch)
                 works = batch.add(batch.headers, comm, dist.P2POp(dist.isend, header, peer, group),
                                   self._op(True, peer, message))
@@ -318,8 +307,8 @@ class DistributedTransport:
             return buffers
         if spec.is_leaf():  # the common case of one tensor: no tree to rebuild
             return buffers[0] if described[0][0] == "t" else described[0][1]
-        if len(buffers) == len(described) and spec is _list_spec(len(described)):
-            return buffers  # a list of tensors, as _flatten found it
+        if len(buffers) == len(described) and spec is list_spec(len(described)):
+            return buffers  # a list of tensors, as flatten found it
 
         it = iter(buffers)
         leaves = [next(it) if d[0] == "t" else d[1] for d in described]
@@ -369,33 +358,6 @@ class DistributedTransport:
         self.deferred.clear()
 
 
-class AgreedShapes:
-    """Boundary metadata agreed per link and shape key: the ``kept`` most recently used keys of each link.
-
-    Both ends of a link see the same keys in the same order (activations are sent and received in
-    one order), so they keep and forget the same ones and agree on when a header is due without a
-    message; the bound keeps many sequence lengths from growing it without limit."""
-
-    def __init__(self, kept: int):
-        self.kept = kept
-        self.links: dict[int, OrderedDict] = {}
-
-    def get(self, link: int, key: Hashable) -> tuple | None:
-        """The metadata agreed for ``key`` on ``link`` (now the most recently used), or None."""
-        known = self.links.get(link)
-        if known is None or key not in known:
-            return None
-        known.move_to_end(key)
-        return known[key]
-
-    def add(self, link: int, key: Hashable, meta: tuple) -> None:
-        """Remember ``meta`` for ``key`` on ``link``, forgetting the link's least recently used key past ``kept``."""
-        known = self.links.setdefault(link, OrderedDict())
-        known[key] = meta
-        if len(known) > self.kept:
-            known.popitem(last=False)
-
-
 class _Route(NamedTuple):
     """Where the messages of one direction of a link go: communicator key, its process group, the peer rank."""
 
@@ -442,32 +404,3 @@ class _Batch:
         return group[2]
 
 
-@functools.cache
-def _list_spec(leaves: int) -> Any:
-    """The spec of a list of ``leaves`` leaves, made once per length."""
-    return pytree.tree_structure([0] * leaves)
-
-
-def _flatten(values: Any) -> tuple[list, Any]:
-    """``pytree.tree_flatten``; a list of tensors (what a link usually carries) gets the spec of
-    ``_list_spec``, so agreeing on the same metadata again compares by identity."""
-    if type(values) is list and all(isinstance(v, torch.Tensor) for v in values):
-        return values, _list_spec(len(values))
-    return pytree.tree_flatten(values)
-
-
-def _encode_header(meta: tuple) -> torch.Tensor:
-    described, spec = meta
-    blob = pickle.dumps((described, pytree.treespec_dumps(spec)))
-    if len(blob) + 8 > HEADER_BYTES:
-        raise ValueError(f"boundary metadata of {len(blob)} bytes is too large; send fewer, larger tensors")
-    out = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    out[:8] = torch.tensor(list(len(blob).to_bytes(8, "little")), dtype=torch.uint8)
-    out[8:8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    return out
-
-
-def _decode_header(header: torch.Tensor) -> tuple:
-    n = int.from_bytes(bytes(header[:8].tolist()), "little")
-    described, spec = pickle.loads(bytes(header[8:8 + n].numpy()))
-    return described, pytree.treespec_loads(spec)
