@@ -159,7 +159,7 @@ class Pipeline:
     def gradient_reducer(self) -> Any:
         """Hybrid mode: this rank's GradientReducer (its buckets and algorithm choices, ``gradient_bytes`` held
         after the last reduction; with ``zero`` a ShardedReducer, also ``owned`` and ``sent_bytes``); None otherwise."""
-        reducers = [r.reducer for r in self._parts.links.reducers.values()]
+        reducers = [r.reducer for r in self._parts.connections.reducers.values()]
         return reducers[0] if reducers else None
 
     @property

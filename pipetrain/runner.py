@@ -17,7 +17,7 @@ from pipetrain.assembly import Parts, reconnect
 from pipetrain.runtime import host_sync
 from pipetrain.runtime.batching import batch_size, merge_micro_batches
 from pipetrain.runtime.devices import caller_device, to_device
-from pipetrain.runtime.executor import DeviceExecutor, Recompute, drive
+from pipetrain.runtime.executor import PositionExecutor, Recompute, drive
 from pipetrain.runtime.feed import Feed, StreamFeed
 from pipetrain.runtime.interrupts import interrupts_after_commit
 from pipetrain.runtime.metrics import StepResult, TensorBoardLog
@@ -73,7 +73,7 @@ class Runner:
             for _ in drive({d: ex.run(p.schedules.posted(p.schedules.training.actions[d], self._ahead), report)
                             for d, ex in executors.items()}):
                 pass
-            p.links.transport.flush()
+            p.connections.transport.flush()
             for rt in p.stages.values():
                 rt.end_step()
             return self._finish(report.result)
@@ -98,7 +98,7 @@ class Runner:
                 if committed:
                     rt.end_step()  # the buffers belong to the update that was applied
                 rt.abandon()
-            self.parts.links.abandon()
+            self.parts.connections.abandon()
             self._reconnect = self.parts.engine.distributed and not isinstance(error, GeneratorExit)
             explained = self.parts.engine.explain_failure(error)
             if explained is error:
@@ -134,11 +134,11 @@ class Runner:
             # Every rank raises at the same STEP; what its peers take before theirs must still reach them.
             self._deliver_before_step(min(ex.steps_done for ex in executors.values()))
             raise
-        p.links.transport.flush()
+        p.connections.transport.flush()
         for item in pending:
-            yield self._finish(p.links.reporter.collect(*item))
+            yield self._finish(p.connections.reporter.collect(*item))
 
-    def _stream_results(self, feed: StreamFeed, executors: dict[int, DeviceExecutor], runs: dict,
+    def _stream_results(self, feed: StreamFeed, executors: dict[int, PositionExecutor], runs: dict,
                         start: float, pending: list[tuple]) -> Iterator[StepResult]:
         """Drive the stream; a StepResult per mini-batch once every rank's report of it is in (``pending``
         keeps the ones still being summed); ends with the non-finite agreement of the last step read."""
@@ -149,7 +149,7 @@ class Runner:
             while reported < done:
                 now = time.perf_counter()
                 report, loss_sum = self._report(feed, executors, reported, now - start)
-                report.skipped = [ex.skipped.pop(reported) for ex in executors.values()][0]  # agreed: any device
+                report.skipped = [ex.skipped.pop(reported) for ex in executors.values()][0]  # agreed: any position
                 report.grad_norm = [s.grad_norms.pop(reported, float("nan")) for s in p.steppers.values()][0]
                 start = now
                 feed.release(reported)
@@ -157,9 +157,9 @@ class Runner:
                 if not p.engine.distributed:
                     yield self._finish(report)
                     continue
-                pending.append(p.links.reporter.post(report, loss_sum))
+                pending.append(p.connections.reporter.post(report, loss_sum))
                 while pending and pending[0][1].is_completed():
-                    yield self._finish(p.links.reporter.collect(*pending.pop(0)))
+                    yield self._finish(p.connections.reporter.collect(*pending.pop(0)))
         for stepper in p.steppers.values():
             stepper.finish_stream()
 
@@ -174,7 +174,7 @@ class Runner:
             if position not in work:
                 work[position] = p.schedules.stream_work_before_step(position, step)
             return (computation, micro_batch) in work[position]
-        p.links.transport.deliver(taken)
+        p.connections.transport.deliver(taken)
 
     @torch.no_grad()
     def predict(self, x: Any) -> Any:
@@ -195,7 +195,7 @@ class Runner:
             with self._abandoned_on_error():
                 for _ in drive({d: ex.run(p.schedules.posted(actions[d], self._ahead)) for d, ex in executors.items()}):
                     pass
-                p.links.transport.flush()
+                p.connections.transport.flush()
         finally:
             for rt in p.stages.values():
                 rt.module.train()
@@ -207,21 +207,21 @@ class Runner:
         for stepper in self.parts.steppers.values():
             stepper.start(self.updates + 1, stream=stream)
 
-    def _executors(self, feed: Feed, recompute: Recompute, train: bool) -> dict[int, DeviceExecutor]:
+    def _executors(self, feed: Feed, recompute: Recompute, train: bool) -> dict[int, PositionExecutor]:
         p = self.parts
         split = p.options.schedule == "zb-h1"
         executors = {}
         for d, stepper in p.steppers.items():
-            scaler, reducer = stepper.scaler, p.links.reducers.get(d)
-            executors[d] = DeviceExecutor(
-                d, p.stages_at(d), p.topology, p.links.transport, feed, stepper,
+            scaler, reducer = stepper.scaler, p.connections.reducers.get(d)
+            executors[d] = PositionExecutor(
+                d, p.stages_at(d), p.topology, p.connections.transport, feed, stepper,
                 reduce=reducer.reduce if reducer else None,
                 before_backward=reducer.before_backward if reducer else None, train=train,
                 loss_scale=(lambda s=scaler: s.scale_value) if scaler is not None else (lambda: 1.0),
                 split_backward=split, recompute=recompute)
         return executors
 
-    def _report(self, feed: Feed, executors: dict[int, DeviceExecutor], t: int,
+    def _report(self, feed: Feed, executors: dict[int, PositionExecutor], t: int,
                 seconds: float) -> tuple[StepResult, float]:
         """Mini-batch ``t``'s result on this process (complete when it runs every stage) and its loss
         summed over samples (what the ranks sum)."""
@@ -230,7 +230,7 @@ class Runner:
         loss_sum = _loss_sum([ex.losses for ex in executors.values()], own, feed)
         busy = {v: s for ex in executors.values() for v, s in ex.take_busy().items()}
         reports = {v: rt.report(own) for v, rt in p.stages.items()}
-        result = p.links.reporter.local(loss_sum, feed.mini_batch_size(t), seconds, reports, busy)
+        result = p.connections.reporter.local(loss_sum, feed.mini_batch_size(t), seconds, reports, busy)
         result.stop_requested = self.stop_requested
         return result, loss_sum
 
@@ -249,7 +249,7 @@ class Runner:
     def loaded(self, updates: int) -> None:
         """A checkpoint saved after ``updates`` steps was loaded into the stages."""
         self.updates = updates
-        for reducer in self.parts.links.reducers.values():
+        for reducer in self.parts.connections.reducers.values():
             reducer.share_updates()  # ZeRO with a predicting policy: v of the loaded state, from each owner
 
     def close(self) -> None:
@@ -259,22 +259,22 @@ class Runner:
 
 class _SyncReport:
     """A sync step's report (the StepReport its executors hand to each OptimizerStep). Under torchrun each process takes its part at its
-    STEP, where its only device finished the mini-batch, and the sum over ranks rides in the
-    skip-or-step agreement's exchange; in one process the first device past the agreement takes it
-    for all (every device finished by then)."""
+    STEP, where its only position finished the mini-batch, and the sum over ranks rides in the
+    skip-or-step agreement's exchange; in one process the first position past the agreement takes it
+    for all (every position finished by then)."""
 
-    def __init__(self, runner: Runner, feed: Feed, executors: dict[int, DeviceExecutor], start: float):
+    def __init__(self, runner: Runner, feed: Feed, executors: dict[int, PositionExecutor], start: float):
         self.runner, self.feed, self.executors, self.start = runner, feed, executors, start
         self.result: StepResult | None = None
 
     def vector(self, t: int) -> torch.Tensor | None:
         if not self.runner.parts.engine.distributed:
             return None
-        return self.runner.parts.links.reporter.vector(*self._take(t))
+        return self.runner.parts.connections.reporter.vector(*self._take(t))
 
     def agreed(self, t: int, skip: bool, total: list[float] | None, grad_norm: float) -> None:
         if total is not None:
-            self.result = self.runner.parts.links.reporter.read(self.result, total)
+            self.result = self.runner.parts.connections.reporter.read(self.result, total)
         elif self.result is None:
             self._take(t)
         self.result.skipped = skip

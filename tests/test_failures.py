@@ -42,7 +42,7 @@ def _outside_the_step(rank, out, mode, world, victim):
                           **({"schedule": "async-1f1b", "staleness": "vanilla"} if mode == "hang-at-report" else {}))
     if mode == "hang-at-report":
         if rank == victim:
-            reporter = pipe._parts.links.reporter
+            reporter = pipe._parts.connections.reporter
             post = reporter.post
             reporter.post = lambda *args: (_hang(out), post(*args))[1]
         list(pipe.train([(x, y)]))

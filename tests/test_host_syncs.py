@@ -22,7 +22,7 @@ from test_nonfinite import poison
 PACKAGE = str(Path(pipetrain.__file__).resolve().parent)
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 # The functions allowed to read device values on the host during training, each a point README lists.
-ALLOWED = {("runner.py", "_loss_sum"), ("skip_agreement.py", "agree"), ("skip_agreement.py", "result"),
+ALLOWED = {("runner.py", "_loss_sum"), ("overflow_agreement.py", "agree"), ("overflow_agreement.py", "result"),
            ("reporting.py", "collect"), ("reporting.py", "_read_on_host"), ("transport.py", "exchange"),
            ("wire.py", "decode_header")}
 

@@ -134,7 +134,7 @@ def test_fp16_nonfinite_loss_raises_but_overflow_only_skips():
     x[3, 2] = NAN  # bad data: the loss itself is NaN, which no loss scale explains
     pipe.step(*bs[0])
     with pytest.raises(pipetrain.NonFiniteError, match=r"the loss is NaN or infinite at optimizer step 2, "
-                                                        r"computed by pipeline device 2 \(stage 2\).*precision='bf16'"):
+                                                        r"computed by pipeline position 2 \(stage 2\).*precision='bf16'"):
         pipe.step(x, y)
 
 
@@ -230,7 +230,7 @@ def async_raise_then_drop(world):
         pipe.held_stages[0].module.register_forward_pre_hook(hold)
     else:
         poison(pipe, 1, lambda g: g // m == 2)
-    transport = pipe._parts.links.transport
+    transport = pipe._parts.connections.transport
     deliver, sends = transport.deliver, {}
 
     def recorded(taken):
@@ -338,7 +338,7 @@ def test_two_ranks_async_bf16_skip_equals_the_local_engine(two_ranks, one_thread
 @pytest.mark.slow
 def test_two_ranks_nan_loss_raises_on_both_naming_the_last_stage(two_ranks, one_thread):
     local_error, local_state, untouched = loss_raise("local", 2)
-    assert "the loss is NaN or infinite at optimizer step 2, computed by pipeline device 1" in local_error
+    assert "the loss is NaN or infinite at optimizer step 2, computed by pipeline position 1" in local_error
     assert untouched
     merged = {}
     for rank in range(2):

@@ -80,7 +80,7 @@ def long_async_stream(rank, world):
                           engine="distributed")
     most, steps = 0, []
     for result in pipe.train((x, y) for _ in range(200)):
-        most = max(most, len(pipe._parts.links.transport.pending_sends))
+        most = max(most, len(pipe._parts.connections.transport.pending_sends))
         steps.append(result.step)
     return most, steps
 

@@ -1,7 +1,7 @@
 """Assembly: one forward pass from a model to the parts of a running pipeline.
 
     options ──validate──> engine ──> capture ──> plan ──> schedules (recompute resolved) ──>
-    stage modules (materialise) ──> runtimes (optimizer, policy) ──> connections ──> STEP per device
+    stage modules (materialise) ──> runtimes (optimizer, policy) ──> connections ──> STEP per position
 
 Each step is a small function taking what the previous ones made; nothing here runs a mini-batch
 (pipetrain.runner does) and nothing calls back up (pipetrain.pipeline is the facade over both).
@@ -44,7 +44,7 @@ class Parts:
     schedules: ScheduleBook
     precision: PrecisionPolicy
     stages: dict[int, StageRuntime]      # the virtual stages this process runs, by index
-    links: Connections
+    connections: Connections
     steppers: dict[int, OptimizerStep]   # per pipeline position this process runs
     io: ModelIO                          # what the model takes and returns, as captured
     pretrained: PretrainedLayout         # the names and config save_pretrained writes
@@ -73,17 +73,17 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     pretrained = PretrainedLayout.of(model)
     # The stages hold their tensors now: the plan keeps no other copy (its tied groups found on the real graph).
     plan = plan.replaced(graph=plan.graph.on_meta(), tied=plan.tied_groups())
-    links = engine.connect(topology, stages, plan.tied_groups())
-    steppers = build_steppers(stages, topology, links, options, plan.tied_groups(), engine)
-    return Parts(options, engine, plan, topology, book, precision, stages, links, steppers, io, pretrained)
+    connections = engine.connect(topology, stages, plan.tied_groups())
+    steppers = build_steppers(stages, topology, connections, options, plan.tied_groups(), engine)
+    return Parts(options, engine, plan, topology, book, precision, stages, connections, steppers, io, pretrained)
 
 
 def reconnect(parts: Parts) -> None:
     """After a step that raised under torchrun: new process groups and connections (every rank calls this at
     its next step); the stages, their optimizers and loss scalers stay as they are."""
-    parts.links = parts.engine.reconnect(parts.topology, parts.stages, parts.plan.tied_groups())
+    parts.connections = parts.engine.reconnect(parts.topology, parts.stages, parts.plan.tied_groups())
     for d, stepper in parts.steppers.items():
-        stepper.connect(parts.links.tied, parts.links.agreement, parts.links.reducers.get(d))
+        stepper.connect(parts.connections.tied, parts.connections.agreement, parts.connections.reducers.get(d))
 
 
 def model_io(model: nn.Module, example_inputs: Any, plan: partitioners.Plan) -> ModelIO:

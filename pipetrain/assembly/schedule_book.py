@@ -16,7 +16,7 @@ FORWARD_ONLY = frozenset({ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RE
 
 @dataclass(frozen=True)
 class RunSchedule:
-    """One device list per pipeline position and which forwards recompute."""
+    """One action list per pipeline position and which forwards recompute."""
 
     actions: list[list[Action]]
     recompute: Recompute
@@ -62,9 +62,9 @@ class ScheduleBook:
             recompute = Recompute(stages=stages)
         else:
             forwards = set()
-            for d, device in enumerate(self.training.actions):
+            for d, actions in enumerate(self.training.actions):
                 for setting in set(settings) - {"none"}:
-                    forwards |= {(c * S + d, g) for c, g in recomputed(device, setting) if settings[c * S + d] == setting}
+                    forwards |= {(c * S + d, g) for c, g in recomputed(actions, setting) if settings[c * S + d] == setting}
             recompute = Recompute(forwards=frozenset(forwards))
         self.training = RunSchedule(self.training.actions, recompute)
 
@@ -97,6 +97,6 @@ class ScheduleBook:
         """predict: the forwards of GPipe with the same stage placement (any m works, unlike
         interleaved-1f1b, which needs m divisible by stages: a short last batch need not be)."""
         if micro_batches not in self._forward_only:
-            self._forward_only[micro_batches] = [[a for a in device if a.kind in FORWARD_ONLY]
-                                                 for device in self.build("gpipe", micro_batches).actions]
+            self._forward_only[micro_batches] = [[a for a in actions if a.kind in FORWARD_ONLY]
+                                                 for actions in self.build("gpipe", micro_batches).actions]
         return self._forward_only[micro_batches]

@@ -1,4 +1,4 @@
-"""Stage modules -> stage runtimes on this process's devices, and the STEP of each device."""
+"""Stage modules -> stage runtimes of this process's pipeline positions, and the STEP of each position."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
@@ -8,7 +8,7 @@ from torch import nn
 
 import partitioners
 from pipetrain.assembly.parameter_names import name_parameters
-from pipetrain.comm.replicas import device_owners, trainable
+from pipetrain.comm.replicas import position_owners, trainable
 from pipetrain.runtime.compiled import compile_arguments, compile_stage
 from pipetrain.runtime.optimizer_step import GradientNorm, OptimizerStep
 from pipetrain.runtime.precision import DynamicLossScaler
@@ -65,10 +65,10 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     # Before any optimizer, policy or compiled graph sees the tensors: they start as replica 0's.
     engine.start_replicas_equal(modules, same_source=tensors.without_data or options.weights is not None)
     owners: dict[int, list[int]] = {}
-    if options.zero:  # balanced over each device's virtual stages together, as its reducer's buckets hold them
+    if options.zero:  # balanced over each position's virtual stages together, as its reducer's buckets hold them
         for d in held:
             order = topology.stages_at(d)
-            owners.update(zip(order, device_owners([modules[v] for v in order], order, plan.tied_groups(),
+            owners.update(zip(order, position_owners([modules[v] for v in order], order, plan.tied_groups(),
                                                    options.data_parallel)))
     stages = {}
     for v, module in modules.items():
@@ -97,7 +97,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, factory: Callable) -> torch
     return scheduler
 
 
-def build_steppers(stages: dict[int, StageRuntime], topology: Topology, links: Connections,
+def build_steppers(stages: dict[int, StageRuntime], topology: Topology, connections: Connections,
                    options: PipelineOptions, tied: list[list[tuple[int, str]]], engine: Engine) -> dict[int, OptimizerStep]:
     """Per pipeline position this process runs: what its STEP action does."""
     positions = sorted({topology.position_of(v) for v in stages})
@@ -108,8 +108,8 @@ def build_steppers(stages: dict[int, StageRuntime], topology: Topology, links: C
                            if v in stages)
     counted = bool(options.zero) or engine.world is None or engine.world.replica == 0
     norm = GradientNorm(float(options.norm_type), options.max_grad_norm, counted, duplicates)
-    return {d: OptimizerStep([stages[v] for v in topology.stages_at(d)], links.tied,
+    return {d: OptimizerStep([stages[v] for v in topology.stages_at(d)], connections.tied,
                              DynamicLossScaler() if options.precision == "fp16" else None,
-                             links.agreement, options.nonfinite, options.precision, d, process_stages,
-                             links.reducers.get(d) if options.zero else None, norm)
+                             connections.agreement, options.nonfinite, options.precision, d, process_stages,
+                             connections.reducers.get(d) if options.zero else None, norm)
             for d in positions}

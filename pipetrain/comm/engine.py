@@ -1,7 +1,7 @@
 """The engine: everything that differs between one process and one process per stage.
 
 The assembly asks its engine where stages run, how the plan reaches every process, and for the
-cross-device pieces of the stages it built (`connect`): transport, tied-weight sync, skip-or-step
+cross-position pieces of the stages it built (`connect`): transport, tied-weight sync, skip-or-step
 agreement (non-finite values, fp16 overflow), step reporter and the gradient reducers of hybrid mode.
 The runner asks it how a mini-batch is sharded over replicas and how a prediction reaches every
 process. `select_engine` is the one place that chooses; the options are reduced to the values each
@@ -28,7 +28,7 @@ import partitioners
 from pipetrain.comm.consensus import Consensus, default_store
 from pipetrain.comm.failures import FailureBoard
 from pipetrain.comm.replica_start import start_replicas_equal
-from pipetrain.comm.skip_agreement import DistributedOverflowAgreement, LocalOverflowAgreement
+from pipetrain.comm.overflow_agreement import DistributedOverflowAgreement, LocalOverflowAgreement
 from pipetrain.comm.peers import peers_answer
 from pipetrain.comm.replicas import ReductionSettings, StageReducer, replica_shard, shard_weight
 from pipetrain.comm.reporting import Reporter
@@ -66,7 +66,7 @@ class EngineOptions(Protocol):
 
 @dataclass
 class Connections:
-    """The cross-device pieces of one pipeline, built by its engine."""
+    """The cross-position pieces of one pipeline, built by its engine."""
 
     transport: LocalTransport | DistributedTransport
     tied: TiedSync
@@ -118,7 +118,7 @@ class LocalEngine:
     def connect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
         counter = CommCounter(topology.num_stages)
         stage_devices = [self.devices[topology.position_of(v)] for v in range(topology.num_stages)]
-        describe = lambda d: f"pipeline device {d} ({topology.describe(d)})"  # noqa: E731
+        describe = lambda d: f"pipeline position {d} ({topology.describe(d)})"  # noqa: E731
         return Connections(LocalTransport(stage_devices, counter), LocalTiedSync(tied, stages, counter),
                            LocalOverflowAgreement(len(self.devices), describe, self.largest_norm),
                            Reporter(topology.num_stages, counter, has_last_stage=True), {}, counter)

@@ -89,12 +89,12 @@ def tied_owners(tied: list[list[tuple[int, str]]], stage: int, replicas: int) ->
     return {name: i % replicas for i, copies in enumerate(tied) for s, name in copies if s == stage}
 
 
-def device_owners(modules: list[torch.nn.Module], indices: list[int], tied: list[list[tuple[int, str]]],
+def position_owners(modules: list[torch.nn.Module], indices: list[int], tied: list[list[tuple[int, str]]],
                   replicas: int) -> list[list[int]]:
-    """Under ZeRO, per module of one pipeline device (its virtual stages ``indices``, in order), the replica
-    owning each of ``trainable(module)``: balanced over the device's tensors together, tied copies fixed
+    """Under ZeRO, per module of one pipeline position (its virtual stages ``indices``, in order), the replica
+    owning each of ``trainable(module)``: balanced over the position's tensors together, tied copies fixed
     (`tied_owners`). The same answer on every replica, so the optimizers (built per stage) and the reducer
-    (built per device) agree without talking."""
+    (built per position) agree without talking."""
     named = [(v, n, p) for module, v in zip(modules, indices) for n, p in module.named_parameters() if p.requires_grad]
     fixed_names = {v: tied_owners(tied, v, replicas) for v in indices}
     fixed = {i: fixed_names[v][n] for i, (v, n, _) in enumerate(named) if n in fixed_names[v]}
@@ -108,7 +108,7 @@ def device_owners(modules: list[torch.nn.Module], indices: list[int], tied: list
 
 
 class StageReducer:
-    """Averages one device's gradients over the replicas of its stage at the REDUCE action; with ZeRO
+    """Averages one position's gradients over the replicas of its stage at the REDUCE action; with ZeRO
     (``settings.zero``) reduce-scatters them to the replicas owning each tensor, and all-gathers the
     stepped tensors at STEP (``gather``)."""
 
@@ -130,7 +130,7 @@ class StageReducer:
             self.reducer = None
         elif self.zero:
             replicas = torch.distributed.get_world_size(group)
-            per_stage = device_owners([s.module for s in stages], [s.index for s in stages], tied or [], replicas)
+            per_stage = position_owners([s.module for s in stages], [s.index for s in stages], tied or [], replicas)
             owners = [o for shares in per_stage for o in shares]
             self.reducer = ShardedReducer(self.params, owners, group, free_unowned=self.zero >= 2, **common)
         else:

@@ -20,7 +20,7 @@ from pipetrain.runtime.metrics import COMM_KINDS, CommCounter, StageReport, Step
 class SumExchange:
     """One sum over the ranks of a group of a small float64 vector, every rank getting the same bits;
     its last ``maximised`` entries are maximised instead (the skip-or-step flags of a sync step ride
-    in the step report's exchange that way, pipetrain.comm.skip_agreement).
+    in the step report's exchange that way, pipetrain.comm.overflow_agreement).
 
     NCCL (and other backends): one all_reduce (two with a maximised part, posted back to back). gloo:
     a gather to the group's first rank, which adds the parts in rank order and broadcasts the total

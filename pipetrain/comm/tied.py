@@ -24,7 +24,7 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 class LocalTiedSync:
-    """All stages in one process: the step of a device waits until every copy's gradient is in."""
+    """All stages in one process: the step of a position waits until every copy's gradient is in."""
 
     def __init__(self, tied: list[list[tuple[int, str]]], runtimes: dict[int, StageRuntime], counter: CommCounter):
         self.tied = tied

@@ -123,7 +123,7 @@ class DistributedTransport:
         # ``groups``, the peer rank): looked up for every message, resolved once.
         self.local_links = {l.index: self.rank_of(l.src) == self.rank_of(l.dst) for l in topology.links}
         self.routes: dict[tuple[int, str], _Route] = {}
-        chunks = topology.num_stages // topology.devices
+        chunks = topology.num_stages // topology.positions
         for l in topology.links:
             if not self.local_links[l.index]:
                 for kind in (ACT, GRAD):

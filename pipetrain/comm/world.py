@@ -1,6 +1,6 @@
-"""The process layout of the distributed engine: ranks, devices and process groups.
+"""The process layout of the distributed engine: ranks, pipeline positions and process groups.
 
-Rank r runs pipeline device ``r % stages`` of replica ``r // stages`` (each replica's
+Rank r runs pipeline position ``r % stages`` of replica ``r // stages`` (each replica's
 pipeline occupies consecutive ranks, so with ``--nproc-per-node=stages`` a pipeline
 stays inside one machine and only the data-parallel reduction crosses machines).
 """
@@ -95,7 +95,7 @@ def _within(seconds: float, address: str, connect: Callable[[], dist.Store]) -> 
 
 
 class World:
-    """This rank's place in the (replica x pipeline device) grid and the groups it talks over."""
+    """This rank's place in the (replica x pipeline position) grid and the groups it talks over."""
 
     def __init__(self, stages: int, data_parallel: int, allreduce: str = "flat",
                  hierarchy: tuple[int, int] | None = None, timeout: float = 30.0):
@@ -118,7 +118,7 @@ class World:
         # new_group must be called by every rank in the same order, so groups are built up front.
         self.control = self._group(list(range(self.size)))
         self.report = self._group(list(range(self.size)))  # broadcasts of the step report's sum (reporting)
-        # The skip-or-step all-reduce at every STEP (comm.skip_agreement); its own group so it never queues
+        # The skip-or-step all-reduce at every STEP (comm.overflow_agreement); its own group so it never queues
         # behind the reports' asynchronous gathers on `control`.
         self.agreement = self._group(list(range(self.size)))
         self.data_parallel_group = None
@@ -143,12 +143,12 @@ class World:
         return (self.replica if replica is None else replica) * self.stages + position
 
     def link_groups(self, topology: Topology, receive_ahead: bool) -> dict[Hashable, object]:
-        """This replica's process groups for the links between stages on different devices, keyed by
+        """This replica's process groups for the links between stages on different pipeline positions, keyed by
         ``schedules.nccl_order.link_comm``: one per direction of every link when receives are posted
         ahead; else one per link between adjacent stages, one per direction of a skip connection or of
         an interleaved pipeline's link."""
         mine = {}
-        chunks = topology.num_stages // topology.devices
+        chunks = topology.num_stages // topology.positions
         for replica in range(self.data_parallel):
             for link in topology.links:
                 ranks = sorted({self.rank_of(topology.position_of(link.src), replica),
@@ -163,7 +163,7 @@ class World:
         return mine
 
     def tied_groups(self, topology: Topology, tied: list[list[tuple[int, str]]]) -> dict[int, object]:
-        """A group per tied parameter whose copies live on several devices, for this replica."""
+        """A group per tied parameter whose copies live on several pipeline positions, for this replica."""
         mine = {}
         for replica in range(self.data_parallel):
             for i, copies in enumerate(tied):

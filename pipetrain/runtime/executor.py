@@ -1,10 +1,10 @@
-"""The executor: one loop that runs a device's action list, dispatching on the action kind.
+"""The executor: one loop that runs a position's action list, dispatching on the action kind.
 
 It is a generator: it yields ``BLOCKED`` while a message it needs has not arrived and
-``DONE`` after each action. It runs a device's program as ``schedules.nccl_order.posted_batches``
+``DONE`` after each action. It runs a position's program as ``schedules.nccl_order.posted_batches``
 gives it: the SEND and RECV actions between two computations are one comm batch, with the receives
 of the computation after the next one when receiving ahead, which the transport turns into groups per
-communicator: the order NCCL needs, checked for every schedule. The local engine interleaves the generators of all devices
+communicator: the order NCCL needs, checked for every schedule. The local engine interleaves the generators of all positions
 in one process; the distributed engine drives the one of its rank (its transport waits
 instead of blocking the generator). Both execute the same lists ``schedules`` builds.
 
@@ -47,15 +47,15 @@ class Recompute:
         return stage in self.stages or (stage, micro_batch) in self.forwards
 
 
-class DeviceExecutor:
-    """Executes the actions of one pipeline device (all its chunks / virtual stages)."""
+class PositionExecutor:
+    """Executes the actions of one pipeline position (all its chunks / virtual stages)."""
 
-    def __init__(self, device: int, stages: dict[int, StageRuntime], topology: Topology, transport: Any,
+    def __init__(self, position: int, stages: dict[int, StageRuntime], topology: Topology, transport: Any,
                  feed: Feed, step: StepCall, reduce: Callable[[int], None] | None = None,
                  before_backward: Callable[[bool], None] | None = None, train: bool = True,
                  loss_scale: Callable[[], float] = lambda: 1.0, split_backward: bool = False,
                  recompute: Recompute = Recompute()):
-        self.device = device
+        self.position = position
         self.stages = stages  # chunk -> runtime
         self.topology = topology
         self.transport = transport
@@ -86,7 +86,7 @@ class DeviceExecutor:
         }
 
     def run(self, program: Iterable[Action | CommBatch], report: StepReport | None = None) -> Iterator[str]:
-        """Execute ``program``: a device's actions as ``posted_batches`` yields them; a sync step's STEP hands
+        """Execute ``program``: a position's actions as ``posted_batches`` yields them; a sync step's STEP hands
         ``report`` to the optimizer step."""
         for action in program:
             if isinstance(action, CommBatch):
@@ -222,13 +222,13 @@ def _as_tuple(out: Any) -> tuple:
 
 
 class DeadlockError(RuntimeError):
-    """Every device waits for a message no device will send."""
+    """Every pipeline position waits for a message no position will send."""
 
 
 def drive(runs: dict[int, Iterator[str]]) -> Iterator[None]:
-    """Advance every device's executor; yields after each round so callers can collect results.
+    """Advance every position's executor; yields after each round so callers can collect results.
 
-    Local engine: round-robin, each device runs until it waits for a message. Distributed:
+    Local engine: round-robin, each position runs until it waits for a message. Distributed:
     the transport blocks, so this rank's executor never reports BLOCKED.
     """
     live = dict(runs)
@@ -248,6 +248,6 @@ def drive(runs: dict[int, Iterator[str]]) -> Iterator[None]:
                 if state == STEPPED:  # let the caller report the finished mini-batch now, not at the end
                     break
         if not progressed:
-            raise DeadlockError(f"devices {sorted(live)} wait for each other: the schedule cannot run "
+            raise DeadlockError(f"pipeline positions {sorted(live)} wait for each other: the schedule cannot run "
                                 "with this plan (a stage waits for a message no stage will send)")
         yield

@@ -3,12 +3,12 @@
 The check is the fused kernel torch's GradScaler uses (one call per device and dtype over all
 gradients of a step); with inv_scale 1.0 it only looks. The decision itself (skip or raise) must be
 the same on every stage and replica, so the runtime turns the local finding into a small code that
-the engine's agreement maximises over every device (pipetrain.comm.skip_agreement):
+the engine's agreement maximises over every position (pipetrain.comm.overflow_agreement):
 
-    code[0] = devices - (first device whose gradients are not finite), 0 when none
-    code[1] = devices - (first device whose losses are not finite), 0 when none
+    code[0] = positions - (first position whose gradients are not finite), 0 when none
+    code[1] = positions - (first position whose losses are not finite), 0 when none
 
-so the agreed code says both whether and where (the lowest device index) it happened.
+so the agreed code says both whether and where (the lowest position) it happened.
 """
 from __future__ import annotations
 

@@ -3,12 +3,12 @@ on skip-or-step everywhere, step.
 
 Every device runs this at its STEP of mini-batch t. The decisions that need more than one
 device (tied gradients, skip-or-step) are made by objects the engine gives it
-(pipetrain.comm): in one process the devices wait for each other inside the executor loop;
+(pipetrain.comm): in one process the positions wait for each other inside the executor loop;
 across processes it is one collective per step.
 
-Skip-or-step is ONE agreement per step whatever the precision: each device checks its gradients
+Skip-or-step is ONE agreement per step whatever the precision: each position checks its gradients
 with the fused kernel torch's GradScaler uses (in fp16 the same call unscales them) and the last
-stage checks its losses; the agreement takes the maximum of those flags over every device of every
+stage checks its losses; the agreement takes the maximum of those flags over every position of every
 replica. A step is skipped everywhere or nowhere, so stages and replicas never diverge.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pipetrain.runtime.nonfinite import NonFiniteError, advice, check_and_unscal
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
 
-GRADS, LOSSES = 0, 1  # the entries of the flags every device reports
+GRADS, LOSSES = 0, 1  # the entries of the flags every position reports
 
 
 class TiedSync(Protocol):
@@ -39,9 +39,9 @@ class TiedSync(Protocol):
 
 @dataclass
 class Agreed:
-    """The skip-or-step decision: per flag, the first device that raised it anywhere (None: no device
+    """The skip-or-step decision: per flag, the first position that raised it anywhere (None: no position
     did), the sum over ranks of the report that rode in the agreement's exchange (None without one), and
-    every device's gradient-norm part combined (summed p-th powers, or the largest for the inf-norm)."""
+    every position's gradient-norm part combined (summed p-th powers, or the largest for the inf-norm)."""
 
     first: list[int | None]
     report: list[float] | None = None
@@ -49,14 +49,14 @@ class Agreed:
 
 
 class OverflowAgreement(Protocol):
-    """Makes every device take the same skip-or-step decision (pipetrain.comm.skip_agreement).
+    """Makes every position take the same skip-or-step decision (pipetrain.comm.overflow_agreement).
 
-    ``agree`` takes this device's flags (a float tensor, 1 where found: [non-finite gradients,
-    non-finite losses]) and returns, per flag, the index of the first device (``where`` describes
+    ``agree`` takes this position's flags (a float tensor, 1 where found: [non-finite gradients,
+    non-finite losses]) and returns, per flag, the index of the first position (``where`` describes
     it) that raised it anywhere, or None where no device did; a ``report`` (a float64 vector, across
     processes only) is summed over every rank in the same exchange, so a sync step waits for one
-    collective, not two, and so is this device's ``norm_part`` of the global gradient norm (GradientNorm.part;
-    maximised for the inf-norm). ``abandon`` drops what is kept for a step that raised before every device
+    collective, not two, and so is this position's ``norm_part`` of the global gradient norm (GradientNorm.part;
+    maximised for the inf-norm). ``abandon`` drops what is kept for a step that raised before every position
     read the decision.
     """
 
@@ -69,7 +69,7 @@ class OverflowAgreement(Protocol):
 
     def post(self, t: int, position: int, flags: torch.Tensor) -> Callable[[], list[int | None]] | None:
         """Start the agreement without waiting and return what waits for its result; None where the
-        agreement cannot run in the background (one process: the devices wait in the executor loop)."""
+        agreement cannot run in the background (one process: the positions wait in the executor loop)."""
 
 
 class Shards(Protocol):
@@ -89,14 +89,14 @@ class StepReport(Protocol):
         exchange (None in one process, whose devices report once all of them agreed)."""
 
     def agreed(self, t: int, skip: bool, total: list[float] | None, grad_norm: float) -> None:
-        """Once every device agreed, before the update: the sum of ``vector`` over ranks (None: none) and the
+        """Once every position agreed, before the update: the sum of ``vector`` over ranks (None: none) and the
         global gradient norm."""
 
 
 @dataclass(frozen=True)
 class GradientNorm:
     """How the global gradient norm is taken and applied: ``norm_type`` (p, or inf), ``max_norm`` (None:
-    measured, not clipped); ``counted``: whether this device's gradients count (replica 0's without ZeRO,
+    measured, not clipped); ``counted``: whether this position's gradients count (replica 0's without ZeRO,
     every replica's own shard with it); ``duplicates``: ids of tied copies after the first (counted once)."""
 
     norm_type: float = 2.0
@@ -105,7 +105,7 @@ class GradientNorm:
     duplicates: frozenset[int] = frozenset()
 
     def part(self, params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
-        """This device's part of the global norm (float64): the p-th power of its norm, or for the inf-norm its
+        """This position's part of the global norm (float64): the p-th power of its norm, or for the inf-norm its
         largest entry, as clip_grad_norm_ would take it over these gradients alone."""
         grads = [p.grad for p in params if id(p) not in self.duplicates] if self.counted else []
         if not grads:
@@ -114,7 +114,7 @@ class GradientNorm:
         return norm if self.norm_type == math.inf else norm ** self.norm_type
 
     def total(self, combined: float) -> float:
-        """The global norm from the devices' parts combined."""
+        """The global norm from the positions' parts combined."""
         return combined if self.norm_type == math.inf else combined ** (1.0 / self.norm_type)
 
     def clip_(self, params: list[nn.Parameter], total: float, device: torch.device) -> None:
@@ -125,14 +125,14 @@ class GradientNorm:
 
 
 class OptimizerStep:
-    """What one device does at STEP t for all of its stages; the generator returns whether t was skipped.
+    """What one position does at STEP t for all of its stages; the generator returns whether t was skipped.
 
     ``nonfinite``: "raise" (a NonFiniteError on every rank, after they agreed) or "skip" (no
     optimizer step and no staleness-policy update on any stage, gradients zeroed). In fp16 a
     non-finite gradient is a loss-scale overflow, always skipped (the scale backs off); a non-finite
     loss is not (scaling happens after the loss), so it follows ``nonfinite`` there too.
     ``process_stages``: every (stage, module) this process holds, to name the bad parameter.
-    ``shards`` (ZeRO): this device checks and steps only the tensors its replica owns, then all-gathers;
+    ``shards`` (ZeRO): this position checks and steps only the tensors its replica owns, then all-gathers;
     the agreement still spans every rank, so all replicas skip, raise or step together.
     """
 
@@ -155,7 +155,7 @@ class OptimizerStep:
             (s.index, s.module) for s in stages]
         self.device = stages[0].device if stages else torch.device("cpu")
         # async-1f1b with nonfinite="raise": the agreement of the previous step, still running, with what
-        # this device found then (t, wait for the result, this device's first bad parameter).
+        # this position found then (t, wait for the result, this position's first bad parameter).
         self.in_flight: tuple[int, Callable[[], list[int | None]], tuple[int, str] | None] | None = None
         self.first_update = 1  # the pipeline's update number of mini-batch 0 of the current call (messages)
         self.stream = False
@@ -163,7 +163,7 @@ class OptimizerStep:
 
     def __call__(self, t: int, losses: list[torch.Tensor],
                  report: StepReport | None = None) -> Generator[str, None, bool]:
-        """STEP t, given the losses of mini-batch t's micro-batches computed on this device (if any). A sync
+        """STEP t, given the losses of mini-batch t's micro-batches computed by this position (if any). A sync
         step's ``report``: under torchrun it rides in the agreement's exchange, so the step waits for one
         collective (not an agreement, then a report after it); in one process it is taken once all agreed."""
         yield from self.tied.sync(self.indices, t)
@@ -190,7 +190,7 @@ class OptimizerStep:
         overflow = self.scaler is not None and first[GRADS] is not None
         bad = first[LOSSES] is not None or (self.scaler is None and first[GRADS] is not None)
         if bad and self.nonfinite == "raise":
-            # Raised before anything moves: the runner then abandons the step on every device
+            # Raised before anything moves: the runner then abandons the step on every position
             # (gradients dropped, loss scale unchanged), as for any step that raises.
             raise NonFiniteError(self._message(t, first))
         skip = overflow or bad
@@ -204,7 +204,7 @@ class OptimizerStep:
         return skip
 
     def _apply(self, skip: bool) -> None:
-        """Step every stage of this device (or skip the step), then clear the gradients."""
+        """Step every stage of this position (or skip the step), then clear the gradients."""
         self.applied = True
         for s in self.stages:
             if s.optimizer is not None:
@@ -230,7 +230,7 @@ class OptimizerStep:
         """async-1f1b, nonfinite="raise", several processes: the stream never flushes, so waiting at STEP t
         for every rank would hold each stage until stage 0 finished mini-batch t's backward (N-1 backward
         hops every mini-batch). Nothing needs the decision before the next step, so STEP t steps on this
-        device's own finding while the all-reduce runs, and STEP t + 1 (or the end of the stream) reads
+        position's own finding while the all-reduce runs, and STEP t + 1 (or the end of the stream) reads
         it: every rank raises there, before applying t + 1. Stages whose gradients were finite have then
         applied update t; a stage that found a non-finite value never applies it."""
         self.finish_stream()

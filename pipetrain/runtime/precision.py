@@ -1,8 +1,8 @@
 """Mixed-precision policy and the fp16 dynamic loss scaler.
 
-The scaler keeps the scale and decides nothing alone: each device reports its found-inf flag
-(``unscale_local_``) to the skip-or-step agreement (pipetrain/comm/skip_agreement.py), the one
-all-reduce per step that also carries the non-finite checks of every precision, and every device
+The scaler keeps the scale and decides nothing alone: each position reports its found-inf flag
+(``unscale_local_``) to the skip-or-step agreement (pipetrain/comm/overflow_agreement.py), the one
+all-reduce per step that also carries the non-finite checks of every precision, and every position
 then calls ``update`` with the agreed decision. So every rank of every stage and replica skips
 the same steps and keeps the same scale. (torch.amp.GradScaler decides per process, hence this
 small scaler.)
@@ -52,10 +52,10 @@ def precision_policy(name: str) -> PrecisionPolicy:
 class DynamicLossScaler:
     """Loss scaling for fp16; the overflow decision is the skip-or-step agreement's.
 
-    Once per mini-batch on every device: the last stage's backward starts from the loss times
+    Once per mini-batch at every position: the last stage's backward starts from the loss times
     ``scale_value`` (gradients sent back to earlier stages then carry the same scale);
-    ``unscale_local_`` divides the device's gradients by it and returns its found-inf flag; the
-    agreement maximises the flags over every device; ``update`` with the agreed decision backs
+    ``unscale_local_`` divides the position's gradients by it and returns its found-inf flag; the
+    agreement maximises the flags over every position; ``update`` with the agreed decision backs
     the scale off or grows it, the same everywhere.
     """
 

@@ -15,13 +15,13 @@ from schedules.held_activations import held_activations
 
 
 def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict[str, list[Moments]]:
-    """Per recomputation setting and virtual stage (chunk * stages + device), the moments its held bytes may peak."""
-    chunks = 1 + max((a.chunk for device in actions for a in device), default=0)
+    """Per recomputation setting and virtual stage (chunk * stages + position), the moments its held bytes may peak."""
+    chunks = 1 + max((a.chunk for listed in actions for a in listed), default=0)
     out: dict[str, list] = {}
     for setting in SETTINGS:
         per_stage: list = [[] for _ in range(stages * chunks)]
-        for d, device in enumerate(actions):
-            for c, moments in held_activations(device, setting).items():
+        for d, listed in enumerate(actions):
+            for c, moments in held_activations(listed, setting).items():
                 per_stage[c * stages + d] = sorted(moments)
         out[setting] = per_stage
     return out
@@ -52,7 +52,7 @@ def optimizer_state_factor(optimizer: Callable[[list[torch.nn.Parameter]], torch
 
 def memory_model(actions: list[list[schedules.Action]], stages: int, policy: str, recompute: str,
                  optimizer: Callable, zero: int = 0, data_parallel: int = 1) -> partitioners.MemoryModel:
-    """The memory model of a pipeline running ``actions`` (one list per device). With ``zero`` >= 1 a
+    """The memory model of a pipeline running ``actions`` (one list per pipeline position). With ``zero`` >= 1 a
     replica holds 1/``data_parallel`` of the optimizer state. ZeRO-2's gradient shard does not lower
     the peak: gradients accumulate whole over a step's micro-batches and are sharded only after the
     last backward, so the moments the gradients are counted at are the same."""

@@ -1,4 +1,4 @@
-"""Who sends what to whom: the links between virtual stages and the device of each stage."""
+"""Who sends what to whom: the links between virtual stages and the pipeline position of each stage."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,14 +32,14 @@ class Message(NamedTuple):
 
 
 class Topology:
-    """Links of a partition plan placed on ``devices`` pipeline devices (virtual stages
-    v = chunk * devices + device, as in interleaved 1F1B)."""
+    """Links of a partition plan placed on ``positions`` pipeline positions (virtual stages
+    v = chunk * positions + position, as in interleaved 1F1B)."""
 
-    def __init__(self, plan: Any, devices: int):
+    def __init__(self, plan: Any, positions: int):
         self.num_stages = plan.num_stages
-        self.devices = devices
-        if self.num_stages % devices:
-            raise ValueError(f"{self.num_stages} virtual stages do not divide over {devices} devices")
+        self.positions = positions
+        if self.num_stages % positions:
+            raise ValueError(f"{self.num_stages} virtual stages do not divide over {positions} pipeline positions")
         pairs: dict[tuple[int, int], list[str]] = {}
         for src in range(self.num_stages - 1):
             for name in plan.stage_outputs(src):
@@ -57,15 +57,15 @@ class Topology:
                 raise ValueError(f"plan error: stage {v} needs {missing} but no earlier stage sends them")
 
     def position_of(self, stage: int) -> int:
-        """The pipeline position (0 .. devices - 1) that runs virtual stage ``stage``."""
-        return stage % self.devices
+        """The pipeline position (0 .. positions - 1) that runs virtual stage ``stage``."""
+        return stage % self.positions
 
     def chunk_of(self, stage: int) -> int:
-        return stage // self.devices
+        return stage // self.positions
 
     def stages_at(self, position: int) -> list[int]:
         """The virtual stages pipeline position ``position`` runs, in order."""
-        return list(range(position, self.num_stages, self.devices))
+        return list(range(position, self.num_stages, self.positions))
 
     def describe(self, position: int) -> str:
         """"stage 1" or "stages 1, 5": what position ``position`` runs, for messages."""

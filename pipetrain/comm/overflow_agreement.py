@@ -1,10 +1,10 @@
-"""Agreeing on skip-or-step: every device skips the same optimizer steps.
+"""Agreeing on skip-or-step: every position skips the same optimizer steps.
 
-Each device reports flags (non-finite gradients, including fp16 overflow; non-finite losses);
-the agreement returns, per flag, the first device that raised it anywhere. Maximising
-``participants - index`` over the flagged devices gives both whether and where in one number per flag.
+Each position reports flags (non-finite gradients, including fp16 overflow; non-finite losses);
+the agreement returns, per flag, the first position that raised it anywhere. Maximising
+``participants - index`` over the flagged positions gives both whether and where in one number per flag.
 
-In one process the devices of the local engine wait for each other inside the executor loop;
+In one process the positions of the local engine wait for each other inside the executor loop;
 across processes it is one collective over every rank, the only one of the decision (the fp16
 loss scaler's overflow flag travels in it too): an all-reduce (MAX), or, in a sync step, the step
 report's sum with the flags as a maximised part (pipetrain.comm.reporting.SumExchange).
@@ -30,19 +30,19 @@ def _first(code: list[float], participants: int) -> list[int | None]:
 
 
 def combine_norm_parts(parts: torch.Tensor, largest: bool) -> torch.Tensor:
-    """The devices' gradient-norm parts (float64, in device or rank order) combined as both engines do: summed
+    """The positions' gradient-norm parts (float64, in position or rank order) combined as both engines do: summed
     (p-th powers) or, for the inf-norm, maximised."""
     return parts.amax(0) if largest else parts.sum(0)
 
 
 class LocalOverflowAgreement:
-    """All devices in one process: the step of mini-batch t waits until every device reported; the
-    first device to go on reads the agreed flags (and the summed gradient-norm parts) once for all of them.
+    """All positions in one process: the step of mini-batch t waits until every position reported; the
+    first position to go on reads the agreed flags (and the summed gradient-norm parts) once for all of them.
     ``largest_norm``: norm parts are maximised (the inf-norm), not summed."""
 
-    def __init__(self, devices: int, describe: Callable[[int], str] = lambda d: f"pipeline device {d}",
+    def __init__(self, positions: int, describe: Callable[[int], str] = lambda d: f"pipeline position {d}",
                  largest_norm: bool = False):
-        self.devices = devices
+        self.positions = positions
         self.describe = describe
         self.largest_norm = largest_norm
         self.flags: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -51,16 +51,16 @@ class LocalOverflowAgreement:
 
     def agree(self, t: int, position: int, flags: torch.Tensor, report: torch.Tensor | None,
               norm_part: torch.Tensor) -> Generator[str, None, Agreed]:
-        """This device's flags and gradient-norm part for mini-batch t; waits (BLOCKED) for every device, returns
+        """This position's flags and gradient-norm part for mini-batch t; waits (BLOCKED) for every position, returns
         the first reporters and the combined norm part. No ``report``: one process has nothing to sum over ranks."""
         if t not in self.flags:
             self.flags[t] = {}
-        self.flags[t][position] = (flags.detach() * (self.devices - position), norm_part)
-        while len(self.flags[t]) < self.devices:
+        self.flags[t][position] = (flags.detach() * (self.positions - position), norm_part)
+        while len(self.flags[t]) < self.positions:
             yield BLOCKED
         if t not in self.codes:
             host_sync.note("skip-or-step decision")  # the decision is the host's: step or not
-            found = [self.flags[t][d] for d in range(self.devices)]
+            found = [self.flags[t][d] for d in range(self.positions)]
             here = found[0][0].device
             code = torch.stack([f.to(here) for f, _ in found]).amax(0).double()
             parts = torch.stack([n.reshape(1).to(here, torch.float64) for _, n in found])
@@ -68,25 +68,25 @@ class LocalOverflowAgreement:
             self.codes[t] = (read[:-1], read[-1])
         code, norm = self.codes[t]
         self.read[t] = self.read.get(t, 0) + 1
-        if self.read[t] == self.devices:
+        if self.read[t] == self.positions:
             self.forget(t)
-        return Agreed(_first(code, self.devices), norm=norm)
+        return Agreed(_first(code, self.positions), norm=norm)
 
     def where(self, index: int) -> str:
         return self.describe(index)
 
     def post(self, t: int, position: int, flags: torch.Tensor) -> None:
-        """In one process every device's step already runs in turn: nothing to gain in the background."""
+        """In one process every position's step already runs in turn: nothing to gain in the background."""
         return None
 
     def forget(self, t: int) -> None:
-        """Drop what is kept for mini-batch t once every device read it."""
+        """Drop what is kept for mini-batch t once every position read it."""
         self.flags.pop(t, None)
         self.codes.pop(t, None)
         self.read.pop(t, None)
 
     def abandon(self) -> None:
-        """A step raised: drop every flag reported for it (some devices never reached its STEP)."""
+        """A step raised: drop every flag reported for it (some positions never reached its STEP)."""
         self.flags.clear()
         self.codes.clear()
         self.read.clear()
