@@ -258,10 +258,10 @@ class Runner:
 
 
 class _SyncReport:
-    """A sync step's report (the StepReport its executors hand to each OptimizerStep). Under torchrun each process takes its part at its
-    STEP, where its only position finished the mini-batch, and the sum over ranks rides in the
-    skip-or-step agreement's exchange; in one process the first position past the agreement takes it
-    for all (every position finished by then)."""
+    """A sync step's report (the StepReport its executors hand to each OptimizerStep). Under torchrun each
+    process takes its part at its STEP, where its only position finished the mini-batch, and the sum over ranks
+    rides in the skip-or-step agreement's exchange; in one process the first position past the agreement takes
+    it for all (every position finished by then)."""
 
     def __init__(self, runner: Runner, feed: Feed, executors: dict[int, PositionExecutor], start: float):
         self.runner, self.feed, self.executors, self.start = runner, feed, executors, start

@@ -16,14 +16,12 @@ def attempt(action: Callable[[], Any], rank: int) -> tuple[dict, Exception | Non
         return {"result": None, "error": f"{type(error).__name__}: {error}", "rank": rank}, error
 
 
-
 def failures_of(outcomes: list[dict | None]) -> list[tuple[int, str]]:
     return [(o["rank"], o["error"]) for o in outcomes if o is not None and o["error"] is not None]
 
 
-
 def raise_failed(what: str, failures: list[tuple[int, str]], own: Exception | None, role: CheckpointRole,
-                  consequence: str) -> NoReturn:
+                 consequence: str) -> NoReturn:
     """Raise the error every rank raises for a failed save or load; in one process the error itself."""
     if role.engine == "local" and own is not None:
         raise own

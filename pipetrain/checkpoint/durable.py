@@ -20,11 +20,9 @@ def atomic_save(obj: Any, path: Path) -> str:
     return f"{hashlib.sha256(data).hexdigest()} {len(data)}"
 
 
-
 def atomic_write_text(text: str, path: Path) -> None:
     """Write ``text`` to ``path`` atomically and durably."""
     _write_durably(text.encode(), path)
-
 
 
 def _write_durably(data: bytes | memoryview, path: Path) -> None:
@@ -41,7 +39,6 @@ def _write_durably(data: bytes | memoryview, path: Path) -> None:
         if isinstance(error, OSError) and error.filename is None:  # a failed write names no file: name it
             raise OSError(error.errno, error.strerror, str(path)) from error
         raise
-
 
 
 def fsync_dir(path: Path) -> None:

@@ -24,7 +24,6 @@ def export_state_dict(root: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-
 @dataclass(frozen=True)
 class PretrainedExport:
     """What ``export_pretrained`` wrote."""
@@ -32,7 +31,6 @@ class PretrainedExport:
     directory: Path
     shards: list[str]  # the safetensors files, in order
     has_config: bool   # False: the checkpoint records no Hugging Face config, no config.json was written
-
 
 
 def export_pretrained(root: str | os.PathLike, out: str | os.PathLike,
@@ -58,7 +56,6 @@ def export_pretrained(root: str | os.PathLike, out: str | os.PathLike,
     if config is not None:
         (directory / CONFIG).write_text(config)
     return PretrainedExport(directory, sorted(set(weight_map.values())), config is not None)
-
 
 
 def _unwritten(state: dict[str, torch.Tensor], canonical: dict[str, str],

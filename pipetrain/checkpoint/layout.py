@@ -17,10 +17,8 @@ from pipetrain.checkpoint.errors import CheckpointError
 STEP_NAME = re.compile(r"step-(\d+)")
 
 
-
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
-
 
 
 def step_dirs(root: Path) -> dict[int, Path]:
@@ -33,10 +31,8 @@ def step_dirs(root: Path) -> dict[int, Path]:
     return found
 
 
-
 def is_complete(path: Path) -> bool:
     return (path / "manifest.json").exists()
-
 
 
 def latest(root: str | os.PathLike) -> Path | None:
@@ -56,7 +52,6 @@ def latest(root: str | os.PathLike) -> Path | None:
     return path
 
 
-
 def alternatives(root: Path, exclude: Path | None = None) -> str:
     """What to do instead of loading a broken checkpoint: the other complete ones under ``root``."""
     others = [p for _, p in sorted(step_dirs(root).items(), reverse=True) if p != exclude and is_complete(p)]
@@ -65,7 +60,6 @@ def alternatives(root: Path, exclude: Path | None = None) -> str:
                 f"pipetrain.export_state_dict({str(others[0])!r}) (complete ones here: "
                 f"{', '.join(p.name for p in others)}), or start over in a new directory.")
     return "There is no other complete checkpoint here: start over in a new directory."
-
 
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -78,7 +72,6 @@ def checkpoint_dir(path: str | os.PathLike) -> Path:
                 f"Nothing was loaded or changed. {alternatives(source.parent, exclude=source)}")
         raise FileNotFoundError(f"no checkpoint under {path}: expected {path}/latest or a manifest.json")
     return source
-
 
 
 def latest_name(root: Path) -> str | None:

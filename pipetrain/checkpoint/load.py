@@ -35,7 +35,6 @@ def load_module_state(stages: dict[int, torch.nn.Module], state: dict[str, torch
         raise KeyError(f"state dict has keys no stage holds: {extra[:5]}; is it from the same model?")
 
 
-
 def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
     """Load the newest checkpoint under ``path`` into ``pipe``, whatever stage layout saved it; returns
     the step it was saved at.
@@ -50,10 +49,9 @@ def load_pipeline(pipe: PipelineView, path: str | os.PathLike) -> int:
     found = role.agree(what, {**posted, "result": posted["result"] and posted["result"].agreed}, _one_checkpoint)
     if found["failures"]:
         raise_failed(what, found["failures"], own, role,
-                      "No rank loaded anything: every pipeline is as it was before load().")
+                     "No rank loaded anything: every pipeline is as it was before load().")
     posted["result"].apply()
     return posted["result"].step
-
 
 
 def found_everywhere(pipe: PipelineView, path: str | os.PathLike) -> bool:
@@ -64,10 +62,9 @@ def found_everywhere(pipe: PipelineView, path: str | os.PathLike) -> bool:
     found = role.agree(f"resume from {path}", posted, _one_answer)
     if found["failures"]:
         raise_failed("resume", found["failures"], own, role,
-                      "No rank loaded anything: give every rank the same checkpoint directory (one every machine "
-                      "can read), or start over in a new directory.")
+                     "No rank loaded anything: give every rank the same checkpoint directory (one every machine "
+                     "can read), or start over in a new directory.")
     return found["found"]
-
 
 
 def _one_answer(outcomes: list[dict]) -> dict:
@@ -79,7 +76,6 @@ def _one_answer(outcomes: list[dict]) -> dict:
     return {"failures": failures, "found": not failures and answers[0][0]}
 
 
-
 @dataclass
 class _CheckedLoad:
     """A checkpoint read and checked for this process's stages, not yet applied."""
@@ -87,7 +83,6 @@ class _CheckedLoad:
     step: int
     agreed: tuple[str, str]    # (step directory, manifest sha256): every rank must load the same one
     apply: Callable[[], None]  # copies it into the stages
-
 
 
 def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
@@ -141,7 +136,6 @@ def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
     return _CheckedLoad(manifest["step"], (source.name, manifest_digest(manifest)), apply)
 
 
-
 def _one_checkpoint(outcomes: list[dict]) -> dict:
     """Every rank read the same checkpoint and can load it, or the reasons why not."""
     failures = failures_of(outcomes)
@@ -150,7 +144,6 @@ def _one_checkpoint(outcomes: list[dict]) -> dict:
         failures = [(r, f"would load {o['result'][0]} (manifest sha256 {o['result'][1][:12]}), not what every "
                         "rank would (was `latest` flipped by another run meanwhile?)") for r, o in enumerate(outcomes)]
     return {"failures": failures}
-
 
 
 def files_to_read(manifest: dict, stages: dict[int, StageState], needed: set[str], same_layout: bool) -> list[int]:

@@ -20,7 +20,6 @@ from pipetrain.checkpoint.view import CheckpointRole, PipelineView
 FORMAT = 2  # 2: the manifest carries the sha256 of its own fields (1, without it, still loads)
 
 
-
 def read_manifest(path: Path) -> dict:
     """The manifest of step directory ``path``, checked for the fields a load needs."""
     file = path / "manifest.json"
@@ -50,12 +49,10 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-
 def manifest_digest(manifest: dict) -> str:
     """sha256 of a manifest's fields but its digest (keys sorted): any edit of them changes it."""
     fields = {k: v for k, v in manifest.items() if k != "digest"}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
 
 
 def read_stage_file(path: Path, v: int, manifest: dict) -> dict:
@@ -86,10 +83,8 @@ def read_stage_file(path: Path, v: int, manifest: dict) -> dict:
                               f"truncated or corrupted. {fix}") from exc
 
 
-
 def read_stage_files(path: Path, manifest: dict) -> list[dict]:
     return [read_stage_file(path, v, manifest) for v in range(manifest["stages"])]
-
 
 
 def plan_layout(pipe: PipelineView) -> list:
@@ -98,8 +93,9 @@ def plan_layout(pipe: PipelineView) -> list:
     return [plan["order"], plan["cuts"]]
 
 
-
 def manifest_of(pipe: PipelineView, role: CheckpointRole, entries: dict[str, dict]) -> dict:
+    """The manifest of ``pipe``'s step: the stage files' ``entries`` (sha256 and size, names held), what the run
+    was (plan, options, versions) and the digest of all of it. Its "devices" key is the pipeline positions."""
     o = pipe.options
     config = pipe.pretrained.config_json()
     manifest = {"format": FORMAT, "step": pipe.updates, "stages": pipe.plan.num_stages,

@@ -12,8 +12,8 @@ from pipetrain.checkpoint.errors import CheckpointError
 
 
 def param_names(module: torch.nn.Module) -> dict[int, str]:
+    """The id of each parameter of ``module`` -> its name (the last alias of a tied one): the key it is saved under."""
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: dict[int, str]) -> dict:
@@ -26,10 +26,8 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: dict
     return {"state": state, "groups": groups, "class": optimizer_class(optimizer)}
 
 
-
 def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-
 
 
 def merge_optimizer_shares(shares: list[dict]) -> dict:
@@ -38,7 +36,6 @@ def merge_optimizer_shares(shares: list[dict]) -> dict:
     groups = next((share["groups"] for share in shares if share["groups"]), [])
     classes = [share["class"] for share in shares if "class" in share]  # a replica owning nothing has none
     return {"state": state, "groups": groups, **({"class": classes[0]} if classes else {})}
-
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer | None, by_name: dict[str, dict],
@@ -55,7 +52,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer | None, by_name: dict[
                 optimizer.state[p] = {k: _owned(v, p.device) for k, v in state.items()}
 
 
-
 def _owned(value: Any, device: torch.device) -> Any:
     """A saved optimizer value in memory of its own, not in the memory-mapped stage file (retention deletes
     it later): per-parameter tensors on the parameter's device, scalars (Adam's step) on the CPU."""
@@ -64,9 +60,8 @@ def _owned(value: Any, device: torch.device) -> Any:
     return value.to(device, copy=True) if value.dim() > 0 else value.clone()
 
 
-
 def check_optimizer(optimizer: torch.optim.Optimizer | None, saved_class: str | None, groups: list[dict],
-                     source: Path) -> None:
+                    source: Path) -> None:
     """Refuse a checkpoint whose optimizer state this optimizer cannot take. Hyper-parameters follow the
     checkpoint (an exact resume, as torch's Optimizer.load_state_dict): a factory's other value is named."""
     if optimizer is None or not groups:
@@ -92,7 +87,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, saved_class: str | 
         warnings.warn(f"resuming from {source}: the checkpoint's optimizer hyper-parameters replace the factory's "
                       f"({', '.join(changed)}), so the run goes on exactly as it was saved. To change one after "
                       "resuming, set it in held_stages[v].optimizer.param_groups after load()", stacklevel=4)
-
 
 
 def _differs(a: Any, b: Any) -> bool:

@@ -14,7 +14,6 @@ from pipetrain.checkpoint.layout import STEP_NAME, is_complete, step_dir, step_d
 KEEP = 2  # complete checkpoints kept; older step directories are removed after a successful save
 
 
-
 def published_step(root: Path) -> int | None:
     """The step ``latest`` names, or when there is no ``latest`` the newest complete step directory."""
     pointer = root / "latest"
@@ -24,7 +23,6 @@ def published_step(root: Path) -> int | None:
             return int(match.group(1))
     complete = [s for s, p in step_dirs(root).items() if is_complete(p)]
     return max(complete, default=None)
-
 
 
 def refuse_older_step(root: Path, step: int) -> None:
@@ -44,13 +42,11 @@ def refuse_older_step(root: Path, step: int) -> None:
             f"{root}/step-* and {root}/latest yourself if that run is not needed.")
 
 
-
 def publish(root: Path, step: int) -> None:
     """Point ``latest`` at ``step`` durably."""
     fsync_dir(root)  # the step directory's entry is on disk before ``latest`` names it
     atomic_write_text(step_dir(root, step).name, root / "latest")
     fsync_dir(root)  # the flip itself is durable before anything older is removed
-
 
 
 def unpublish(root: Path, previous: str | None) -> None:
@@ -61,7 +57,6 @@ def unpublish(root: Path, previous: str | None) -> None:
     else:
         atomic_write_text(previous, root / "latest")
     fsync_dir(root)
-
 
 
 def prune(root: Path, step: int) -> None:

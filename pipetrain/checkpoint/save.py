@@ -61,7 +61,6 @@ def save_pipeline(pipe: PipelineView, path: str | os.PathLike) -> Path:
     return target
 
 
-
 def _write_stages(pipe: PipelineView, root: Path, target: Path, merged: dict[int, dict]) -> dict[str, dict]:
     """This process's stage files of the step (none but on replica 0); their manifest entries by file name."""
     if root.exists():
@@ -82,7 +81,6 @@ def _write_stages(pipe: PipelineView, root: Path, target: Path, merged: dict[int
     return entries
 
 
-
 def _publish(pipe: PipelineView, root: Path, target: Path, entries: dict[str, dict]) -> None:
     entries = {f"stage{v}.pt": entries[f"stage{v}.pt"] for v in range(pipe.plan.num_stages)}
     atomic_write_text(json.dumps(manifest_of(pipe, pipe.role, entries), indent=1), target / "manifest.json")
@@ -90,11 +88,9 @@ def _publish(pipe: PipelineView, root: Path, target: Path, entries: dict[str, di
     publish(root, pipe.updates)
 
 
-
 def _entries_or_failures(outcomes: list[dict]) -> dict:
     entries = {name: e for o in outcomes if o["result"] for name, e in o["result"].items()}
     return {"entries": entries, "failures": failures_of(outcomes)}
-
 
 
 def _stage_payload(stage: StageState) -> dict:

@@ -27,15 +27,12 @@ class StageState:
     schedulers: list = dataclasses.field(default_factory=list)  # learning-rate schedulers (lr_scheduler=)
 
 
-
 Agree = Callable[[str, Any, Callable[[list], Any]], Any]
-
 
 
 def agree_alone(phase: str, value: Any, rule: Callable[[list], Any]) -> Any:
     """One process: the decision is the rule applied to its own value."""
     return rule([value])
-
 
 
 @dataclass
@@ -54,7 +51,6 @@ class CheckpointRole:
     # (by name) onto replica 0, collectively over the stage's replicas, so the file holds the whole state and
     # loads at any zero level or replica count. None without ZeRO.
     merge_optimizer: Callable[[dict], dict | None] | None = None
-
 
 
 @dataclass

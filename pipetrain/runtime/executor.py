@@ -4,9 +4,9 @@ It is a generator: it yields ``BLOCKED`` while a message it needs has not arrive
 ``DONE`` after each action. It runs a position's program as ``schedules.nccl_order.posted_batches``
 gives it: the SEND and RECV actions between two computations are one comm batch, with the receives
 of the computation after the next one when receiving ahead, which the transport turns into groups per
-communicator: the order NCCL needs, checked for every schedule. The local engine interleaves the generators of all positions
-in one process; the distributed engine drives the one of its rank (its transport waits
-instead of blocking the generator). Both execute the same lists ``schedules`` builds.
+communicator: the order NCCL needs, checked for every schedule. The local engine interleaves the
+generators of all positions in one process; the distributed engine drives the one of its rank (its
+transport waits instead of blocking the generator). Both execute the same lists ``schedules`` builds.
 
 A message carries each value in the dtype the stage produced it in, as the unsplit model would hold it
 under the same autocast (a bf16 activation, an fp32 residual or rotary table), and each gradient in the
