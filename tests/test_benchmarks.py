@@ -53,17 +53,17 @@ def test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster(tm
     assert (cluster.devices, cluster.backend, cluster.overheads.report_bytes) == (4, "gloo", 8 * (2 + 8 * 4))
     # the saved cluster is the one fitted for W4 4 stages x 1: its effective cores and message-CPU lines
     # are the ones printed
-    assert cluster.cores == pytest.approx(float(rows[1][1]), abs=0.005), out[-2000:]
+    assert cluster.cores == pytest.approx(float(rows[1][1]), abs=0.006), out[-2000:]
     fit = re.search(r"send ([\d.-]+) ms \+ ([\d.-]+) ns/B, receive ([\d.-]+) ms \+ ([\d.-]+) ns/B", out)
     assert fit is not None, out[-2000:]
     assert [float(v) for v in fit.groups()] == pytest.approx(
         [cluster.send_cpu * 1e3, cluster.send_cpu_byte * 1e9, cluster.recv_cpu * 1e3, cluster.recv_cpu_byte * 1e9],
-        abs=5e-4), out[-2000:]
+        abs=6e-4), out[-2000:]
     per_size = re.findall(r"^\s+(\d+) B: send [\d.]+/([\d.-]+)\s+receive [\d.]+/([\d.-]+)$", out, re.M)
     assert per_size, out[-2000:]
     for n, send, receive in per_size:
-        assert float(send) == pytest.approx((cluster.send_cpu + int(n) * cluster.send_cpu_byte) * 1e3, abs=5e-4), n
-        assert float(receive) == pytest.approx((cluster.recv_cpu + int(n) * cluster.recv_cpu_byte) * 1e3, abs=5e-4), n
+        assert float(send) == pytest.approx((cluster.send_cpu + int(n) * cluster.send_cpu_byte) * 1e3, abs=6e-4), n
+        assert float(receive) == pytest.approx((cluster.recv_cpu + int(n) * cluster.recv_cpu_byte) * 1e3, abs=6e-4), n
     # action is a fitted slope clamped at 0 (one round on a loaded machine can fit 0): its sign is timing
     assert cluster.overheads.action >= 0
     # the file is what `pipetrain plan --cluster` reads: it ranks layouts of a model on this machine
