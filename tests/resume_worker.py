@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-import pipetrain
 from runtime_models import data, make, sgd
+from helpers import wrap_unprofiled
 
 STEPS, CRASH_AT = 6, 4
 
@@ -20,8 +20,8 @@ def main() -> None:
     torch.set_num_threads(1)
     x, y = data("mlp", STEPS * 8)
     batches = [(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8]) for i in range(STEPS)]
-    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=sgd, partitioner="uniform",
-                          profile=False, engine="distributed", timeout=10)
+    pipe = wrap_unprofiled(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=sgd, partitioner="uniform",
+                           engine="distributed", timeout=10)
     pipe.resume(root)  # --resume auto: continue from the newest checkpoint when there is one
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for x_b, y_b in batches[pipe.updates:]:

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from transformers import BatchEncoding
 
 import pipetrain
+from helpers import wrap_unprofiled
 
 
 class OwnLoss(nn.Module):
@@ -38,8 +39,8 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 
 def pipe(example=None, **options) -> pipetrain.Pipeline:
     example = example if example is not None else {k: v[:2] for k, v in batch(0).items()}
-    return pipetrain.wrap(OwnLoss(), example, stages=2, micro_batches=2, partitioner="uniform", profile=False,
-                          engine="local", loss_fn=pipetrain.model_loss, **options)
+    return wrap_unprofiled(OwnLoss(), example, stages=2, micro_batches=2, partitioner="uniform",
+                           engine="local", loss_fn=pipetrain.model_loss, **options)
 
 
 def assert_same(a: pipetrain.Pipeline, b: pipetrain.Pipeline) -> None:

@@ -9,6 +9,7 @@ import pipetrain
 from pipetrain import checkpoint as ckpt
 from dist_harness import run_world
 from runtime_models import data, loss_fn, make, sgd
+from helpers import wrap_unprofiled
 
 STEPS = 6
 
@@ -20,9 +21,9 @@ def stream(name="convbn", steps=STEPS, size=8):
 
 def new_pipe(engine="local", stages=2, schedule="1f1b", staleness="none", name="convbn", **kw):
     micro = 1 if schedule == "async-1f1b" else 2
-    return pipetrain.wrap(make(name), data(name, 2)[0], stages=stages, micro_batches=micro, schedule=schedule,
-                          staleness=staleness, loss_fn=loss_fn(name), optimizer=sgd, partitioner="uniform",
-                          profile=False, engine=engine, **kw)
+    return wrap_unprofiled(make(name), data(name, 2)[0], stages=stages, micro_batches=micro, schedule=schedule,
+                           staleness=staleness, loss_fn=loss_fn(name), optimizer=sgd, partitioner="uniform",
+                           engine=engine, **kw)
 
 
 def train(pipe, batches):

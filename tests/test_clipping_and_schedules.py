@@ -15,6 +15,7 @@ import torch
 import pipetrain
 from dist_harness import run_world
 from runtime_models import data, loss_fn, make
+from helpers import batches, wrap_unprofiled
 
 MICRO = 4
 
@@ -42,17 +43,13 @@ def linear_after_constant(optimizer):
         torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.1, total_iters=4)], milestones=[2])
 
 
-def batches(name, steps, size=8):
-    return [data(name, size, seed=s) for s in range(1, steps + 1)]
-
-
 def unsplit(name, steps, optimizer=sgd, max_norm=None, norm_type=2.0, scheduler=None):
     """The unsplit model with gradient accumulation over MICRO micro-batches, clipped by clip_grad_norm_."""
     model = make(name)
     opt = optimizer(model.parameters())
     sched = scheduler(opt) if scheduler else None
     norms = []
-    for x, y in batches(name, steps):
+    for x, y in batches(name, steps, draw_per_step=True):
         opt.zero_grad()
         for xb, yb in zip(x.tensor_split(MICRO), y.tensor_split(MICRO)):
             (loss_fn(name)(model(xb), yb) * (len(xb) / len(x))).backward()
@@ -65,10 +62,10 @@ def unsplit(name, steps, optimizer=sgd, max_norm=None, norm_type=2.0, scheduler=
 
 
 def piped(name, stages, steps, engine="local", **options):
-    pipe = pipetrain.wrap(make(name), data(name, 2)[0], stages=stages, micro_batches=MICRO, partitioner="uniform",
-                          profile=False, engine=engine, loss_fn=loss_fn(name), **{"optimizer": sgd, **options})
+    pipe = wrap_unprofiled(make(name), data(name, 2)[0], stages=stages, micro_batches=MICRO, partitioner="uniform",
+                           engine=engine, loss_fn=loss_fn(name), **{"optimizer": sgd, **options})
     norms = []
-    for x, y in batches(name, steps):
+    for x, y in batches(name, steps, draw_per_step=True):
         pipe.step(x, y)
         norms.append(pipe.last_result.grad_norm)
     return pipe, norms
@@ -119,8 +116,8 @@ def test_a_learning_rate_schedule_steps_once_per_update_like_the_unsplit_model(s
 
 
 def test_a_skipped_update_does_not_advance_the_schedule():
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
-                          profile=False, engine="local", optimizer=sgd, lr_scheduler=warmup_cosine, nonfinite="skip")
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
+                           engine="local", optimizer=sgd, lr_scheduler=warmup_cosine, nonfinite="skip")
     x, y = data("mlp", 8)
     pipe.step(x, y)
     x_nan = x.clone()
@@ -132,13 +129,13 @@ def test_a_skipped_update_does_not_advance_the_schedule():
 
 
 def _resumable(stages, **options):
-    return pipetrain.wrap(make("tied"), data("tied", 2)[0], stages=stages, micro_batches=MICRO, partitioner="uniform",
-                          profile=False, engine="local", loss_fn=loss_fn("tied"), optimizer=adamw,
-                          lr_scheduler=warmup_cosine, max_grad_norm=0.5, **options)
+    return wrap_unprofiled(make("tied"), data("tied", 2)[0], stages=stages, micro_batches=MICRO, partitioner="uniform",
+                           engine="local", loss_fn=loss_fn("tied"), optimizer=adamw,
+                           lr_scheduler=warmup_cosine, max_grad_norm=0.5, **options)
 
 
 def test_a_resume_with_a_schedule_and_clipping_equals_an_uninterrupted_run(tmp_path):
-    steps = batches("tied", 6)
+    steps = batches("tied", 6, draw_per_step=True)
     straight = _resumable(2)
     for i, batch in enumerate(steps):
         straight.step(*batch)
@@ -162,12 +159,12 @@ def test_a_resume_with_a_schedule_and_clipping_equals_an_uninterrupted_run(tmp_p
 
 
 def test_resuming_a_scheduled_run_without_its_scheduler_state_is_refused(tmp_path):
-    plain = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
-                           profile=False, engine="local", optimizer=sgd)
+    plain = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
+                            engine="local", optimizer=sgd)
     plain.step(*data("mlp", 8))
     plain.save(tmp_path)
-    scheduled = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
-                               profile=False, engine="local", optimizer=sgd, lr_scheduler=warmup_cosine)
+    scheduled = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
+                                engine="local", optimizer=sgd, lr_scheduler=warmup_cosine)
     with pytest.raises(pipetrain.CheckpointError, match="holds no learning-rate scheduler state.*weights="):
         scheduled.load(tmp_path)
 
@@ -176,12 +173,12 @@ def test_async_clips_each_update_by_the_global_norm_of_its_mini_batch():
     # SGD without momentum, lr 1: each stage moves by -coef * its gradient, coef the same on every stage, so the
     # whole update's norm is min(norm, max_norm) where norm is the mini-batch's global gradient norm.
     plain = lambda params: torch.optim.SGD(params, lr=1.0)  # noqa: E731
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, partitioner="uniform",
-                          profile=False, engine="local", optimizer=plain, schedule="async-1f1b",
-                          staleness="stash", max_grad_norm=0.05)
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, partitioner="uniform",
+                           engine="local", optimizer=plain, schedule="async-1f1b",
+                           staleness="stash", max_grad_norm=0.05)
     before = {k: v.clone() for k, v in pipe.state_dict().items()}
     results = []
-    for result in pipe.train(batches("mlp", 1)):
+    for result in pipe.train(batches("mlp", 1, draw_per_step=True)):
         results.append(result)
     after = pipe.state_dict()
     moved = math.sqrt(sum(float((after[k] - before[k]).pow(2).sum()) for k in before))
@@ -194,24 +191,24 @@ def test_async_clips_each_update_by_the_global_norm_of_its_mini_batch():
 def hybrid_clipping(rank, world):
     out = {}
     for zero in (0, 1, 2):
-        pipe = pipetrain.wrap(make("tied"), data("tied", 2)[0], stages=2, micro_batches=2, data_parallel=2,
-                              partitioner="uniform", profile=False, loss_fn=loss_fn("tied"), optimizer=adamw,
-                              max_grad_norm=0.5, lr_scheduler=warmup_cosine, zero=zero)
+        pipe = wrap_unprofiled(make("tied"), data("tied", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                               partitioner="uniform", loss_fn=loss_fn("tied"), optimizer=adamw,
+                               max_grad_norm=0.5, lr_scheduler=warmup_cosine, zero=zero)
         norms = []
-        for x, y in batches("tied", 3):
+        for x, y in batches("tied", 3, draw_per_step=True):
             pipe.step(x, y)
             norms.append(pipe.last_result.grad_norm)
         out[zero] = (pipe.state_dict(), norms)
     # An async stream clipped by the inf-norm: its agreement carries no report and maximises the norm parts.
     pipe = _async_inf(engine="distributed")
-    out["async"] = (pipe.state_dict(), [r.grad_norm for r in pipe.train(batches("tied", 3))], pipe.state_dict())
+    out["async"] = (pipe.state_dict(), [r.grad_norm for r in pipe.train(batches("tied", 3, draw_per_step=True))], pipe.state_dict())
     return out
 
 
 def _async_inf(engine):
-    return pipetrain.wrap(make("tied"), data("tied", 2)[0], stages=4, micro_batches=2, partitioner="uniform",
-                          profile=False, loss_fn=loss_fn("tied"), optimizer=sgd, schedule="async-1f1b",
-                          staleness="stash", max_grad_norm=0.05, norm_type=math.inf, engine=engine)
+    return wrap_unprofiled(make("tied"), data("tied", 2)[0], stages=4, micro_batches=2, partitioner="uniform",
+                           loss_fn=loss_fn("tied"), optimizer=sgd, schedule="async-1f1b",
+                           staleness="stash", max_grad_norm=0.05, norm_type=math.inf, engine=engine)
 
 
 @pytest.mark.slow
@@ -221,7 +218,7 @@ def test_replicas_and_zero_shards_clip_by_one_global_norm(tmp_path):
     opt = adamw(model.parameters())
     sched = warmup_cosine(opt)
     expected = []
-    for x, y in batches("tied", 3):  # the global batch, 2 micro-batches per replica: 4 of 2 samples
+    for x, y in batches("tied", 3, draw_per_step=True):  # the global batch, 2 micro-batches per replica: 4 of 2 samples
         opt.zero_grad()
         for xb, yb in zip(x.tensor_split(4), y.tensor_split(4)):
             (loss_fn("tied")(model(xb), yb) * (len(xb) / len(x))).backward()
@@ -229,7 +226,7 @@ def test_replicas_and_zero_shards_clip_by_one_global_norm(tmp_path):
         opt.step()
         sched.step()
     local = _async_inf(engine="local")
-    local_norms = [r.grad_norm for r in local.train(batches("tied", 3))]
+    local_norms = [r.grad_norm for r in local.train(batches("tied", 3, draw_per_step=True))]
     assert all(per_rank[r]["async"][1] == local_norms for r in range(4)), (local_norms, per_rank[0]["async"][1])
     got = {k: v for r in range(4) for k, v in per_rank[r]["async"][2].items()}
     assert all(torch.equal(got[k], v) for k, v in local.state_dict().items())  # the engines agree bit for bit

@@ -16,7 +16,8 @@ from torch._dynamo.utils import counters
 import pipetrain
 from dist_harness import run_world
 from pipetrain.apps.models.transformer import TransformerLM
-from runtime_models import data, make, sgd
+from runtime_models import make, sgd
+from helpers import batches, wrap_unprofiled
 
 REL = 1e-4
 STEPS, SIZE, MICRO = 4, 8, 4
@@ -32,11 +33,6 @@ CASES = [
 ]
 
 
-def batches(steps=STEPS, size=SIZE):
-    x, y = data("skip", steps * size, seed=3)
-    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
-
-
 def graphs() -> int:
     """Graphs compiled in this process so far."""
     return counters["stats"]["unique_graphs"]
@@ -44,13 +40,13 @@ def graphs() -> int:
 
 def train(compile, schedule, staleness, recompute, precision, engine="local"):
     """Losses and final weights of a 2-device pipeline of the skip model (a tensor crosses a stage)."""
-    pipe = pipetrain.wrap(make("skip"), batches(1)[0][0][:2], stages=2, micro_batches=MICRO, schedule=schedule,
-                          staleness=staleness, recompute=recompute, precision=precision, optimizer=sgd,
-                          partitioner="uniform", profile=False, engine=engine, compile=compile)
+    pipe = wrap_unprofiled(make("skip"), batches("skip", 1, SIZE, seed=3)[0][0][:2], stages=2, micro_batches=MICRO, schedule=schedule,
+                           staleness=staleness, recompute=recompute, precision=precision, optimizer=sgd,
+                           partitioner="uniform", engine=engine, compile=compile)
     if schedule == "async-1f1b":
-        losses = [r.loss for r in pipe.train(batches())]
+        losses = [r.loss for r in pipe.train(batches("skip", STEPS, SIZE, seed=3))]
     else:
-        losses = [pipe.step(x, y) for x, y in batches()]
+        losses = [pipe.step(x, y) for x, y in batches("skip", STEPS, SIZE, seed=3)]
     return losses, pipe.state_dict(), len(pipe.held_stages)
 
 
@@ -84,7 +80,7 @@ def test_compiled_stages_train_like_eager_and_weight_swaps_do_not_recompile(case
 
 
 def test_bad_compile_values_name_the_fix():
-    x = batches(1)[0][0][:2]
+    x = batches("skip", 1, SIZE, seed=3)[0][0][:2]
     with pytest.raises(TypeError, match="compile must be False, True or a dict"):
         pipetrain.wrap(make("skip"), x, stages=2, compile="yes")
     with pytest.raises(ValueError, match="torch.compile takes no argument.*modee"):
@@ -101,8 +97,8 @@ def lm_batch(size: int, length: int, seed: int):
 def lm_pipeline(compile):
     torch.manual_seed(0)
     model = TransformerLM(num_classes=64, width=16, depth=2, heads=2, max_len=64)
-    return pipetrain.wrap(model, lm_batch(2, 8, 0)[0], stages=2, micro_batches=2, schedule="1f1b", optimizer=sgd,
-                          partitioner="uniform", profile=False, engine="local", compile=compile)
+    return wrap_unprofiled(model, lm_batch(2, 8, 0)[0], stages=2, micro_batches=2, schedule="1f1b", optimizer=sgd,
+                           partitioner="uniform", engine="local", compile=compile)
 
 
 @pytest.mark.slow

@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch
 
-import pipetrain
 from pipetrain.runtime import host_sync
 from runtime_models import data, make, sgd
+from helpers import batches, wrap_unprofiled
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -23,16 +23,11 @@ SCHEDULES = [("gpipe", "none"), ("1f1b", "none"), ("interleaved-1f1b", "none"), 
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 
 
-def batches(steps=3):
-    x, y = data("mlp", steps * 8)
-    return [(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8]) for i in range(steps)]
-
-
 def run(devices, schedule, staleness, precision):
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, schedule=schedule,
-                          staleness=staleness, precision=precision, optimizer=sgd, partitioner="uniform",
-                          profile=False, engine="local", devices=devices)
-    results = list(pipe.train(batches()))
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, schedule=schedule,
+                           staleness=staleness, precision=precision, optimizer=sgd, partitioner="uniform",
+                           engine="local", devices=devices)
+    results = list(pipe.train(batches("mlp")))
     state = {k: v.detach().cpu().float() for k, v in pipe.state_dict().items()}
     return [r.loss for r in results], state, results, pipe.predict(data("mlp", 6, seed=9)[0])
 
@@ -66,9 +61,9 @@ def test_stages_on_two_devices_move_every_tensor_explicitly():
 
 
 def test_a_step_synchronises_only_at_the_marked_points():
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, optimizer=sgd,
-                          partitioner="uniform", profile=False, engine="local", devices=["cuda:0", "cuda:0"])
-    x, y = batches(1)[0]
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, optimizer=sgd,
+                           partitioner="uniform", engine="local", devices=["cuda:0", "cuda:0"])
+    x, y = batches("mlp", 1)[0]
     pipe.step(x.pin_memory(), y.pin_memory())  # warm-up: allocator, kernels
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught, host_sync.counting() as marked:

@@ -9,6 +9,7 @@ import partitioners
 import pipetrain
 from dist_harness import run_world
 from runtime_models import data, make, sgd
+from helpers import wrap_unprofiled
 
 
 def wrap(model=None, example=None, **kw):
@@ -177,8 +178,8 @@ def test_optimizer_that_is_not_a_factory():
 
 def wrong_world(rank, world):
     try:
-        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=3, micro_batches=2, profile=False,
-                       engine="distributed", optimizer=sgd)
+        wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=3, micro_batches=2,
+                        engine="distributed", optimizer=sgd)
     except ValueError as error:
         return str(error)
     return "no error"

@@ -15,12 +15,12 @@ import transformers as hf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import pipetrain
 from dist_harness import run_world
 from pipetrain.cli import main
 from runtime_models import data, loss_fn, make
 from test_save_pretrained import CLASSES, loaded, trained
 from third_party_models import CASES
+from helpers import wrap_unprofiled
 
 hf.logging.set_verbosity_error()
 SMALL_SHARDS = "4000"  # bytes: every tiny model spreads over several files
@@ -114,8 +114,8 @@ def test_the_pipetrain_command_exports_a_checkpoint_saved_by_two_ranks(tmp_path:
 
 
 def test_a_model_without_a_config_is_exported_with_what_to_do(tmp_path: Path, capsys) -> None:
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, loss_fn=loss_fn("mlp"),
-                          profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, loss_fn=loss_fn("mlp"),
+                           engine="local")
     pipe.step(*data("mlp", 8))
     pipe.save(tmp_path / "ckpt")
     assert main(["export", "--hf", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0

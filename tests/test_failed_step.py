@@ -16,6 +16,7 @@ from torch import nn
 import pipetrain
 from pipetrain import NonFiniteError
 from runtime_models import ConvBN
+from helpers import wrap_unprofiled
 
 SCHEDULES = [("1f1b", {}), ("gpipe", {"recompute": "always"}), ("zb-h1", {}),
              ("interleaved-1f1b", {"stages": 2, "chunks": 2})]
@@ -35,11 +36,11 @@ def _batches() -> tuple[list, tuple]:
 
 
 def _wrap(schedule: str, extra: dict, **options) -> pipetrain.Pipeline:
-    kw = dict(stages=3, micro_batches=4, schedule=schedule, partitioner="uniform", profile=False, engine="local",
+    kw = dict(stages=3, micro_batches=4, schedule=schedule, partitioner="uniform", engine="local",
               optimizer=lambda p: torch.optim.Adam(p, lr=1e-2))
     kw.update(extra)
     kw.update(options)
-    return pipetrain.wrap(_model(), _batches()[0][0][0][:2], **kw)
+    return wrap_unprofiled(_model(), _batches()[0][0][0][:2], **kw)
 
 
 def _assert_identical(a: pipetrain.Pipeline, b: pipetrain.Pipeline) -> None:
@@ -126,8 +127,8 @@ def test_ctrl_c_before_any_update_abandons_the_step():
         m = _model()
         m.c2.register_forward_hook(_ctrl_c_hook)
         return m
-    kw = dict(stages=3, micro_batches=4, partitioner="uniform", profile=False, engine="local")
-    failed, reference = (pipetrain.wrap(model(), good[0][0][:2], **kw) for _ in range(2))
+    kw = dict(stages=3, micro_batches=4, partitioner="uniform", engine="local")
+    failed, reference = (wrap_unprofiled(model(), good[0][0][:2], **kw) for _ in range(2))
     ARMED["calls"] = 3  # the third forward of the stage holding c2, with earlier micro-batches in flight
     with pytest.raises(KeyboardInterrupt):
         failed.step(*good[0])

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import partitioners
-import pipetrain
 from dist_harness import free_port
 from runtime_models import data, make, sgd
+from helpers import wrap_unprofiled
 
 WORLD, VICTIM, TIMEOUT = 4, 2, 8.0
 
@@ -37,9 +37,9 @@ def _outside_the_step(rank, out, mode, world, victim):
     x, y = data("mlp", 8)
     # A sync step's report rides in the skip-or-step agreement (that wait is hang-at-step's); an async-1f1b
     # stream sends each mini-batch's report on its own, after the mini-batch's STEP.
-    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd, partitioner="uniform",
-                          profile=False, engine="distributed", timeout=TIMEOUT,
-                          **({"schedule": "async-1f1b", "staleness": "vanilla"} if mode == "hang-at-report" else {}))
+    pipe = wrap_unprofiled(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd, partitioner="uniform",
+                           engine="distributed", timeout=TIMEOUT,
+                           **({"schedule": "async-1f1b", "staleness": "vanilla"} if mode == "hang-at-report" else {}))
     if mode == "hang-at-report":
         if rank == victim:
             reporter = pipe._parts.connections.reporter
@@ -61,9 +61,9 @@ def _rank(rank, port, out, mode, world, victim):
             os._exit(1)
         os._exit(0)
     x, y = data("mlp", 8)
-    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd, partitioner="uniform",
-                          profile=False, engine="distributed", timeout=TIMEOUT,
-                          precision="fp16" if mode == "hang-at-step" else "fp32")
+    pipe = wrap_unprofiled(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd, partitioner="uniform",
+                           engine="distributed", timeout=TIMEOUT,
+                           precision="fp16" if mode == "hang-at-step" else "fp32")
     pipe.step(x, y)
     if rank == VICTIM and mode == "hang-at-step":
         # Every compute and message of the step done, the victim hangs before the skip-or-step
@@ -96,8 +96,8 @@ def _rank(rank, port, out, mode, world, victim):
         pipe.step(*data("mlp", 8, seed=2))
         torch.save(pipe.state_dict(), Path(out, f"state{rank}.pt"))
         # A second pipeline in the same process group fails in its turn: its errors are its own.
-        second = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd,
-                                partitioner="uniform", profile=False, engine="distributed", timeout=2.0)
+        second = wrap_unprofiled(make("mlp"), x[:2], stages=world, micro_batches=4, optimizer=sgd,
+                                 partitioner="uniform", engine="distributed", timeout=2.0)
         bad[-1] = -5
         try:
             second.step(x, bad)
@@ -203,8 +203,8 @@ def test_every_rank_carries_on_after_a_step_that_raised_as_if_it_never_ran(tmp_p
     assert "-5" in (tmp_path / "second1").read_text()
     second = (tmp_path / "second0").read_text()
     assert second.startswith("PeerFailure") and "rank 1 raised IndexError" in second and "-5" in second, second
-    reference = pipetrain.wrap(make("mlp"), data("mlp", 8)[0][:2], stages=2, micro_batches=4, optimizer=sgd,
-                               partitioner="uniform", profile=False, engine="local")
+    reference = wrap_unprofiled(make("mlp"), data("mlp", 8)[0][:2], stages=2, micro_batches=4, optimizer=sgd,
+                                partitioner="uniform", engine="local")
     for seed in (1, 2):
         reference.step(*data("mlp", 8, seed=seed))
     got = {**torch.load(tmp_path / "state0.pt"), **torch.load(tmp_path / "state1.pt")}

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import partitioners
-import pipetrain
 from dist_harness import run_world
 from language_models import build_language_model, lm_loss, token_batch
+from helpers import wrap_unprofiled
 
 MICRO, STEPS = 2, 3
 
@@ -38,8 +38,8 @@ def unsplit(model, optimizer=sgd):
 
 def piped(model, stages, **options):
     options = dict(dict(optimizer=sgd), **options)
-    pipe = pipetrain.wrap(model, token_batch(2, 0)[0], stages=stages, micro_batches=MICRO, partitioner="uniform",
-                          profile=False, engine="local", loss_fn=lm_loss, **options)
+    pipe = wrap_unprofiled(model, token_batch(2, 0)[0], stages=stages, micro_batches=MICRO, partitioner="uniform",
+                           engine="local", loss_fn=lm_loss, **options)
     for x, y in batches():
         pipe.step(x, y)
     return pipe
@@ -135,8 +135,8 @@ def test_merged_adapters_load_into_the_base_class_with_the_logits_of_predict(lor
 
 def distributed_lora(rank, world, out):
     """2 gloo ranks: the LoRA pipeline trained, its adapter and its merged model written, every rank its share."""
-    pipe = pipetrain.wrap(lora(), token_batch(2, 0)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
-                          profile=False, engine="distributed", loss_fn=lm_loss, optimizer=sgd)
+    pipe = wrap_unprofiled(lora(), token_batch(2, 0)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
+                           engine="distributed", loss_fn=lm_loss, optimizer=sgd)
     for x, y in batches():
         pipe.step(x, y)
     pipe.save_pretrained(f"{out}/adapter")
@@ -161,8 +161,8 @@ def test_two_ranks_write_the_adapter_and_the_merged_model_that_load_with_the_log
 def test_save_pretrained_refuses_names_its_class_would_not_load(tmp_path):
     model = build_language_model("llama")
     model.extra = torch.nn.Linear(2, 2)  # a parameter LlamaForCausalLM does not have: it would be dropped
-    pipe = pipetrain.wrap(model, token_batch(2, 0)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
-                          profile=False, engine="local", loss_fn=lm_loss, optimizer=sgd)
+    pipe = wrap_unprofiled(model, token_batch(2, 0)[0], stages=2, micro_batches=MICRO, partitioner="uniform",
+                           engine="local", loss_fn=lm_loss, optimizer=sgd)
     with pytest.raises(ValueError, match=r"LlamaForCausalLM.from_pretrained loads with 0 missing weight\(s\) \(\) "
                                          r"and 2 unexpected one\(s\) \(extra.bias, extra.weight\)"):
         pipe.save_pretrained(tmp_path / "out")
@@ -182,9 +182,9 @@ def test_a_peft_model_on_meta_reads_its_base_checkpoint_and_starts_as_the_base_m
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     pipe = piped(get_peft_model(_meta_copy(base), config), stages, weights=str(tmp_path / "base"))
     state = pipe.state_dict()  # after 3 steps; the factors' start is checked on a fresh pipeline below
-    fresh = pipetrain.wrap(get_peft_model(_meta_copy(base), config), token_batch(2, 0)[0], stages=stages,
-                           micro_batches=MICRO, partitioner="uniform", profile=False, engine="local",
-                           loss_fn=lm_loss, optimizer=sgd, weights=str(tmp_path / "base"))
+    fresh = wrap_unprofiled(get_peft_model(_meta_copy(base), config), token_batch(2, 0)[0], stages=stages,
+                            micro_batches=MICRO, partitioner="uniform", engine="local",
+                            loss_fn=lm_loss, optimizer=sgd, weights=str(tmp_path / "base"))
     start = fresh.state_dict()
     factors = {k: v for k, v in start.items() if ".lora_" in k}
     assert factors and all(torch.count_nonzero(v) == 0 for k, v in factors.items() if ".lora_B." in k)

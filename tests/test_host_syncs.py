@@ -18,6 +18,7 @@ import pipetrain
 from pipetrain.runtime import host_sync
 from runtime_models import data, make, sgd
 from test_nonfinite import poison
+from helpers import batches, wrap_unprofiled
 
 PACKAGE = str(Path(pipetrain.__file__).resolve().parent)
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
@@ -44,20 +45,15 @@ def host_reads(monkeypatch):
     return seen
 
 
-def batches(steps=3):
-    x, y = data("mlp", steps * 8)
-    return [(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8]) for i in range(steps)]
-
-
 @pytest.mark.parametrize("schedule,staleness", [("1f1b", "none"), ("gpipe", "none"), ("zb-h1", "none"),
                                                 ("interleaved-1f1b", "none"), ("async-1f1b", "stash"),
                                                 ("async-1f1b", "spectrain")])
 def test_training_reads_the_device_only_at_the_known_points(one_thread, host_reads, schedule, staleness):
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, schedule=schedule,
-                          staleness=staleness, optimizer=sgd, partitioner="uniform", profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, schedule=schedule,
+                           staleness=staleness, optimizer=sgd, partitioner="uniform", engine="local")
     steps = 3
     with host_sync.counting() as marked:
-        results = list(pipe.train(batches(steps)))
+        results = list(pipe.train(batches("mlp", steps)))
     assert len(results) == steps
     # One loss report per step (the last stage's micro-batch losses summed on the device, read once)
     # and one skip-or-step decision per step, read once for every device of the process; async-1f1b
@@ -74,10 +70,10 @@ def test_training_reads_the_device_only_at_the_known_points(one_thread, host_rea
 def test_the_watch_sees_a_read_outside_the_known_points(one_thread, host_reads):
     # The check above can fail: naming the first non-finite gradient reads every gradient on the host
     # (fine there: it happens only on the way to an error), and the watch reports where.
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, optimizer=sgd,
-                          partitioner="uniform", profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, optimizer=sgd,
+                           partitioner="uniform", engine="local")
     poison(pipe, 1, lambda micro_batch: True)
     with pytest.raises(pipetrain.NonFiniteError):
-        pipe.step(*batches(1)[0])
+        pipe.step(*batches("mlp", 1)[0])
     assert ("nonfinite.py", "first_nonfinite") in host_reads
     assert ("nonfinite.py", "first_nonfinite") not in ALLOWED

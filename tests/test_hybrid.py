@@ -10,14 +10,12 @@ from runtime_models import data, make, sgd
 from schedules.cluster import load_cluster
 from schedules.cluster.reductions import Group, prefers_hierarchical
 from test_nonfinite import poison
+from helpers import batches, wrap_unprofiled
+
+# Samples a mini-batch: replica shards of 7 and 6, micro-batches of uneven sizes inside each.
+SIZE = 13
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
-
-
-def batches(name, steps=3, size=13):
-    # 13 samples: replica shards of 7 and 6, micro-batches of uneven sizes inside each.
-    x, y = data(name, steps * size)
-    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
 
 
 def hybrid_scenarios(rank, world):
@@ -31,26 +29,26 @@ def hybrid_scenarios(rank, world):
         "1f1b-per-tensor-bf16-compressed": dict(schedule="1f1b", allreduce="per-tensor", compress="bf16"),
         "zb-h1-flat": dict(schedule="zb-h1", allreduce="flat"),
     }.items():
-        pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
-                              optimizer=sgd, partitioner="uniform", profile=False, engine="distributed", **kw)
-        losses = [r.loss for r in pipe.train(batches("convbn"))]
+        pipe = wrap_unprofiled(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                               optimizer=sgd, partitioner="uniform", engine="distributed", **kw)
+        losses = [r.loss for r in pipe.train(batches("convbn", size=SIZE))]
         reducer = pipe.gradient_reducer
         out[key] = (losses, pipe.state_dict(), pipe.last_result.comm_bytes, pipe.predict(data("convbn", 6, seed=5)[0]),
                     [(b.buffer.numel() * b.buffer.element_size(), b.hierarchical) for b in reducer.buckets])
     # async-1f1b with stash, replicated: each update averages the replicas' stashed gradients.
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=1, data_parallel=2,
-                          schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
-                          profile=False, engine="distributed")
-    out["async-stash"] = ([r.loss for r in pipe.train(batches("mlp", steps=5))], pipe.state_dict(), None, None)
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=1, data_parallel=2,
+                           schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
+                           engine="distributed")
+    out["async-stash"] = ([r.loss for r in pipe.train(batches("mlp", 5, size=SIZE))], pipe.state_dict(), None, None)
     # fp16: an overflow injected on replica 1's last stage only must make every rank skip the same step.
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
-                          precision="fp16", optimizer=sgd, partitioner="uniform", profile=False,
-                          engine="distributed")
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                           precision="fp16", optimizer=sgd, partitioner="uniform",
+                           engine="distributed")
     if rank == 3:
         param = next(iter(pipe.held_stages[1].module.parameters()))
         param.register_hook(lambda g: g * float("inf") if pipe.updates == 1 else g)
     scales, unchanged, skipped = [], [], []
-    for i, (x, y) in enumerate(batches("mlp", steps=2)):
+    for i, (x, y) in enumerate(batches("mlp", 2, size=SIZE)):
         before = [p.detach().clone() for rt in pipe.held_stages.values() for p in rt.module.parameters()]
         pipe.step(x, y)
         scales.append(pipe.loss_scale)
@@ -60,30 +58,30 @@ def hybrid_scenarios(rank, world):
     out["fp16"] = (skipped, scales, unchanged)
     # Non-finite gradient on rank 3 only (replica 1's stage 1) at step 2, fp32.
     for mode in ("skip", "raise"):
-        pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
-                              optimizer=sgd, partitioner="uniform", profile=False, engine="distributed",
-                              nonfinite=mode)
+        pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                               optimizer=sgd, partitioner="uniform", engine="distributed",
+                               nonfinite=mode)
         if rank == 3:
             poison(pipe, 1, lambda g, pipe=pipe: pipe.updates == 1)
         results, error, last = [], None, None
         try:
-            for r in pipe.train(batches("mlp", steps=3)):
+            for r in pipe.train(batches("mlp", 3, size=SIZE)):
                 results.append(r.skipped)
                 last = {k: v.clone() for k, v in pipe.state_dict().items()}
         except pipetrain.NonFiniteError as e:
             error = str(e)
         out[f"nonfinite-{mode}"] = (results, error, pipe.state_dict(), last)
     # async-1f1b (stash) replicated, NaN on rank 3 in mini-batch 2: every rank skips that update.
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
-                          schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
-                          profile=False, engine="distributed", nonfinite="skip")
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                           schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
+                           engine="distributed", nonfinite="skip")
     if rank == 3:
         poison(pipe, 1, lambda g: g // 2 == 2)
-    out["nonfinite-async-skip"] = ([r.skipped for r in pipe.train(batches("mlp", steps=5))], None, pipe.state_dict())
+    out["nonfinite-async-skip"] = ([r.skipped for r in pipe.train(batches("mlp", 5, size=SIZE))], None, pipe.state_dict())
     # What "skip" must equal: the same ranks never seeing step 2's update.
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
-                          optimizer=sgd, partitioner="uniform", profile=False, engine="distributed")
-    bs = batches("mlp", steps=3)
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
+                           optimizer=sgd, partitioner="uniform", engine="distributed")
+    bs = batches("mlp", 3, size=SIZE)
     out["nonfinite-reference"] = ([r.skipped for r in pipe.train([bs[0], bs[2]])], None, pipe.state_dict())
     return out
 
@@ -96,7 +94,7 @@ def hybrid(tmp_path_factory):
 @pytest.mark.parametrize("key", ["1f1b-hybrid", "1f1b-hybrid-priced", "gpipe-flat-no-overlap", "interleaved-hierarchical",
                                  "1f1b-per-tensor-bf16-compressed", "zb-h1-flat"])
 def test_pipeline_x_data_parallel_equals_one_process_on_the_global_batch(hybrid, key):
-    bs = batches("convbn")
+    bs = batches("convbn", size=SIZE)
     for replica in range(2):
         merged = {}
         for rank in (2 * replica, 2 * replica + 1):
@@ -195,8 +193,8 @@ def test_bf16_sends_half_the_bytes_and_trains():
     x, y = data("convbn", 12)
     sent = {}
     for precision in ("fp32", "bf16"):
-        pipe = pipetrain.wrap(make("convbn"), x[:2], stages=2, micro_batches=3, precision=precision,
-                              optimizer=sgd, partitioner="uniform", profile=False, engine="local")
+        pipe = wrap_unprofiled(make("convbn"), x[:2], stages=2, micro_batches=3, precision=precision,
+                               optimizer=sgd, partitioner="uniform", engine="local")
         losses = [pipe.step(x, y) for _ in range(3)]
         sent[precision] = pipe.last_result.comm_bytes
         assert losses[-1] < losses[0]
@@ -206,8 +204,8 @@ def test_bf16_sends_half_the_bytes_and_trains():
 
 def test_fp16_local_engine_skips_overflowing_step_on_every_stage():
     x, y = data("mlp", 8)
-    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=3, micro_batches=2, precision="fp16", optimizer=sgd,
-                          partitioner="uniform", profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), x[:2], stages=3, micro_batches=2, precision="fp16", optimizer=sgd,
+                           partitioner="uniform", engine="local")
     param = next(iter(pipe.held_stages[2].module.parameters()))
     param.register_hook(lambda g: g * float("inf") if pipe.updates == 1 else g)
     pipe.step(x, y)
@@ -221,4 +219,4 @@ def test_fp16_local_engine_skips_overflowing_step_on_every_stage():
 
 def test_local_engine_rejects_data_parallel_with_the_launch_command():
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 4"):
-        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, data_parallel=2, engine="local", profile=False)
+        wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, data_parallel=2, engine="local")

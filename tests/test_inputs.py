@@ -16,6 +16,7 @@ from dist_harness import run_world
 from pipetrain.runtime.batching import merge_micro_batches, split_micro_batches
 from pipetrain.runtime.model_io import splits_by_sample
 from third_party_models import TRANSFORMERS, build
+from helpers import wrap_unprofiled
 
 hf.logging.set_verbosity_error()  # tiny vocabularies make the configs warn about token ids
 
@@ -29,8 +30,8 @@ def wrap_bert(example_keys: tuple[str, ...], engine: str = "local",
     """BERT wrapped with the example keys ``example_keys``, and an 8-sample batch with padding (the mask matters)."""
     case = TRANSFORMERS["bert"]
     example = {k: v for k, v in case.batch(2, 0)[0].items() if k in example_keys}
-    pipe = pipetrain.wrap(build("bert"), example, stages=2, micro_batches=2, loss_fn=case.loss_fn, optimizer=sgd,
-                          profile=False, engine=engine, **options)
+    pipe = wrap_unprofiled(build("bert"), example, stages=2, micro_batches=2, loss_fn=case.loss_fn, optimizer=sgd,
+                           engine=engine, **options)
     inputs, y = case.batch(8, 1)
     return pipe, inputs, y
 
@@ -92,8 +93,8 @@ def test_positional_inputs_bind_to_forward_s_parameters_whatever_the_example_s_o
     torch.manual_seed(0)
     model = Scaled()
     x, s = torch.randn(6, 4), torch.rand(6, 4)
-    pipe = pipetrain.wrap(model, {"scale": s[:2], "input": x[:2]}, stages=2, micro_batches=2, profile=False,
-                          engine="local")
+    pipe = wrap_unprofiled(model, {"scale": s[:2], "input": x[:2]}, stages=2, micro_batches=2,
+                           engine="local")
     # fx runs the very same calls on the same micro-batches as the unsplit model: bit for bit
     expected = torch.cat([model(*piece) for piece in split_micro_batches((x, s), 2)]).detach()
     assert torch.equal(pipe.predict((x, s)), expected)
@@ -143,8 +144,8 @@ def _padded_labels(samples: int) -> dict:
 def test_predict_returns_the_whole_batch_loss_of_a_model_that_computes_its_own(samples: int) -> None:
     case = TRANSFORMERS["gpt2-labels"]
     model = build("gpt2-labels")
-    pipe = pipetrain.wrap(model, case.batch(2, 0)[0], stages=2, micro_batches=3, loss_fn=case.loss_fn,
-                          profile=False, engine="local")
+    pipe = wrap_unprofiled(model, case.batch(2, 0)[0], stages=2, micro_batches=3, loss_fn=case.loss_fn,
+                           engine="local")
     inputs = _padded_labels(samples)
     with torch.no_grad():
         expected = model.eval()(**inputs)

@@ -34,12 +34,12 @@ import torch
 import transformers as hf
 
 import partitioners
-import pipetrain
 from dist_harness import run_world
 from language_models import LANGUAGE_MODELS, build_language_model, lm_loss, token_batch
 from pipetrain.comm import transport
 from pipetrain.runtime.batching import split_micro_batches
 from test_third_party_models import assert_same_state
+from helpers import wrap_unprofiled
 
 MICRO, STEPS = 2, 3
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,9 +117,9 @@ def test_trains_and_predicts_like_the_unsplit_model(family: str, precision: str,
     _capture_once(monkeypatch, family, precision)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.export's notes on the models' Python code
-        pipe = pipetrain.wrap(build_language_model(family), token_batch(2, 0)[0], stages=stages,
-                              micro_batches=MICRO, loss_fn=lm_loss, optimizer=sgd, precision=precision,
-                              profile=False, engine="local")
+        pipe = wrap_unprofiled(build_language_model(family), token_batch(2, 0)[0], stages=stages,
+                               micro_batches=MICRO, loss_fn=lm_loss, optimizer=sgd, precision=precision,
+                               engine="local")
     assert pipe.plan.num_stages == stages
     predicted = pipe.predict(_predict_inputs()).logits
     losses = [pipe.step(x, y) for x, y in _batches()]
@@ -158,8 +158,8 @@ def test_boundary_values_keep_their_dtype_and_the_plan_counts_their_bytes(monkey
     # fp32 rotary tables, as the unsplit model holds them; each gradient has its tensor's dtype.
     sent = _record_sends(monkeypatch)
     _capture_once(monkeypatch, "llama", "bf16")
-    pipe = pipetrain.wrap(build_language_model("llama"), token_batch(2, 0)[0], stages=4, micro_batches=MICRO,
-                          loss_fn=lm_loss, optimizer=sgd, precision="bf16", profile=False, engine="local")
+    pipe = wrap_unprofiled(build_language_model("llama"), token_batch(2, 0)[0], stages=4, micro_batches=MICRO,
+                           loss_fn=lm_loss, optimizer=sgd, precision="bf16", engine="local")
     pipe.step(*token_batch(2 * MICRO, 1))  # micro-batches of the example's size: the plan's bytes apply
     assert {torch.bfloat16, torch.float32} <= _sent_dtypes(sent)
     for (link, kind, g), dtypes in sent.items():
@@ -176,9 +176,9 @@ def _interleaved_llama_bf16(engine: str) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pipe = pipetrain.wrap(build_language_model("llama"), token_batch(2, 0)[0], stages=2, micro_batches=2,
-                              schedule="interleaved-1f1b", chunks=2, loss_fn=lm_loss, optimizer=sgd,
-                              precision="bf16", profile=False, partitioner="uniform", engine=engine)
+        pipe = wrap_unprofiled(build_language_model("llama"), token_batch(2, 0)[0], stages=2, micro_batches=2,
+                               schedule="interleaved-1f1b", chunks=2, loss_fn=lm_loss, optimizer=sgd,
+                               precision="bf16", partitioner="uniform", engine=engine)
     losses = [pipe.step(x, y) for x, y in _batches()]
     return losses, pipe.state_dict()
 

@@ -25,6 +25,7 @@ import pipetrain
 from dist_harness import run_world
 from test_third_party_models import MICRO, assert_same_state, reference_training, sgd
 from third_party_models import CASES, build
+from helpers import wrap_unprofiled
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
@@ -56,8 +57,8 @@ def save_checkpoint(name: str, form: str, root: Path) -> Path:
         return root / "w.pt"
     assert form == "pipetrain"
     case = CASES[name]
-    pipe = pipetrain.wrap(model, case.batch(2, 0)[0], stages=3, micro_batches=MICRO, loss_fn=case.loss_fn,
-                          optimizer=sgd, profile=False, engine="local")
+    pipe = wrap_unprofiled(model, case.batch(2, 0)[0], stages=3, micro_batches=MICRO, loss_fn=case.loss_fn,
+                           optimizer=sgd, engine="local")
     pipe.save(root / "ckpt")
     return root / "ckpt"
 
@@ -203,8 +204,8 @@ def test_wrap_keeps_no_copy_of_the_model_alive() -> None:
     model = build("llama")
     alive = weakref.ref(model.lm_head.weight)
     case = CASES["llama"]
-    pipe = pipetrain.wrap(model, case.batch(2, 0)[0], stages=2, micro_batches=MICRO, loss_fn=case.loss_fn,
-                          profile=False, engine="local")
+    pipe = wrap_unprofiled(model, case.batch(2, 0)[0], stages=2, micro_batches=MICRO, loss_fn=case.loss_fn,
+                           engine="local")
     del model
     gc.collect()
     assert alive() is None
@@ -214,8 +215,8 @@ def test_wrap_keeps_no_copy_of_the_model_alive() -> None:
 def test_a_pipetrain_checkpoint_resumes_into_a_meta_model_at_another_stage_count(tmp_path: Path) -> None:
     case = CASES["llama"]
     batches = [case.batch(8, seed) for seed in (1, 2, 3)]
-    saved = pipetrain.wrap(build("llama"), case.batch(2, 0)[0], stages=2, micro_batches=MICRO, loss_fn=case.loss_fn,
-                           optimizer=sgd, profile=False, engine="local")
+    saved = wrap_unprofiled(build("llama"), case.batch(2, 0)[0], stages=2, micro_batches=MICRO, loss_fn=case.loss_fn,
+                            optimizer=sgd, engine="local")
     saved.step(*batches[0])
     saved.save(tmp_path / "ckpt")
     saved.step(*batches[1])

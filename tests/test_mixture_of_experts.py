@@ -24,6 +24,7 @@ import pipetrain
 from dist_harness import run_world
 from moe_models import MOE, build, token_batch
 from pipetrain.runtime.batching import batch_size, split_micro_batches
+from helpers import wrap_unprofiled
 
 MICRO = 2
 ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # the load-balancing term: ~4% of the loss
@@ -78,8 +79,8 @@ def assert_same_state(ours: dict, theirs: dict) -> None:
 def test_trains_with_the_router_loss_and_predicts_like_the_unsplit_model(name: str, stages: int) -> None:
     batches = [(own_loss_batch(8, seed), None) for seed in (1, 2)]
     initial = build(name, **ROUTER_LOSS).state_dict()
-    pipe = pipetrain.wrap(build(name, **ROUTER_LOSS), own_loss_batch(2, 0), stages=stages, micro_batches=MICRO,
-                          loss_fn=pipetrain.model_loss, optimizer=sgd, profile=False, engine="local")
+    pipe = wrap_unprofiled(build(name, **ROUTER_LOSS), own_loss_batch(2, 0), stages=stages, micro_batches=MICRO,
+                           loss_fn=pipetrain.model_loss, optimizer=sgd, engine="local")
     assert pipe.plan.num_stages == stages
     losses = [pipe.step(x) for x, _ in batches]
     reference, expected, router_share = reference_training(build(name, **ROUTER_LOSS), batches, pipetrain.model_loss)
@@ -110,8 +111,8 @@ def test_trains_on_the_logits_without_router_outputs() -> None:
     # The case of the original failure report: a 2-layer Mixtral with an external loss on its logits.
     ids = [token_batch(8, seed) for seed in (1, 2)]
     batches = [({"input_ids": i}, i) for i in ids]
-    pipe = pipetrain.wrap(build("mixtral", layers=2), {"input_ids": ids[0][:2]}, stages=2, micro_batches=MICRO,
-                          loss_fn=lm_loss, optimizer=sgd, profile=False, engine="local")
+    pipe = wrap_unprofiled(build("mixtral", layers=2), {"input_ids": ids[0][:2]}, stages=2, micro_batches=MICRO,
+                           loss_fn=lm_loss, optimizer=sgd, engine="local")
     losses = [pipe.step(x, y) for x, y in batches]
     reference, expected, _ = reference_training(build("mixtral", layers=2), batches, lm_loss)
     assert losses == pytest.approx(expected, rel=1e-6)
@@ -146,8 +147,8 @@ def _counting_setup() -> tuple[CountingRouter, torch.Tensor, torch.Tensor]:
 
 def _counting_router(engine: str) -> tuple[list[float], dict, torch.Tensor]:
     model, x, y = _counting_setup()
-    pipe = pipetrain.wrap(model, x[:2], stages=2, micro_batches=MICRO, partitioner=["body"],
-                          loss_fn=F.mse_loss, optimizer=sgd, profile=False, engine=engine)
+    pipe = wrap_unprofiled(model, x[:2], stages=2, micro_batches=MICRO, partitioner=["body"],
+                           loss_fn=F.mse_loss, optimizer=sgd, engine=engine)
     assert {"argmax", "histc"} <= set(pipe.plan.stage_outputs(0))
     losses = [pipe.step(x, y) for _ in range(2)]
     return losses, pipe.state_dict(), pipe.predict(x)
@@ -171,9 +172,9 @@ def test_a_float_histogram_the_model_does_not_differentiate_crosses_a_stage_boun
 
 def _mixtral(engine: str) -> tuple[list[float], dict, torch.Tensor]:
     batches = [own_loss_batch(8, seed) for seed in (1, 2)]
-    pipe = pipetrain.wrap(build("mixtral", layers=2, **ROUTER_LOSS), own_loss_batch(2, 0), stages=2,
-                          micro_batches=MICRO, loss_fn=pipetrain.model_loss, optimizer=sgd, profile=False,
-                          engine=engine)
+    pipe = wrap_unprofiled(build("mixtral", layers=2, **ROUTER_LOSS), own_loss_batch(2, 0), stages=2,
+                           micro_batches=MICRO, loss_fn=pipetrain.model_loss, optimizer=sgd,
+                           engine=engine)
     nodes = pipe.plan.graph.graph.nodes
     assert any(nodes[n]["kind"] == "tensor" and not nodes[n]["requires_grad"] for n in pipe.plan.stage_outputs(0))
     losses = [pipe.step(x) for x in batches]

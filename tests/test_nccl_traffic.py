@@ -10,12 +10,12 @@ from collections import Counter
 
 import pytest
 
-import pipetrain
 from dist_harness import run_world
 from pipetrain.comm.recording import recording
 from pipetrain.runtime import host_sync
 from runtime_models import data, loss_fn, make, sgd
 from schedules.nccl_order import Group, Wait, replay
+from helpers import batches, wrap_unprofiled
 
 # (model, schedule, staleness, micro_batches, extra wrap options)
 CASES = {
@@ -34,24 +34,17 @@ CASES = {
 }
 
 
-def batches(name, steps=3, size=12, last=7):
-    x, y = data(name, steps * size)
-    sizes = [size] * (steps - 1) + [last]
-    starts = [sum(sizes[:i]) for i in range(steps)]
-    return [(x[s:s + n], y[s:s + n]) for s, n in zip(starts, sizes)]
-
-
 def record(rank, world, cases):
     """This rank's recorded program and host synchronisations for each case (training three
     mini-batches, then one predict)."""
     programs = []
     for name, schedule, staleness, micro_batches, extra in cases:
-        bs = batches(name)
+        bs = batches(name, size=12, last=7)
         stages = world // extra.get("data_parallel", 1)
         with recording() as recorder:
-            pipe = pipetrain.wrap(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches,
-                                  schedule=schedule, staleness=staleness, loss_fn=loss_fn(name), optimizer=sgd,
-                                  partitioner="uniform", profile=False, engine="distributed", **extra)
+            pipe = wrap_unprofiled(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches,
+                                   schedule=schedule, staleness=staleness, loss_fn=loss_fn(name), optimizer=sgd,
+                                   partitioner="uniform", engine="distributed", **extra)
             with host_sync.counting() as syncs:
                 for _ in pipe.train(bs):
                     pass

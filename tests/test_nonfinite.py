@@ -16,13 +16,9 @@ from pipetrain.runtime.staleness import VersionStore
 from dist_harness import run_world
 from runtime_models import data, make, sgd
 from schedules import ActionKind
+from helpers import batches, wrap_unprofiled
 
 NAN = float("nan")
-
-
-def batches(name="mlp", steps=4, size=8, seed=1):
-    x, y = data(name, steps * size, seed=seed)
-    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
 
 
 def poison(pipe, stage, when):
@@ -44,8 +40,8 @@ def poison(pipe, stage, when):
 
 
 def wrap(engine="local", stages=3, **kw):
-    kw = dict(dict(micro_batches=2, optimizer=sgd, partitioner="uniform", profile=False), **kw)
-    return pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=stages, engine=engine, **kw)
+    kw = dict(dict(micro_batches=2, optimizer=sgd, partitioner="uniform"), **kw)
+    return wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=stages, engine=engine, **kw)
 
 
 def snapshot(pipe):
@@ -63,7 +59,7 @@ def same(a, b):
 def test_raise_names_step_stage_and_parameter(precision):
     pipe = wrap(precision=precision)
     name = poison(pipe, 1, lambda g: pipe.updates == 1)
-    bs = batches()
+    bs = batches("mlp", 4)
     pipe.step(*bs[0])
     before, _ = snapshot(pipe)
     with pytest.raises(pipetrain.NonFiniteError) as error:
@@ -78,7 +74,7 @@ def test_raise_names_step_stage_and_parameter(precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_skip_leaves_every_stage_alone_and_equals_never_seeing_the_update(precision):
-    bs = batches()
+    bs = batches("mlp", 4)
     pipe = wrap(precision=precision, nonfinite="skip")
     poison(pipe, 1, lambda g: pipe.updates == 1)
     results = [pipe.train([bs[0]]).__next__()]
@@ -107,7 +103,7 @@ def poison_parameter(pipe, stage, update):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "interleaved-1f1b"])
 def test_every_sync_schedule_raises_or_skips(schedule):
-    bs = batches(size=12)
+    bs = batches("mlp", 4, 12)
     pipe = wrap(stages=3, schedule=schedule, micro_batches=3)
     name = poison_parameter(pipe, 1, 1)
     pipe.step(*bs[0])
@@ -125,7 +121,7 @@ def test_every_sync_schedule_raises_or_skips(schedule):
 
 
 def test_fp16_nonfinite_loss_raises_but_overflow_only_skips():
-    bs = batches()
+    bs = batches("mlp", 4)
     pipe = wrap(precision="fp16")
     poison(pipe, 1, lambda g: pipe.updates == 1)  # a gradient overflow: the loss scaler's business
     assert [r.skipped for r in pipe.train(bs[:3])] == [False, True, False]
@@ -140,7 +136,7 @@ def test_fp16_nonfinite_loss_raises_but_overflow_only_skips():
 
 def async_stash(engine, stages, nonfinite="skip", staleness="stash", precision="fp32"):
     """An async stream of 6 mini-batches with stage 1's gradient poisoned in mini-batch 2."""
-    bs = batches(steps=6)
+    bs = batches("mlp", 6)
     pipe = wrap(engine, stages=stages, schedule="async-1f1b", staleness=staleness, nonfinite=nonfinite,
                 precision=precision)
     m = pipe.options.micro_batches
@@ -175,7 +171,7 @@ def test_async_skip_keeps_every_policy_s_bookkeeping(staleness):
 def test_every_policy_step_is_counted_when_none_is_skipped():
     # The same stream without poison: the bookkeeping the test above relies on.
     pipe = wrap(schedule="async-1f1b", staleness="stash", nonfinite="skip")
-    assert not any(r.skipped for r in pipe.train(batches(steps=3)))
+    assert not any(r.skipped for r in pipe.train(batches("mlp", 3)))
     assert all(rt.policy.updates == 3 for rt in pipe.held_stages.values())
 
 
@@ -189,7 +185,7 @@ def sync_run(engine, stages, nonfinite):
         name = poison(pipe, 1, lambda g: pipe.updates == 1)
     results, error = [], None
     try:
-        for r in pipe.train(batches()):
+        for r in pipe.train(batches("mlp", 4)):
             results.append((r.skipped, r.skipped_total, r.loss))
     except pipetrain.NonFiniteError as e:
         error = str(e)
@@ -202,7 +198,7 @@ def async_raise(engine, stages):
     m = pipe.options.micro_batches
     name = poison(pipe, 1, lambda g: g // m == 2) if 1 in pipe.held_stages else None
     try:
-        results = [r.step for r in pipe.train(batches(steps=6))]
+        results = [r.step for r in pipe.train(batches("mlp", 6))]
         error = None
     except pipetrain.NonFiniteError as e:
         results, error = None, str(e)
@@ -241,7 +237,7 @@ def async_raise_then_drop(world):
         sends["left"] = {e[3][1:] for e in transport.pending_sends}
     transport.deliver = recorded
     try:
-        results, error = [r.step for r in pipe.train(batches(steps=6))], None
+        results, error = [r.step for r in pipe.train(batches("mlp", 6))], None
     except (pipetrain.NonFiniteError, pipetrain.PeerFailure) as e:
         results, error = None, f"{type(e).__name__}: {e}"
     finally:
@@ -255,7 +251,7 @@ def async_raise_then_drop(world):
 def loss_raise(engine, stages):
     """A NaN in one sample of mini-batch 1 (bad data): the loss itself is NaN at step 2."""
     pipe = wrap(engine, stages=stages)
-    bs = batches()
+    bs = batches("mlp", 4)
     pipe.step(*bs[0])
     before = {k: v.clone() for k, v in pipe.state_dict().items()}
     x = bs[1][0].clone()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pipetrain.runtime.precision import DynamicLossScaler, precision_policy
+from helpers import wrap_unprofiled
 
 OVERFLOW_STEP = 2
 
@@ -88,8 +89,8 @@ def test_stages_compute_under_the_policy_s_autocast(precision, dtype):
     from runtime_models import data, make
 
     x, y = data("mlp", 4)
-    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=2, micro_batches=2, precision=precision,
-                          partitioner="uniform", profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), x[:2], stages=2, micro_batches=2, precision=precision,
+                           partitioner="uniform", engine="local")
     seen = []
     for rt in pipe.held_stages.values():
         for layer in rt.module.modules():
@@ -104,8 +105,8 @@ def test_fp16_with_async_is_refused_with_the_reason():
     from runtime_models import data, make
 
     with pytest.raises(ValueError, match="fp16 loss scaling needs every stage to agree on skipped steps"):
-        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, schedule="async-1f1b",
-                       staleness="stash", precision="fp16", partitioner="uniform", profile=False, engine="local")
+        wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, schedule="async-1f1b",
+                        staleness="stash", precision="fp16", partitioner="uniform", engine="local")
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -120,9 +121,9 @@ def test_dtype_code_and_autocast_disabled_regions_train_like_the_unsplit_model(s
     torch.manual_seed(0)
     reference = DtypeAware()
     torch.manual_seed(0)
-    pipe = pipetrain.wrap(DtypeAware(), x[:2], stages=stages, micro_batches=2, precision="bf16",
-                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), partitioner="uniform", profile=False,
-                          engine="local")
+    pipe = wrap_unprofiled(DtypeAware(), x[:2], stages=stages, micro_batches=2, precision="bf16",
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), partitioner="uniform",
+                           engine="local")
     losses = [pipe.step(x, y) for _ in range(2)]
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for loss in losses:

@@ -21,6 +21,7 @@ import pipetrain
 from pipetrain.comm import replica_start
 from dist_harness import free_port, run_world
 from runtime_models import data, make, sgd
+from helpers import wrap_unprofiled
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
@@ -50,8 +51,8 @@ def agreement_scenarios(rank, world):
     out = {}
     batches = [data("convbn", 8, seed=s) for s in (1, 2)]
     for key, seed in (("seed per replica", rank // 2), ("one seed", 0)):
-        pipe = pipetrain.wrap(make("convbn", seed=seed), batches[0][0][:2], stages=2, micro_batches=2, data_parallel=2,
-                              optimizer=sgd, partitioner="uniform", profile=False, timeout=30)
+        pipe = wrap_unprofiled(make("convbn", seed=seed), batches[0][0][:2], stages=2, micro_batches=2, data_parallel=2,
+                               optimizer=sgd, partitioner="uniform", timeout=30)
         for x, y in batches:
             pipe.step(x, y)
         out[key] = pipe.state_dict()
@@ -65,8 +66,8 @@ def agreement_scenarios(rank, world):
         with torch.device(build):
             model = make("mlp", seed=rank)
         sends.clear()
-        pipetrain.wrap(model, x[:2], stages=2, micro_batches=2, data_parallel=2, optimizer=sgd,
-                       partitioner="uniform", profile=False, timeout=30)
+        wrap_unprofiled(model, x[:2], stages=2, micro_batches=2, data_parallel=2, optimizer=sgd,
+                        partitioner="uniform", timeout=30)
         out[key] = len(sends)
     replica_start._sync_module_states = send
     mismatches = {
@@ -77,10 +78,10 @@ def agreement_scenarios(rank, world):
     }
     for key, change in mismatches.items():
         kw = dict(model=_width_mlp(16), stages=2, data_parallel=2, micro_batches=2, optimizer=sgd,
-                  partitioner="uniform", profile=False, timeout=30)
+                  partitioner="uniform", timeout=30)
         kw.update(change)
         try:
-            pipetrain.wrap(kw.pop("model"), x[:2], **kw)
+            wrap_unprofiled(kw.pop("model"), x[:2], **kw)
             out[key] = "wrapped"
         except ValueError as error:
             out[key] = str(error)
@@ -129,9 +130,9 @@ def test_a_mismatch_is_one_error_on_every_rank_naming_field_and_ranks(agreement,
 # ----- save and load: all or nothing --------------------------------------------------------------------
 
 def _new(rank, **kw):
-    options = dict(stages=2, micro_batches=4, optimizer=sgd, partitioner="uniform", profile=False, timeout=30)
+    options = dict(stages=2, micro_batches=4, optimizer=sgd, partitioner="uniform", timeout=30)
     options.update(kw)
-    return pipetrain.wrap(make("mlp"), data("mlp", 2)[0], **options)
+    return wrap_unprofiled(make("mlp"), data("mlp", 2)[0], **options)
 
 
 def checkpoint_scenarios(rank, world, root):
@@ -270,8 +271,8 @@ def _own_group_rank(rank, port, out, world):
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     out = Path(out)
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, optimizer=sgd,
-                          partitioner="uniform", profile=False, timeout=TIMEOUT)  # pipetrain starts the group
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, optimizer=sgd,
+                           partitioner="uniform", timeout=TIMEOUT)  # pipetrain starts the group
     pipe.step(*data("mlp", 8, seed=1))
     x, y = data("mlp", 8, seed=9)
     y[-1] = 99  # the last stage's loss raises; rank 0 waits TIMEOUT for gradients that never come
@@ -311,8 +312,8 @@ def test_a_failed_step_and_a_rank_stopped_in_a_save_under_pipetrains_own_process
     # the local engine that never saw the bad batch, though the failed wait used up the same timeout.
     assert (tmp_path / "failed1").read_text().startswith("IndexError")
     assert "rank 1 raised IndexError" in (tmp_path / "failed0").read_text()
-    reference = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, optimizer=sgd,
-                               partitioner="uniform", profile=False, engine="local")
+    reference = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=4, optimizer=sgd,
+                                partitioner="uniform", engine="local")
     for seed in (1, 2, 3, 4):
         reference.step(*data("mlp", 8, seed=seed))
     got = {**torch.load(tmp_path / "state0.pt"), **torch.load(tmp_path / "state1.pt")}

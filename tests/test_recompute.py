@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import partitioners
-import pipetrain
 from dist_harness import run_world
 from runtime_models import data, loss_fn, make, sgd
+from helpers import wrap_unprofiled
 
 # (model, schedule, staleness, precision, stages, micro_batches): dropout everywhere it can go (the
 # recomputed forward must draw the same masks), batch norm for the buffers a recomputed forward
@@ -24,10 +24,10 @@ CASES = [
 
 
 def wrap(name, schedule, staleness, precision, stages, micro_batches, recompute="none", example=2, **kw):
-    return pipetrain.wrap(make(name), data(name, example)[0], stages=stages, micro_batches=micro_batches,
-                          schedule=schedule, staleness=staleness, precision=precision, loss_fn=loss_fn(name),
-                          optimizer=sgd, partitioner="uniform", profile=False, engine="local", recompute=recompute,
-                          **kw)
+    return wrap_unprofiled(make(name), data(name, example)[0], stages=stages, micro_batches=micro_batches,
+                           schedule=schedule, staleness=staleness, precision=precision, loss_fn=loss_fn(name),
+                           optimizer=sgd, partitioner="uniform", engine="local", recompute=recompute,
+                           **kw)
 
 
 def one_step(pipe, x, y):
@@ -126,31 +126,31 @@ def test_predicted_peak_per_stage_matches_the_measured_one():
 
 def test_memory_limit_picks_recomputation_per_stage_or_names_the_stage_that_cannot_fit():
     model, x = make("mlp"), data("mlp", 64)[0]
-    options = dict(stages=3, micro_batches=8, optimizer=sgd, partitioner="uniform", profile=False, engine="local")
-    none = pipetrain.wrap(model, x[:8], **options).plan.stage_memory
-    always = pipetrain.wrap(model, x[:8], recompute="always", **options).plan.stage_memory
+    options = dict(stages=3, micro_batches=8, optimizer=sgd, partitioner="uniform", engine="local")
+    none = wrap_unprofiled(model, x[:8], **options).plan.stage_memory
+    always = wrap_unprofiled(model, x[:8], recompute="always", **options).plan.stage_memory
     assert always[0] < none[0] and always[-1] == none[-1]  # the last stage of 1F1B holds one micro-batch
     limit = (none[0] + always[0]) / 2  # stage 0 fits only when recomputing
-    auto = pipetrain.wrap(model, x[:8], recompute="auto", memory_limit=limit, **options)
+    auto = wrap_unprofiled(model, x[:8], recompute="auto", memory_limit=limit, **options)
     assert auto.plan.recompute[0] != "none" and auto.plan.stage_memory[0] <= limit
     assert all(s == "none" for s, peak in zip(auto.plan.recompute, none) if peak <= limit)
-    plain = pipetrain.wrap(model, x[:8], **options)
+    plain = wrap_unprofiled(model, x[:8], **options)
     y = data("mlp", 64)[1]
     assert auto.step(x, y) == plain.step(x, y)  # the mixed settings train exactly as without recomputation
     assert all(torch.equal(v, plain.state_dict()[k]) for k, v in auto.state_dict().items())
     with pytest.raises(partitioners.PartitionError, match=r"stage 0 needs .* MiB at its predicted peak"):
-        pipetrain.wrap(model, x[:8], memory_limit=limit, **options)
+        wrap_unprofiled(model, x[:8], memory_limit=limit, **options)
     with pytest.raises(ValueError, match="recompute='auto' .* memory_limit"):
-        pipetrain.wrap(model, x[:8], recompute="auto", **options)
+        wrap_unprofiled(model, x[:8], recompute="auto", **options)
     with pytest.raises(ValueError, match="unknown recompute 'sometimes'"):
-        pipetrain.wrap(model, x[:8], recompute="sometimes", **options)
+        wrap_unprofiled(model, x[:8], recompute="sometimes", **options)
 
 
 def distributed_run(rank, world):
     x, y = data("dropout", 16)
-    pipe = pipetrain.wrap(make("dropout"), x[:2], stages=world, micro_batches=4, loss_fn=loss_fn("dropout"),
-                          optimizer=sgd, partitioner="uniform", profile=False, engine="distributed",
-                          recompute="always")
+    pipe = wrap_unprofiled(make("dropout"), x[:2], stages=world, micro_batches=4, loss_fn=loss_fn("dropout"),
+                           optimizer=sgd, partitioner="uniform", engine="distributed",
+                           recompute="always")
     results = list(pipe.train([(x, y)] * 2))
     return [r.loss for r in results], results[-1].peak_memory, pipe.state_dict()
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import pipetrain
 from dist_harness import run_world
 from runtime_models import RANDOM, data, loss_fn, make, reference_training, sgd
+from helpers import batches, wrap_unprofiled
 
 # (model, schedule, staleness, micro_batches)
 WORLD2 = [
@@ -26,19 +26,11 @@ WORLD4 = [("skip", "1f1b", "none", 4), ("mlp", "interleaved-1f1b", "none", 4),
           ("mlp", "async-1f1b", "spectrain", 4), ("mlp", "async-1f1b", "2bw", 3), ("mlp", "async-1f1b", "nesterov", 4)]
 
 
-def batches(name, steps=3, size=12, last=7):
-    """Mini-batches of ``size`` and a shorter last one: the ranks must re-agree boundary shapes."""
-    x, y = data(name, steps * size)
-    sizes = [size] * (steps - 1) + [last]
-    starts = [sum(sizes[:i]) for i in range(steps)]
-    return [(x[s:s + n], y[s:s + n]) for s, n in zip(starts, sizes)]
-
-
 def train(engine, stages, name, schedule, staleness, micro_batches):
-    bs = batches(name)
-    pipe = pipetrain.wrap(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches, schedule=schedule,
-                          staleness=staleness, loss_fn=loss_fn(name), optimizer=sgd, partitioner="uniform",
-                          profile=False, engine=engine)
+    bs = batches(name, size=12, last=7)
+    pipe = wrap_unprofiled(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches, schedule=schedule,
+                           staleness=staleness, loss_fn=loss_fn(name), optimizer=sgd, partitioner="uniform",
+                           engine=engine)
     # The losses and the staleness diagnostics (NaN where no micro-batch was sampled, named so it compares equal).
     losses = [(r.loss, r.prediction_distance, [e if e == e else "nan" for e in r.prediction_error])
               for r in pipe.train(bs)]
@@ -67,7 +59,7 @@ def test_distributed_equals_local_exactly(tmp_path, world, cases, one_thread):
         for key, value in expected.items():
             assert torch.equal(merged[key], value), f"{case}: {key} differs"
         if case[2] == "none" and case[0] not in RANDOM:  # synchronous: also the unsplit model with accumulation
-            ref = reference_training(case[0], batches(case[0]), case[3]).state_dict()
+            ref = reference_training(case[0], batches(case[0], size=12, last=7), case[3]).state_dict()
             for key, value in ref.items():
                 torch.testing.assert_close(merged[key], value, atol=1e-5, rtol=0, msg=f"{case}: {key}")
 
@@ -75,9 +67,9 @@ def test_distributed_equals_local_exactly(tmp_path, world, cases, one_thread):
 def long_async_stream(rank, world):
     """A 200-mini-batch async stream: the most sends this rank keeps alive at any mini-batch."""
     x, y = data("mlp", 8)
-    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=world, micro_batches=2, schedule="async-1f1b",
-                          staleness="vanilla", optimizer=sgd, partitioner="uniform", profile=False,
-                          engine="distributed")
+    pipe = wrap_unprofiled(make("mlp"), x[:2], stages=world, micro_batches=2, schedule="async-1f1b",
+                           staleness="vanilla", optimizer=sgd, partitioner="uniform",
+                           engine="distributed")
     most, steps = 0, []
     for result in pipe.train((x, y) for _ in range(200)):
         most = max(most, len(pipe._parts.connections.transport.pending_sends))
@@ -119,8 +111,8 @@ def report_before_update(rank, world, signal_dir):
     # Every rank builds the same optimizer (wrap checks they agree); only the last rank's holds its update.
     optimizer = lambda params: HeldSGD(params, signal if rank == 1 else None)  # noqa: E731
     x, y = data("mlp", 8)
-    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=optimizer, partitioner="uniform",
-                          profile=False, engine="distributed", timeout=60)
+    pipe = wrap_unprofiled(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=optimizer, partitioner="uniform",
+                           engine="distributed", timeout=60)
     loss = pipe.step(x, y)
     if rank == 0:
         signal.touch()  # only now may the last rank apply its update
@@ -134,8 +126,8 @@ def test_a_sync_step_has_its_report_before_the_updates_run(tmp_path):
     # the first rank waited for the slowest rank's optimizer).
     losses = run_world(2, "test_runtime_distributed", "report_before_update", tmp_path / "out", str(tmp_path))
     x, y = data("mlp", 8)
-    reference = pipetrain.wrap(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=sgd, partitioner="uniform",
-                               profile=False, engine="local")
+    reference = wrap_unprofiled(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=sgd, partitioner="uniform",
+                                engine="local")
     assert losses[0] == losses[1] == reference.step(x, y)
 
 
@@ -146,8 +138,8 @@ def collectives_per_step(rank, world):
     """The collectives this rank calls in each of three sync steps (after a first step, which agrees
     the boundary shapes)."""
     bs = batches("mlp", size=8, last=8)
-    pipe = pipetrain.wrap(make("mlp"), bs[0][0][:2], stages=world, micro_batches=4, optimizer=sgd,
-                          partitioner="uniform", profile=False, engine="distributed")
+    pipe = wrap_unprofiled(make("mlp"), bs[0][0][:2], stages=world, micro_batches=4, optimizer=sgd,
+                           partitioner="uniform", engine="distributed")
     pipe.step(*bs[0])
     calls = []
     originals = {name: getattr(torch.distributed, name) for name in COLLECTIVES}

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-import pipetrain
 from runtime_models import data, make
 from schedules import ActionKind, async_1f1b_actions
+from helpers import wrap_unprofiled
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -38,9 +38,9 @@ def stream(steps, size=4):
 
 
 def run_async(staleness, stages, steps=7, **kw):
-    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
-                          staleness=staleness, optimizer=RecordingSGD, partitioner="uniform", profile=False,
-                          engine="local", **kw)
+    pipe = wrap_unprofiled(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
+                           staleness=staleness, optimizer=RecordingSGD, partitioner="uniform",
+                           engine="local", **kw)
     results = list(pipe.train(stream(steps)))
     return pipe, results
 
@@ -112,9 +112,9 @@ def test_version_lag_is_p_minus_k_minus_1(stages):
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_spectrain_uses_predicted_weights_in_forward_and_backward(stages):
     steps = 2 * stages + 1
-    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
-                          staleness="spectrain", optimizer=RecordingSGD, partitioner="uniform", profile=False,
-                          engine="local")
+    pipe = wrap_unprofiled(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
+                           staleness="spectrain", optimizer=RecordingSGD, partitioner="uniform",
+                           engine="local")
     seen = {v: {"forward": [], "backward": []} for v in pipe.held_stages}
     for v, rt in pipe.held_stages.items():
         first = next(m for m in rt.module.modules() if isinstance(m, nn.Linear))
@@ -142,9 +142,9 @@ def test_spectrain_uses_predicted_weights_in_forward_and_backward(stages):
 
 def test_spectrain_needs_a_smoothed_update():
     with pytest.raises(TypeError, match="momentum"):
-        pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=2, micro_batches=1, schedule="async-1f1b",
-                       staleness="spectrain", optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                       partitioner="uniform", profile=False, engine="local")
+        wrap_unprofiled(make("mlp"), stream(1)[0][0], stages=2, micro_batches=1, schedule="async-1f1b",
+                        staleness="spectrain", optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        partitioner="uniform", engine="local")
 
 
 def test_async_stream_consumes_lazily_and_yields_every_mini_batch():
@@ -155,8 +155,8 @@ def test_async_stream_consumes_lazily_and_yields_every_mini_batch():
             pulled.append(i)
             yield b
 
-    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=3, micro_batches=1, schedule="async-1f1b",
-                          staleness="stash", partitioner="uniform", profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), stream(1)[0][0], stages=3, micro_batches=1, schedule="async-1f1b",
+                           staleness="stash", partitioner="uniform", engine="local")
     it = pipe.train(source())
     first = next(it)
     # Never reads far beyond what the pipeline holds (3 in flight at stage 0, plus one round of the local engine).
@@ -166,9 +166,9 @@ def test_async_stream_consumes_lazily_and_yields_every_mini_batch():
 
 def test_async_with_several_micro_batches_accumulates_within_a_mini_batch():
     # With micro_batches=m, each streamed mini-batch is one update of the mean gradient over its micro-batches.
-    pipe2 = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=2, micro_batches=2, schedule="async-1f1b",
-                           staleness="stash", optimizer=RecordingSGD, partitioner="uniform", profile=False,
-                           engine="local")
+    pipe2 = wrap_unprofiled(make("mlp"), stream(1)[0][0], stages=2, micro_batches=2, schedule="async-1f1b",
+                            staleness="stash", optimizer=RecordingSGD, partitioner="uniform",
+                            engine="local")
     results2 = list(pipe2.train(stream(5)))
     assert len(results2) == 5 and all(len(rt.optimizer.grads) == 5 for rt in pipe2.held_stages.values())
     # The first mini-batch sees no staleness at all, so its update equals the synchronous one.
@@ -200,9 +200,9 @@ def test_stash_with_several_micro_batches_uses_each_micro_batch_forward_version(
     # with every stage's weights as that stage's forward of the micro-batch saw them.
     steps, size = 5, 2
     batches = stream(steps, size=size * m)
-    pipe = pipetrain.wrap(make("mlp"), batches[0][0][:size], stages=stages, micro_batches=m,
-                          schedule="async-1f1b", staleness="stash", optimizer=RecordingSGD, partitioner="uniform",
-                          profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), batches[0][0][:size], stages=stages, micro_batches=m,
+                           schedule="async-1f1b", staleness="stash", optimizer=RecordingSGD, partitioner="uniform",
+                           engine="local")
     results = list(pipe.train(batches))
     versions = forward_versions(stages, m, steps)
     # Stage k's forward runs stages - k - 1 micro-batches ahead of its backward, so within a
@@ -232,9 +232,9 @@ def test_async_local_engine_is_deterministic(staleness):
 @pytest.mark.parametrize("stages", [2, 3])
 def test_spectrain_forward_only_predicts_p_minus_k_minus_1_and_reuses_it_backward(stages):
     steps = 2 * stages + 1
-    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
-                          staleness="spectrain", spectrain_variant="forward-only", optimizer=RecordingSGD,
-                          partitioner="uniform", profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), stream(1)[0][0], stages=stages, micro_batches=1, schedule="async-1f1b",
+                           staleness="spectrain", spectrain_variant="forward-only", optimizer=RecordingSGD,
+                           partitioner="uniform", engine="local")
     seen = {v: [] for v in pipe.held_stages}
     for v, rt in pipe.held_stages.items():
         first = next(m for m in rt.module.modules() if isinstance(m, nn.Linear))
@@ -268,9 +268,9 @@ def test_spectrain_forward_only_predicts_p_minus_k_minus_1_and_reuses_it_backwar
 def test_spectrain_with_lars_predicts_from_its_scaled_momentum():
     from pipetrain.optim import LARS
 
-    pipe = pipetrain.wrap(make("mlp"), stream(1)[0][0], stages=3, micro_batches=1, schedule="async-1f1b",
-                          staleness="spectrain", optimizer=lambda p: LARS(p, lr=0.1, momentum=0.9),
-                          partitioner="uniform", profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), stream(1)[0][0], stages=3, micro_batches=1, schedule="async-1f1b",
+                           staleness="spectrain", optimizer=lambda p: LARS(p, lr=0.1, momentum=0.9),
+                           partitioner="uniform", engine="local")
     results = list(pipe.train(stream(6)))
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
     rt = pipe.held_stages[0]

@@ -2,22 +2,17 @@
 import pytest
 import torch
 
-import pipetrain
 from runtime_models import data, loss_fn, make, reference_training, sgd
+from helpers import batches, wrap_unprofiled
 
 SCHEDULES = [("gpipe", 4), ("1f1b", 4), ("interleaved-1f1b", 4), ("zb-h1", 4)]
 
 
-def batches(name, steps=3, size=12, seed=1):
-    x, y = data(name, steps * size, seed)
-    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
-
-
 def train_pipeline(name, stages, schedule, micro_batches, steps=3, **kw):
-    bs = batches(name, steps)
-    pipe = pipetrain.wrap(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches,
-                          schedule=schedule, loss_fn=loss_fn(name), optimizer=sgd, profile=False,
-                          engine="local", **kw)
+    bs = batches(name, steps, 12)
+    pipe = wrap_unprofiled(make(name), bs[0][0][:2], stages=stages, micro_batches=micro_batches,
+                           schedule=schedule, loss_fn=loss_fn(name), optimizer=sgd,
+                           engine="local", **kw)
     losses = [pipe.step(x, y) for x, y in bs]
     return pipe, losses, bs
 
@@ -53,8 +48,8 @@ def test_loss_is_sample_weighted_mean_with_uneven_micro_batches():
 def test_shorter_last_batch_trains_like_the_reference():
     x, y = data("mlp", 30)
     bs = [(x[:12], y[:12]), (x[12:24], y[12:24]), (x[24:], y[24:])]
-    pipe = pipetrain.wrap(make("mlp"), x[:2], stages=3, micro_batches=4, optimizer=sgd, profile=False,
-                          partitioner="uniform", engine="local")
+    pipe = wrap_unprofiled(make("mlp"), x[:2], stages=3, micro_batches=4, optimizer=sgd,
+                           partitioner="uniform", engine="local")
     for xb, yb in bs:
         pipe.step(xb, yb)
     ref = reference_training("mlp", bs, 4)
@@ -84,9 +79,9 @@ def test_interleaved_predict_takes_a_batch_whose_micro_batches_do_not_divide_ove
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b"])
 def test_predict_takes_any_batch_size_with_every_schedule(schedule):
     # 4 stages x 8 micro-batches (interleaved: x 2 chunks); batches below, between and above m.
-    pipe = pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=4, micro_batches=8, schedule=schedule,
-                          staleness="stash" if schedule == "async-1f1b" else "none", optimizer=sgd,
-                          partitioner="uniform", profile=False, engine="local")
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=4, micro_batches=8, schedule=schedule,
+                           staleness="stash" if schedule == "async-1f1b" else "none", optimizer=sgd,
+                           partitioner="uniform", engine="local")
     model = make("mlp").eval()
     for batch in (1, 3, 7, 9, 13):
         x = data("mlp", batch, seed=7)[0]
@@ -97,8 +92,8 @@ def test_state_dict_keys_and_load_round_trip():
     pipe, _, _ = train_pipeline("tied", 3, "gpipe", 3, partitioner="uniform")
     original = make("tied").state_dict()
     assert set(pipe.state_dict()) == set(original)
-    fresh = pipetrain.wrap(make("tied", seed=5), data("tied", 2)[0], stages=3, micro_batches=3, schedule="gpipe",
-                           loss_fn=loss_fn("tied"), profile=False, partitioner="uniform", engine="local")
+    fresh = wrap_unprofiled(make("tied", seed=5), data("tied", 2)[0], stages=3, micro_batches=3, schedule="gpipe",
+                            loss_fn=loss_fn("tied"), partitioner="uniform", engine="local")
     fresh.load_state_dict(pipe.state_dict())
     for key, value in pipe.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value)
@@ -156,8 +151,8 @@ def test_tuple_inputs_and_dict_outputs_pass_through():
     model = TwoInputsDictOut()
     reference = TwoInputsDictOut()
     reference.load_state_dict(model.state_dict())
-    pipe = pipetrain.wrap(model, (x[:2], mask[:2]), stages=3, micro_batches=3, loss_fn=dict_loss, optimizer=sgd,
-                          partitioner="uniform", profile=False, engine="local")
+    pipe = wrap_unprofiled(model, (x[:2], mask[:2]), stages=3, micro_batches=3, loss_fn=dict_loss, optimizer=sgd,
+                           partitioner="uniform", engine="local")
     opt = sgd(reference.parameters())
     for _ in range(2):
         loss = pipe.step((x, mask), y)

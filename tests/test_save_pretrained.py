@@ -14,6 +14,7 @@ import transformers as hf
 import pipetrain
 from dist_harness import run_world
 from third_party_models import CASES, build
+from helpers import wrap_unprofiled
 
 hf.logging.set_verbosity_error()
 CLASSES = {"gpt2": hf.GPT2LMHeadModel, "t5": hf.T5ForConditionalGeneration, "llama": hf.LlamaForCausalLM}
@@ -21,8 +22,8 @@ CLASSES = {"gpt2": hf.GPT2LMHeadModel, "t5": hf.T5ForConditionalGeneration, "lla
 
 def trained(name: str, stages: int, engine: str) -> pipetrain.Pipeline:
     case = CASES[name]
-    pipe = pipetrain.wrap(build(name), case.batch(2, 0)[0], stages=stages, micro_batches=2, loss_fn=case.loss_fn,
-                          profile=False, engine=engine)
+    pipe = wrap_unprofiled(build(name), case.batch(2, 0)[0], stages=stages, micro_batches=2, loss_fn=case.loss_fn,
+                           engine=engine)
     for seed in (1, 2):
         pipe.step(*case.batch(8, seed))
     return pipe

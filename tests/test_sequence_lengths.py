@@ -32,6 +32,7 @@ from pipetrain.runtime import host_sync
 from pipetrain.runtime.batching import batch_size, split_micro_batches
 from schedules.nccl_order import Group
 from third_party_models import VOCAB, build
+from helpers import wrap_unprofiled
 
 MICRO = 2
 MAX_LEN = 32  # the position tables of the models below
@@ -128,8 +129,8 @@ def test_export_keeps_batch_and_length_dynamic_whatever_the_example(example: tup
 @pytest.mark.parametrize("name", ["llama", "gpt2", "fx-encoder"])
 def test_trains_and_predicts_at_any_length_like_the_unsplit_model(name: str, stages: int) -> None:
     batches = [padded_batch(5, length, seed) for seed, length in enumerate(LENGTHS, start=1)]
-    pipe = pipetrain.wrap(make(name), padded_batch(2, 8, 0)[0], stages=stages, micro_batches=MICRO,
-                          loss_fn=token_loss, optimizer=sgd, profile=False, engine="local")
+    pipe = wrap_unprofiled(make(name), padded_batch(2, 8, 0)[0], stages=stages, micro_batches=MICRO,
+                           loss_fn=token_loss, optimizer=sgd, engine="local")
     assert pipe.plan.num_stages == stages
     if name == "fx-encoder":  # captured by torch.fx: its layers are module calls
         called = {str(n.target) for n in pipe.plan.graph.module.graph.nodes if n.op == "call_module"}
@@ -156,8 +157,8 @@ def test_a_size_the_capture_fixed_is_named_before_the_step_runs() -> None:
             steps = int(x.shape[1])  # a Python number: torch.export fixes the length (torch.fx cannot trace it)
             return self.head(self.proj(x).sum(1) / steps)
 
-    pipe = pipetrain.wrap(FixedLength(), torch.randn(2, 6, 4), stages=2, micro_batches=MICRO,
-                          optimizer=sgd, profile=False, engine="local")
+    pipe = wrap_unprofiled(FixedLength(), torch.randn(2, 6, 4), stages=2, micro_batches=MICRO,
+                           optimizer=sgd, engine="local")
     # the length, and the features the first Linear's weight pins
     assert pipe.plan.graph.input_limits == {"x": {1: input_sizes.SizeLimit(fixed=6), 2: input_sizes.SizeLimit(fixed=4)}}
     before = {k: v.clone() for k, v in pipe.state_dict().items()}
@@ -196,8 +197,8 @@ def test_clip_trains_micro_batches_of_any_size_like_the_unsplit_model() -> None:
     # CLIP's loss contrasts the samples of a micro-batch with labels arange(len(logits)): the batch size
     # must stay symbolic. 5 and 7 samples split unevenly (3 + 2, 4 + 3); the example has 4.
     batches = [(clip_batch(5, 6, 1), None), (clip_batch(7, 12, 2), None)]
-    pipe = pipetrain.wrap(clip(), clip_batch(4, 8, 0), stages=2, micro_batches=MICRO, loss_fn=pipetrain.model_loss,
-                          optimizer=sgd, profile=False, engine="local")
+    pipe = wrap_unprofiled(clip(), clip_batch(4, 8, 0), stages=2, micro_batches=MICRO, loss_fn=pipetrain.model_loss,
+                           optimizer=sgd, engine="local")
     for x, _ in batches:
         pipe.step(x)
     reference = reference_training("clip", batches, loss_fn=pipetrain.model_loss)
@@ -218,8 +219,8 @@ def test_an_output_that_couples_the_samples_is_predicted_on_the_whole_batch() ->
     # micro-batches' outputs would concatenate into (6, 3) blocks, not the batch's (6, 6).
     x = clip_batch(4, 8, 0)
     del x["return_loss"]
-    pipe = pipetrain.wrap(clip(), x, stages=2, micro_batches=MICRO, loss_fn=pipetrain.model_loss, optimizer=sgd,
-                          profile=False, engine="local")
+    pipe = wrap_unprofiled(clip(), x, stages=2, micro_batches=MICRO, loss_fn=pipetrain.model_loss, optimizer=sgd,
+                           engine="local")
     batch = clip_batch(6, 8, 1)
     del batch["return_loss"]
     got = pipe.predict(batch)
@@ -236,8 +237,8 @@ DIST_LENGTHS = (8, 12, 12, 5, 12)  # mini-batches of 4: micro-batches (2, length
 def _distributed_run(engine: str) -> tuple[dict, torch.Tensor, list, Counter]:
     batches = [padded_batch(4, length, seed) for seed, length in enumerate(DIST_LENGTHS, start=1)]
     with recording() as recorder:
-        pipe = pipetrain.wrap(make("llama"), padded_batch(2, 8, 0)[0], stages=2, micro_batches=MICRO,
-                              loss_fn=token_loss, optimizer=sgd, profile=False, partitioner="uniform", engine=engine)
+        pipe = wrap_unprofiled(make("llama"), padded_batch(2, 8, 0)[0], stages=2, micro_batches=MICRO,
+                               loss_fn=token_loss, optimizer=sgd, partitioner="uniform", engine=engine)
         with host_sync.counting() as syncs:
             for x, y in batches:
                 pipe.step(x, y)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-import pipetrain
 from pipetrain.runtime.staleness import look_ahead_steps
 from schedules import ActionKind, StreamLags, async_1f1b_actions
+from helpers import wrap_unprofiled
 
 WIDTH, CLASSES, LR, MOMENTUM, SIZE = 6, 3, 0.2, 0.9, 2
 
@@ -36,10 +36,10 @@ def lag(u: int, k: int, stages: int, m: int) -> int:
 
 
 def run_pipeline(staleness: str, stages: int, m: int, steps: int, **options):
-    pipe = pipetrain.wrap(chain(stages), stream(1, m)[0][0][:SIZE], stages=stages, micro_batches=m,
-                          schedule="async-1f1b", staleness=staleness, partitioner=[str(k) for k in range(1, stages)],
-                          optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM), profile=False,
-                          engine="local", **options)
+    pipe = wrap_unprofiled(chain(stages), stream(1, m)[0][0][:SIZE], stages=stages, micro_batches=m,
+                           schedule="async-1f1b", staleness=staleness, partitioner=[str(k) for k in range(1, stages)],
+                           optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
+                           engine="local", **options)
     results = list(pipe.train(stream(steps, m)))
     return pipe, results
 
@@ -162,9 +162,9 @@ def test_two_buffered_needs_enough_micro_batches():
 
 def test_nesterov_refuses_an_optimizer_that_looks_ahead_itself():
     with pytest.raises(ValueError, match="nesterov=False"):
-        pipetrain.wrap(chain(2), stream(1, 1)[0][0][:SIZE], stages=2, micro_batches=1, schedule="async-1f1b",
-                       staleness="nesterov", partitioner=["1"], profile=False, engine="local",
-                       optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM, nesterov=True))
+        wrap_unprofiled(chain(2), stream(1, 1)[0][0][:SIZE], stages=2, micro_batches=1, schedule="async-1f1b",
+                        staleness="nesterov", partitioner=["1"], engine="local",
+                        optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM, nesterov=True))
 
 
 def test_lookahead_only_where_something_is_predicted():
@@ -189,10 +189,10 @@ def hand_count(stage: int, stages: int, m: int, mini_batches: int) -> dict[int, 
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
 def test_spectrain_distances_equal_a_hand_count_on_the_action_lists(stages, m):
     mini_batches = 12
-    pipe = pipetrain.wrap(chain(stages), stream(1, m)[0][0][:SIZE], stages=stages, micro_batches=m,
-                          schedule="async-1f1b", staleness="spectrain", partitioner=[str(k) for k in range(1, stages)],
-                          optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM), profile=False,
-                          engine="local")
+    pipe = wrap_unprofiled(chain(stages), stream(1, m)[0][0][:SIZE], stages=stages, micro_batches=m,
+                           schedule="async-1f1b", staleness="spectrain", partitioner=[str(k) for k in range(1, stages)],
+                           optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
+                           engine="local")
     for k, rt in pipe.held_stages.items():
         counted = hand_count(k, stages, m, mini_batches)
         assert [rt.policy.distance(u) for u in counted] == [counted[u] + (k // 2) / m for u in counted]
@@ -241,9 +241,9 @@ def test_nesterov_and_spectrain_predict_from_adam_and_lars_state(optimizer):
     make_opt = ((lambda p: torch.optim.Adam(p, lr=0.01)) if optimizer == "adam"
                 else (lambda p: LARS(p, lr=0.1, momentum=0.8)))
     for policy in ("nesterov", "spectrain"):
-        pipe = pipetrain.wrap(chain(3), stream(1, 2)[0][0][:SIZE], stages=3, micro_batches=2, schedule="async-1f1b",
-                              staleness=policy, partitioner=["1", "2"], optimizer=make_opt, profile=False,
-                              engine="local")
+        pipe = wrap_unprofiled(chain(3), stream(1, 2)[0][0][:SIZE], stages=3, micro_batches=2, schedule="async-1f1b",
+                               staleness=policy, partitioner=["1", "2"], optimizer=make_opt,
+                               engine="local")
         results = list(pipe.train(stream(4, 2)))
         assert all(r.loss == r.loss for r in results)
         rt = pipe.held_stages[0]

@@ -24,6 +24,7 @@ import pipetrain
 from dist_harness import run_world
 from pipetrain.runtime.batching import batch_size, split_micro_batches
 from third_party_models import CASES, TRANSFORMERS, VISION, build, causal_lm_batch, image_batch, lm_loss
+from helpers import wrap_unprofiled
 
 MICRO = 2
 hf.logging.set_verbosity_error()  # tiny vocabularies make the configs warn about token ids
@@ -83,8 +84,8 @@ CONVOLUTIONAL = {"torchvision-resnet18", "torchvision-mobilenet_v3_small", "timm
 def test_trains_predicts_and_loads_like_the_unsplit_model(name: str, stages: int) -> None:
     case = CASES[name]
     batches = [case.batch(8, seed) for seed in (1, 2)]
-    pipe = pipetrain.wrap(build(name), case.batch(2, 0)[0], stages=stages, micro_batches=MICRO,
-                          loss_fn=case.loss_fn, optimizer=sgd, profile=False, engine="local")
+    pipe = wrap_unprofiled(build(name), case.batch(2, 0)[0], stages=stages, micro_batches=MICRO,
+                           loss_fn=case.loss_fn, optimizer=sgd, engine="local")
     assert pipe.plan.num_stages == stages
     losses = [pipe.step(x, y) for x, y in batches]
     reference = reference_training(name, batches)
@@ -109,8 +110,8 @@ def test_fx_captured_models_train_bit_for_bit_under_autocast(name: str, precisio
     # model, and boundary values keep their dtype (ViT's fp32 residual stream included): the same bits.
     case = CASES[name]
     batches = [case.batch(8, seed) for seed in (1, 2)]
-    pipe = pipetrain.wrap(build(name), case.batch(2, 0)[0], stages=4, micro_batches=MICRO, loss_fn=case.loss_fn,
-                          optimizer=sgd, precision=precision, profile=False, engine="local")
+    pipe = wrap_unprofiled(build(name), case.batch(2, 0)[0], stages=4, micro_batches=MICRO, loss_fn=case.loss_fn,
+                           optimizer=sgd, precision=precision, engine="local")
     for x, y in batches:
         pipe.step(x, y)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -119,8 +120,8 @@ def test_fx_captured_models_train_bit_for_bit_under_autocast(name: str, precisio
 @pytest.mark.slow
 def test_every_alias_of_a_tied_embedding_survives_save_load_and_export(tmp_path) -> None:
     case = TRANSFORMERS["t5"]
-    pipe = pipetrain.wrap(build("t5"), case.batch(2, 0)[0], stages=4, micro_batches=MICRO, loss_fn=case.loss_fn,
-                          optimizer=sgd, profile=False, engine="local")
+    pipe = wrap_unprofiled(build("t5"), case.batch(2, 0)[0], stages=4, micro_batches=MICRO, loss_fn=case.loss_fn,
+                           optimizer=sgd, engine="local")
     pipe.step(*case.batch(8, 1))
     state = pipe.state_dict()
     aliases = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]
@@ -132,8 +133,8 @@ def test_every_alias_of_a_tied_embedding_survives_save_load_and_export(tmp_path)
     assert set(aliases) <= set(exported)
     original = build("t5", seed=1)
     original.load_state_dict(exported, strict=True)
-    again = pipetrain.wrap(build("t5", seed=2), case.batch(2, 0)[0], stages=2, micro_batches=MICRO,
-                           loss_fn=case.loss_fn, optimizer=sgd, profile=False, engine="local")
+    again = wrap_unprofiled(build("t5", seed=2), case.batch(2, 0)[0], stages=2, micro_batches=MICRO,
+                            loss_fn=case.loss_fn, optimizer=sgd, engine="local")
     again.load(tmp_path)  # another stage count: re-partitioned
     assert_same_state(again.state_dict(), state, exact=True)
 
@@ -155,8 +156,8 @@ def test_inputs_as_a_tuple_or_a_dict_of_keyword_arguments(form: str) -> None:
     case = TRANSFORMERS["bert"]
     inputs, y = case.batch(8, 1)
     as_form = (lambda d: (d["input_ids"], d["attention_mask"])) if form == "tuple" else (lambda d: d)
-    pipe = pipetrain.wrap(build("bert"), as_form(case.batch(2, 0)[0]), stages=2, micro_batches=MICRO,
-                          loss_fn=case.loss_fn, optimizer=sgd, profile=False, engine="local")
+    pipe = wrap_unprofiled(build("bert"), as_form(case.batch(2, 0)[0]), stages=2, micro_batches=MICRO,
+                           loss_fn=case.loss_fn, optimizer=sgd, engine="local")
     pipe.step(as_form(inputs), y)
     assert_same_state(pipe.state_dict(), reference_training("bert", [(inputs, y)]).state_dict(), exact=True)
     out = pipe.predict(as_form(inputs))
@@ -170,7 +171,7 @@ def test_predict_runs_dropout_and_stochastic_depth_in_eval_mode() -> None:
                              embed_dim=16, depths=(1, 1), num_heads=(1, 2), drop_path_rate=0.3, num_classes=5)
     for model, (x, y), loss_fn in [(gpt2, causal_lm_batch(4, 0), lm_loss), (swin, image_batch(4, 0), None)]:
         options = {"loss_fn": loss_fn} if loss_fn else {}
-        pipe = pipetrain.wrap(model, x, stages=2, micro_batches=MICRO, profile=False, engine="local", **options)
+        pipe = wrap_unprofiled(model, x, stages=2, micro_batches=MICRO, engine="local", **options)
         expected = _tensor(_call(model.eval(), x))
         torch.testing.assert_close(_tensor(pipe.predict(x)), expected, rtol=1e-5, atol=1e-6)
         assert pipe.step(x, y) > 0  # training mode draws dropout masks again
@@ -193,7 +194,7 @@ class _NoCapture(nn.Module):
 
 def test_a_model_no_capture_follows_gets_one_clear_error() -> None:
     with pytest.raises(partitioners.TraceError) as info:
-        pipetrain.wrap(_NoCapture(), -torch.ones(2, 4), stages=2, profile=False, engine="local")
+        wrap_unprofiled(_NoCapture(), -torch.ones(2, 4), stages=2, engine="local")
     message = str(info.value)
     assert message.startswith("pipetrain cannot capture _NoCapture")
     assert "fx:" in message and "export:" in message and "chain:" in message
@@ -224,9 +225,9 @@ def _async_spectrain(engine: str) -> tuple[list[float], dict, torch.Tensor]:
     torch.manual_seed(0)
     case = TRANSFORMERS["gpt2"]
     batches = [case.batch(8, seed % 2) for seed in range(6)]
-    pipe = pipetrain.wrap(build("gpt2"), case.batch(2, 0)[0], stages=2, micro_batches=MICRO,
-                          schedule="async-1f1b", staleness="spectrain", loss_fn=case.loss_fn,
-                          optimizer=sgd, profile=False, partitioner="uniform", engine=engine)
+    pipe = wrap_unprofiled(build("gpt2"), case.batch(2, 0)[0], stages=2, micro_batches=MICRO,
+                           schedule="async-1f1b", staleness="spectrain", loss_fn=case.loss_fn,
+                           optimizer=sgd, partitioner="uniform", engine=engine)
     losses = [r.loss for r in pipe.train(batches)]
     return losses, pipe.state_dict(), _tensor(pipe.predict(case.batch(4, 9)[0]))
 
@@ -261,15 +262,15 @@ def test_a_capture_refused_for_training_only_randomness_names_the_config_values_
     assert config.layerdrop > 0 and config.mask_time_prob > 0
     torch.manual_seed(0)
     model, x = hf.Wav2Vec2ForCTC(config), {"input_values": torch.randn(2, 800)}
-    options = dict(stages=2, micro_batches=MICRO, profile=False, engine="local", loss_fn=lambda out, y: out.logits.sum())
+    options = dict(stages=2, micro_batches=MICRO, engine="local", loss_fn=lambda out, y: out.logits.sum())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(partitioners.TraceError) as info:
-            pipetrain.wrap(model, x, **options)
+            wrap_unprofiled(model, x, **options)
     message = str(info.value)
     assert "config.layerdrop = 0.1 (Wav2Vec2Encoder.forward)" in message
     assert "config.mask_time_prob = 0.05 (Wav2Vec2Model._mask_hidden_states)" in message
     assert "fix: set each to 0 for pipeline training" in message
     model.config.layerdrop = model.config.mask_time_prob = 0.0  # the fix the message names
-    pipe = pipetrain.wrap(model, x, **options)
+    pipe = wrap_unprofiled(model, x, **options)
     torch.testing.assert_close(pipe.predict(x).logits, model.eval()(**x).logits, rtol=1e-5, atol=1e-6)

@@ -17,9 +17,9 @@ import torch
 import transformers as hf
 from safetensors.torch import save_file
 
-import pipetrain
 from language_models import VOCAB, build_language_model, lm_loss, token_batch
 from pipetrain.weights import WeightsError, copy_into, match_names, open_weights
+from helpers import wrap_unprofiled
 
 hf.logging.set_verbosity_error()
 MIB = 2 ** 20
@@ -94,8 +94,8 @@ def pipetrain_checkpoint(model: torch.nn.Module, out: Path) -> Path:
         inputs = {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
     else:
         inputs = token_batch(2, 0)[0]
-    pipe = pipetrain.wrap(model, inputs, stages=2, engine="local", loss_fn=lm_loss, profile=False,
-                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    pipe = wrap_unprofiled(model, inputs, stages=2, engine="local", loss_fn=lm_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     pipe.save(out)
     return out
 

@@ -15,10 +15,12 @@ from dist_harness import run_world
 from pipetrain.optim import LARS, linear_warmup
 from runtime_models import data, lm_loss, make, sgd
 from test_nonfinite import poison
+from helpers import batches, wrap_unprofiled
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
 TOL = 1e-6
+SIZE = 13  # samples a mini-batch: uneven replica shards and micro-batches
 
 
 def adam(params):
@@ -39,17 +41,11 @@ OPTIMIZERS = {"sgd": sgd, "adam": adam, "adamw": adamw, "lars": lars}
 ASYNC = {"stash": sgd, "2bw": sgd, "vanilla": sgd, "spectrain": adam, "nesterov": sgd}
 
 
-def batches(steps=3, size=13, seed=1):
-    # 13 samples: uneven replica shards and micro-batches.
-    x, y = data("mlp", steps * size, seed=seed)
-    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(steps)]
-
-
 def wrap(world, zero, **kw):
     options = dict(stages=2, micro_batches=2, data_parallel=world // 2, optimizer=adam, partitioner="uniform",
-                   profile=False, engine="distributed", zero=zero)
+                   engine="distributed", zero=zero)
     options.update(kw)
-    return pipetrain.wrap(make("mlp"), data("mlp", 2)[0], **options)
+    return wrap_unprofiled(make("mlp"), data("mlp", 2)[0], **options)
 
 
 def state_bytes(pipe) -> int:
@@ -101,12 +97,12 @@ def zero_scenarios(rank, world, checkpoint_dir):
     out = {}
     for case, kw in training_cases(world).items():
         for zero in (0, *levels(case)):
-            out[(case, zero)] = measured(wrap(world, zero, **kw), batches())
+            out[(case, zero)] = measured(wrap(world, zero, **kw), batches("mlp", size=SIZE))
     # A learning-rate schedule on each stage's optimizer (what a replica owns) follows zero=0's.
     for zero in (0, 2):
         pipe = wrap(world, zero)
         schedulers = [linear_warmup(rt.optimizer, 3, 0.1) for rt in pipe.held_stages.values() if rt.optimizer]
-        for x, y in batches():
+        for x, y in batches("mlp", size=SIZE):
             pipe.step(x, y)
             for s in schedulers:
                 s.step()
@@ -118,7 +114,7 @@ def zero_scenarios(rank, world, checkpoint_dir):
             param = next(iter(pipe.held_stages[1].module.parameters()))
             param.register_hook(lambda g, pipe=pipe: g * float("inf") if pipe.updates == 1 else g)
         skipped = []
-        for x, y in batches():
+        for x, y in batches("mlp", size=SIZE):
             pipe.step(x, y)
             skipped.append(pipe.last_result.skipped)
         out[("fp16", zero)] = {"state": pipe.state_dict(), "skipped": skipped, "scale": pipe.loss_scale}
@@ -129,7 +125,7 @@ def zero_scenarios(rank, world, checkpoint_dir):
             poison(pipe, 1, lambda g, pipe=pipe: pipe.updates == 1)
         skipped, error, before = [], None, None
         try:
-            for r in pipe.train(batches()):
+            for r in pipe.train(batches("mlp", size=SIZE)):
                 skipped.append(r.skipped)
                 before = pipe.state_dict()
         except pipetrain.NonFiniteError as e:
@@ -139,9 +135,9 @@ def zero_scenarios(rank, world, checkpoint_dir):
     # A weight tied across the two stages (embedding and output projection).
     for zero in (0, 1, 2):
         x, y = data("tied", 39)
-        pipe = pipetrain.wrap(make("tied"), x[:2], stages=2, micro_batches=2, data_parallel=world // 2,
-                              optimizer=adam, loss_fn=lm_loss, partitioner="uniform", profile=False,
-                              engine="distributed", zero=zero)
+        pipe = wrap_unprofiled(make("tied"), x[:2], stages=2, micro_batches=2, data_parallel=world // 2,
+                               optimizer=adam, loss_fn=lm_loss, partitioner="uniform",
+                               engine="distributed", zero=zero)
         for i in range(3):
             pipe.step(x[13 * i:13 * (i + 1)], y[13 * i:13 * (i + 1)])
         out[("tied", zero)] = {"state": pipe.state_dict(), "tied": pipe.plan.tied_groups()}
@@ -149,7 +145,7 @@ def zero_scenarios(rank, world, checkpoint_dir):
     for staleness, opt in ASYNC.items():
         for zero in (0, 1 + (staleness in ("2bw", "nesterov"))):
             pipe = wrap(world, zero, optimizer=opt, schedule="async-1f1b", staleness=staleness)
-            losses = [r.loss for r in pipe.train(batches(steps=5))]
+            losses = [r.loss for r in pipe.train(batches("mlp", 5, size=SIZE))]
             out[(f"async-{staleness}", zero)] = {"state": pipe.state_dict(), "losses": losses}
     if checkpoint_dir is not None:
         out.update(checkpoint_scenarios(world, checkpoint_dir))
@@ -159,7 +155,7 @@ def zero_scenarios(rank, world, checkpoint_dir):
 def checkpoint_scenarios(world, root) -> dict:
     """Save after 2 steps at one zero level, resume at another, take the 3rd step: equals 3 steps straight."""
     out = {}
-    bs = batches()
+    bs = batches("mlp", size=SIZE)
     for saved_zero, loaded_zero in ((1, 0), (0, 2)):
         path = f"{root}/z{saved_zero}-d{world // 2}"
         pipe = wrap(world, saved_zero)
@@ -171,7 +167,7 @@ def checkpoint_scenarios(world, root) -> dict:
         resumed.step(*bs[2])
         out[("resume", saved_zero, loaded_zero)] = {"state": resumed.state_dict(), "updates": resumed.updates}
     # SpecTrain predicts from the first mini-batch after a load: the resumed replicas need v at once.
-    stream = batches(steps=4)
+    stream = batches("mlp", 4, size=SIZE)
     for zero in (0, 1):
         path = f"{root}/spectrain-z{zero}-d{world // 2}"
         pipe = wrap(world, zero, schedule="async-1f1b", staleness="spectrain")
@@ -191,11 +187,11 @@ def four_replicas(rank, world, root):
     for zero in (2, 0):
         pipe = wrap(world, zero)
         pipe.load(f"{root}/z1-d2")
-        pipe.step(*batches()[2])
+        pipe.step(*batches("mlp", size=SIZE)[2])
         out[zero] = pipe.state_dict()
     for zero in (0, 1):
         pipe = wrap(world, zero, allreduce="hierarchical", hierarchy=(2, 2))
-        out[("hierarchical", zero)] = measured(pipe, batches())
+        out[("hierarchical", zero)] = measured(pipe, batches("mlp", size=SIZE))
     return out
 
 
@@ -370,7 +366,7 @@ def test_two_level_hierarchy_with_four_replicas(two_replicas, four):
 def test_zero_is_refused_where_there_is_nothing_to_shard(options, reason):
     options = {"zero": 1, **options}
     with pytest.raises(ValueError, match=reason):
-        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, profile=False, **options)
+        wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, **options)
 
 
 def test_layout_planner_takes_zero_where_it_makes_a_layout_fit():

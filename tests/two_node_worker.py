@@ -10,18 +10,18 @@ from pathlib import Path
 
 import torch
 
-import pipetrain
 from runtime_models import make, sgd
 from test_hybrid import batches, data
+from helpers import wrap_unprofiled
 
 
 def main() -> None:
     out, allreduce, replicas = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     zero = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     torch.set_num_threads(1)
-    pipe = pipetrain.wrap(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=replicas,
-                          allreduce=allreduce, optimizer=sgd, partitioner="uniform", profile=False,
-                          engine="distributed", timeout=60, zero=zero)
+    pipe = wrap_unprofiled(make("convbn"), data("convbn", 2)[0], stages=2, micro_batches=2, data_parallel=replicas,
+                           allreduce=allreduce, optimizer=sgd, partitioner="uniform",
+                           engine="distributed", timeout=60, zero=zero)
     losses = [r.loss for r in pipe.train(batches("convbn"))]
     world = pipe.world
     reducer = pipe.gradient_reducer

@@ -1,0 +1,31 @@
+"""Helpers shared by the test modules and by the ranks they spawn (which cannot take pytest fixtures)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import pipetrain
+from runtime_models import data
+
+
+def wrap_unprofiled(model: nn.Module, example_inputs, **options) -> pipetrain.Pipeline:
+    """``pipetrain.wrap`` with ``profile=False`` unless ``options`` say otherwise.
+
+    Profiling times each node on this machine; with it off the partitioner prices nodes from their
+    estimated cost, so a test gets the same split on every run however loaded the machine is."""
+    return pipetrain.wrap(model, example_inputs, **{"profile": False, **options})
+
+
+def batches(name: str, steps: int = 3, size: int = 8, *, last: int | None = None, seed: int = 1,
+            draw_per_step: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` mini-batches of ``size`` rows of ``data(name, ...)``.
+
+    By default they are consecutive slices of one draw of ``steps * size`` rows with ``seed``;
+    ``last``: the final mini-batch has that many rows instead (the ranks must re-agree boundary shapes).
+    ``draw_per_step``: mini-batch i is its own draw of ``size`` rows with seed ``seed + i``."""
+    if draw_per_step:
+        return [data(name, size, seed=seed + i) for i in range(steps)]
+    x, y = data(name, steps * size, seed=seed)
+    sizes = [size] * (steps - 1) + [size if last is None else last]
+    starts = [sum(sizes[:i]) for i in range(steps)]
+    return [(x[s:s + n], y[s:s + n]) for s, n in zip(starts, sizes)]
