@@ -61,8 +61,8 @@ def parse_args(doc: str, models: Sequence[str], argv: Sequence[str] | None = Non
     training.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in "
                           "--checkpoint-dir: its weights, optimizer state, step and place in the data")
     args = p.parse_args(argv)
-    if args.resume and not args.checkpoint_dir:
-        p.error("--resume loads from --checkpoint-dir: give both")
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        p.error("--resume and --save-every need --checkpoint-dir, where checkpoints are saved and loaded")
     hparams = DEFAULT_HPARAMS[_HPARAMS_OF.get(args.model, args.model)]
     width, depth = DEFAULT_SIZE.get(args.model, (None, None))  # torchvision's ResNets have a fixed size
     defaults = {"dataset": DEFAULT_DATASET[args.model], "width": width, "depth": depth, **hparams,

@@ -74,13 +74,14 @@ def main(argv: list[str] | None = None) -> None:
         epoch, start = divmod(pipe.updates, per_epoch)  # a resumed run starts where the checkpoint stopped
         batches = mini_batches(train, args.batch_size, seed=args.seed, epoch=epoch, start=start,
                                stop=min(per_epoch, last - epoch * per_epoch))
+        losses, saved = [], False
         if args.schedule == "async-1f1b":  # no flush: the pipeline stays full all epoch and drains at its end
             losses = [result.loss for result in pipe.train(batches)]
         else:
-            losses = []
             for x, y in batches:
                 losses.append(pipe.step(x, y))
-                if args.checkpoint_dir and args.save_every and pipe.updates % args.save_every == 0:
+                saved = bool(args.save_every) and pipe.updates % args.save_every == 0
+                if saved:
                     pipe.save(args.checkpoint_dir)  # every rank saves its own stages
         val_loss, val_accuracy = validate(pipe, val, args.batch_size)
         history.append((sum(losses) / len(losses), val_loss, val_accuracy))
@@ -91,16 +92,17 @@ def main(argv: list[str] | None = None) -> None:
         if rank0 and args.log_every:
             print(f"epoch {epoch + 1}: train loss {history[-1][0]:.4f}, val loss {val_loss:.4f}, "
                   f"val accuracy {100 * val_accuracy:.2f}%", flush=True)
-        if args.checkpoint_dir:
+        if args.checkpoint_dir and not saved:
             pipe.save(args.checkpoint_dir)
     pipe.close()
     if writer is not None:
         writer.close()
     if rank0 and history:
         train_losses, val_losses, accuracies = zip(*history)
+        epochs = f"{len(history)} epoch{'s' * (len(history) > 1)}"
         print(f"{args.model} on {args.dataset}, {args.schedule} {args.stages} stages x {args.micro_batches} "
-              f"micro-batches, {len(history)} epochs ({pipe.updates} steps): min train loss {min(train_losses):.4f}, "
-              f"min val loss {min(val_losses):.4f}, max val accuracy {100 * max(accuracies):.2f}%, "
+              f"micro-batches, {epochs} ({pipe.updates} steps): min train loss {min(train_losses):.4f}, min val loss "
+              f"{min(val_losses):.4f}, max val accuracy {100 * max(accuracies):.2f}%, "
               f"{time.perf_counter() - start_time:.1f} s", flush=True)
 
 
