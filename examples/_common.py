@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset, Subset, default_collate
 
 from pipetrain import PipelineOptions
-from pipetrain.apps.datasets import DATASETS, dataset_info, load_dataset
+from pipetrain.apps.datasets import DATASETS, DatasetNotFoundError, dataset_info, load_dataset
 from pipetrain.apps.models import DEFAULT_DATASET, DEFAULT_HPARAMS, DEFAULT_SIZE
 from pipetrain.options import PARTITIONERS, PRECISIONS, SCHEDULES, STALENESS
 
@@ -77,8 +77,11 @@ def datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
     """The training and validation sets of ``--dataset`` (their first --train-samples / --val-samples) and
     the number of classes (the vocabulary size for text)."""
     def load(split: str, samples: int | None) -> Dataset:
-        data = load_dataset(args.dataset, data_dir=args.data_dir, split=split, seed=args.seed,
-                            download=args.download)
+        try:
+            data = load_dataset(args.dataset, data_dir=args.data_dir, split=split, seed=args.seed,
+                                download=args.download)
+        except DatasetNotFoundError as error:  # it says where the files belong and how to fetch them
+            raise SystemExit(str(error)) from None
         return Subset(data, range(min(len(data), samples))) if samples else data
 
     train, val = load("train", args.train_samples), load("val", args.val_samples)

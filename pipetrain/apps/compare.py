@@ -37,8 +37,9 @@ from pipetrain import NonFiniteError
 from pipetrain.apps.extras import import_extra
 from pipetrain.apps.models import MODELS
 from pipetrain.apps.throughput import local_cluster, predicted_samples_per_second, stage_seconds
-from pipetrain.apps.training import (RunConfig, RunSummary, add_arguments, config_from_args, human_bytes,
-                                      is_rank_zero, run)
+from pipetrain.apps.run_config import RunConfig, add_arguments, config_from_args
+from pipetrain.apps.run_summary import RunSummary, human_bytes
+from pipetrain.apps.training import is_rank_zero, run
 from pipetrain.options import PREDICTING, STALENESS
 from schedules import Cluster
 
