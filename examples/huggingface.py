@@ -32,7 +32,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import pipetrain
 from pipetrain.apps.datasets import dataset_info, load_dataset
-from pipetrain.apps.training import add_arguments, config_from_args, is_rank_zero, optimizer_factory
+from pipetrain.apps.run_config import add_arguments, config_from_args, optimizer_factory
+from pipetrain.apps.training import is_rank_zero
 
 # Tiny defaults: one epoch of the text data takes seconds on 2 CPU cores (like the other examples).
 DEFAULTS = {"width": 64, "depth": 2, "batch_size": 32, "epochs": 2, "lr": 0.1}

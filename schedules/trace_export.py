@@ -59,8 +59,13 @@ def write_chrome_trace(result: "SimResult", path: str) -> None:
 
 def write_png(result: "SimResult", path: str) -> None:
     """Draw one row per stage, one bar per F/B/W, labelled with its micro-batch when it fits."""
-    from matplotlib.figure import Figure  # lazy: the package itself needs only the stdlib
-    from matplotlib.patches import Patch
+    try:  # lazy: the package itself needs only the stdlib
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as error:
+        raise ImportError("write_png draws with matplotlib, which pipetrain installs only with its examples "
+                          "extra: pip install 'pipetrain[examples]' (or write_chrome_trace, which needs "
+                          "nothing)") from error
 
     s = result.schedule
     fig = Figure(figsize=(min(4 + result.makespan / 2, 24), 1 + 0.5 * s.stages))

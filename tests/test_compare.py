@@ -135,7 +135,8 @@ def test_a_method_with_bad_options_stops_compare_before_any_training(tmp_path, m
 def test_table_has_one_row_per_method():
     from pipetrain.apps.training import EpochRecord, RunSummary
 
-    s = RunSummary(RunConfig(model="vgg", dataset="digits"), steps=2, samples=100, train_seconds=2.0, bytes_sent=3000)
+    s = RunSummary(RunConfig(model="vgg", dataset="digits", micro_batches=4), steps=2, samples=100,
+                   train_seconds=2.0, bytes_sent=3000)
     s.epochs = [EpochRecord(1, 1, 0.9, 0.8, 0.5, 50.0, 0), EpochRecord(2, 2, 0.7, 0.85, 0.6, 50.0, 0)]
     table = format_table({"stash": MethodResult({(0.05, 0): s})})
     row = table.splitlines()[2]

@@ -1,5 +1,5 @@
-"""An example script launched by torchrun itself (2 processes), the way users run it: it trains,
-rank 0 alone prints the summary, and the per-epoch checkpoint is written."""
+"""An example script launched by torchrun itself (2 processes), the way users run it: it trains, rank 0
+alone prints, the per-epoch checkpoint is written and the same command with --resume continues it."""
 from __future__ import annotations
 
 import pytest
@@ -15,16 +15,21 @@ from _example_runs import CASES, COMMON, EXAMPLES
 
 @pytest.mark.slow
 def test_script_under_torchrun(tmp_path):
+    # The first epoch, checkpointed; then the same command with --resume trains the second: each rank loads
+    # its own stage and the data continues where the checkpoint stopped.
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "vgg.py"), *COMMON, *CASES["vgg"],
-         "--checkpoint-dir", str(tmp_path / "ckpt")],
-        capture_output=True, text=True, env=env, timeout=300)
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "vgg.py"), *COMMON,
+               *CASES["vgg"], "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = subprocess.run([*command, "--epochs", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000012"
+    done = subprocess.run([*command, "--resume"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("resumed from") == 1  # printed by rank 0 only
     summary = [line for line in done.stdout.splitlines() if "max val accuracy" in line]
-    assert len(summary) == 1 and "2 epochs (24 steps)" in summary[0]  # printed by rank 0 only
-    assert (tmp_path / "ckpt" / "latest").exists()
+    assert len(summary) == 1 and "1 epoch (24 steps)" in summary[0]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000024"
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ import pipetrain
 import pipetrain.runner  # the tests patch Runner._finish to watch each step
 
 from _example_runs import CASES, COMMON, decreased, run_example, scalars
-from pipetrain.apps.training import RunConfig, add_arguments, config_from_args, evaluate, optimizer_factory, run
+from pipetrain.apps.run_config import RunConfig, add_arguments, config_from_args, optimizer_factory
+from pipetrain.apps.training import evaluate, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
@@ -108,10 +109,8 @@ def test_evaluate_against_hand_computation():
 
 
 def test_missing_cifar_exits_with_the_path_and_the_download_flag(tmp_path):
-    from pipetrain.apps.training import example_main
-
     with pytest.raises(SystemExit) as info:
-        example_main(["vgg"], "vgg", ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--no-progress"])
+        run_example("vgg", ["--dataset", "cifar10", "--data-dir", str(tmp_path)])
     message = str(info.value)
     assert str(tmp_path / "cifar-10-batches-py") in message and "--download" in message
 
@@ -172,6 +171,19 @@ def test_every_flag_reaches_the_config_and_every_wrap_option_reaches_wrap():
     assert set(options) <= {f.name for f in dataclasses.fields(pipetrain.PipelineOptions)}
     assert options["engine"] == "auto" and options["profile"] is False  # the uniform partitioner times nothing
     assert options["optimizer"]([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"] == given["lr"]
+
+
+def test_every_pipeline_option_of_run_config_has_the_default_of_pipeline_options():
+    library = {f.name: f.default for f in dataclasses.fields(pipetrain.PipelineOptions)}
+    # RunConfig.optimizer is not wrap's factory but the name of one (sgd, adam, ...): wrap_options builds it.
+    shared = {f.name: f for f in dataclasses.fields(RunConfig) if f.name in library and f.name != "optimizer"}
+    assert set(shared) == {"stages", "micro_batches", "schedule", "staleness", "partitioner", "precision",
+                           "data_parallel", "engine", "logdir", "seed", "lookahead", "profile"}
+    assert {name: f.default for name, f in shared.items()} == {name: library[name] for name in shared}
+    assert RunConfig().micro_batches == pipetrain.PipelineOptions().micro_batches == 8
+    # What reaches wrap under an option's name is the field of that name.
+    assert {f.metadata["wrap"] for f in dataclasses.fields(RunConfig) if f.metadata["wrap"]} == set(shared) - {"profile"}
+    assert all(f.metadata["wrap"] in (None, f.name) for f in dataclasses.fields(RunConfig))
 
 
 def test_staleness_defaults_to_the_schedules_policy_and_compare_has_no_schedule_flags():

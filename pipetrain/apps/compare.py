@@ -34,10 +34,12 @@ from pathlib import Path
 from typing import Sequence
 
 from pipetrain import NonFiniteError
+from pipetrain.apps.extras import import_extra
 from pipetrain.apps.models import MODELS
 from pipetrain.apps.throughput import local_cluster, predicted_samples_per_second, stage_seconds
-from pipetrain.apps.training import (RunConfig, RunSummary, add_arguments, config_from_args, human_bytes,
-                                      is_rank_zero, run)
+from pipetrain.apps.run_config import RunConfig, add_arguments, config_from_args
+from pipetrain.apps.run_summary import RunSummary, human_bytes
+from pipetrain.apps.training import is_rank_zero, run
 from pipetrain.options import PREDICTING, STALENESS
 from schedules import Cluster
 
@@ -243,8 +245,7 @@ def compare_figure(summaries: dict[str, RunSummary], predicted: dict[str, float]
     """Train loss per step, val loss and val accuracy per epoch, one line per method (one run each: with a
     grid, the caller passes each method's first seed at its best rate), and each method's ``predicted``
     samples/s on ``cluster`` (horizontal bars, values printed). Returns the matplotlib Figure."""
-    import matplotlib
-
+    matplotlib = import_extra("matplotlib", "matplotlib", "the comparison plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
@@ -294,9 +295,9 @@ def _speed_panel(ax, summaries: dict[str, RunSummary], predicted: dict[str, floa
 def plot(summaries: dict[str, RunSummary], predicted: dict[str, float], cluster: Cluster,
          path: str | os.PathLike, dpi: int = 100) -> Path:
     """Write compare_figure as a PNG at ``path``."""
-    import matplotlib.pyplot as plt
-
     fig = compare_figure(summaries, predicted, cluster)
+    import matplotlib.pyplot as plt  # compare_figure imported it (or said how to install it)
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)

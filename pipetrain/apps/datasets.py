@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
+from pipetrain.apps.extras import import_extra
+
 DATASETS = ["digits", "mnist1d", "text", "cifar10", "cifar100", "imagefolder"]
 OFFLINE_DATASETS = ["digits", "mnist1d", "text"]
 
@@ -110,9 +112,8 @@ def _split(full: TensorDataset, split: str, seed: int) -> TensorDataset:
 
 @functools.lru_cache(maxsize=1)
 def _digits() -> TensorDataset:
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()  # reads the CSV shipped inside scikit-learn
+    sklearn_datasets = import_extra("sklearn.datasets", "scikit-learn", "the digits dataset")
+    bunch = sklearn_datasets.load_digits()  # reads the CSV shipped inside scikit-learn
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False)
     x = ((x - x.mean()) / x.std()).expand(-1, 3, -1, -1).contiguous()
@@ -121,13 +122,13 @@ def _digits() -> TensorDataset:
 
 @functools.lru_cache(maxsize=1)
 def _mnist1d() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mnist1d.data import get_dataset_args, make_dataset
+    generator = import_extra("mnist1d.data", "mnist1d", "the mnist1d dataset")
 
     # make_dataset reseeds the global `random` and numpy generators; restore them
     # so loading data never changes the caller's random stream.
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
-        d = make_dataset(get_dataset_args())  # local generation, never the download path
+        d = generator.make_dataset(generator.get_dataset_args())  # local generation, never the download path
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)

@@ -28,7 +28,7 @@ import math
 import statistics
 
 from pipetrain import PipelineOptions
-from pipetrain.apps.training import RunSummary
+from pipetrain.apps.run_summary import RunSummary
 from schedules import PRESETS, Cluster, Reduction, StageWork, simulate_cluster_step, stream_step_time
 
 BACKWARD_RATIO = 2.0  # the usual estimate (schedules.Costs.from_plan's default): a backward costs two forwards
