@@ -61,7 +61,7 @@ def public_names(cls: type) -> list[str]:
 def documented_names(text: str) -> set[str]:
     """Names that head a section, start a code span (`name`, `name(...)`, `pipe.name`, `pipetrain.name`) or
     start a table row's first cell."""
-    spans = re.findall(r"`([^`]+)`", text)
+    spans = re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
     names = set()
     for span in spans:
         head = re.match(r"(?:pipe\.|pipetrain\.|Pipeline\.|StepResult\.)?([A-Za-z_][A-Za-z0-9_]*)", span)
@@ -72,7 +72,8 @@ def documented_names(text: str) -> set[str]:
 
 @pytest.mark.parametrize("owner, names", [
     ("Pipeline", public_names(pipetrain.Pipeline)),
-    ("StepResult", [f.name for f in dataclasses.fields(pipetrain.StepResult)] + public_names(pipetrain.StepResult)),
+    ("StepResult", sorted({f.name for f in dataclasses.fields(pipetrain.StepResult)}
+                          | set(public_names(pipetrain.StepResult)))),
     ("pipetrain", list(pipetrain.__all__)),
 ])
 def test_api_reference_documents_every_public_name(owner, names):
@@ -111,7 +112,7 @@ def python_blocks(page: Path) -> list[tuple[int, str, str | None]]:
 
 
 def _page_params():
-    for page in PAGES:
+    for page in PAGES[1:]:  # README.md: test_the_quick_start_trains runs it
         if python_blocks(page):
             marks = [pytest.mark.slow] if page.name in SLOW_PAGES else []
             yield pytest.param(page, id=str(page.relative_to(ROOT)), marks=marks)
@@ -138,7 +139,7 @@ def test_every_not_run_marker_gives_a_reason_and_precedes_a_block():
     for page in PAGES:
         lines = page.read_text().splitlines()
         for i, line in enumerate(lines):
-            if "<!-- not run" in line:
+            if line.strip().startswith("<!-- not run"):
                 assert NOT_RUN.search(line), f"{page.name}:{i + 1}: say why: <!-- not run: REASON -->"
                 following = next(l for l in lines[i + 1:] if l.strip())
                 assert following.strip() == "```python", f"{page.name}:{i + 1}: the marker must precede a python block"
