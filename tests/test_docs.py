@@ -149,7 +149,7 @@ def test_the_quick_start_trains(tmp_path, monkeypatch):
     # README's quick start is real: its 3-class toy problem starts at a loss near ln 3 = 1.10 and learns
     monkeypatch.chdir(tmp_path)
     namespace = run_page(ROOT / "README.md")
-    assert namespace["loss"] < 0.9
+    assert namespace["loss"] < 0.8  # 0.56 after its 5 epochs here
     assert namespace["result"].step == len(namespace["loader"])  # the async stream trained every mini-batch
     assert (tmp_path / "checkpoints" / "mynet" / "latest").exists()
     assert namespace["state"].keys() == namespace["model"].state_dict().keys()
