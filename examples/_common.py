@@ -59,7 +59,7 @@ def parse_args(doc: str, models: Sequence[str], argv: Sequence[str] | None = Non
     training.add_argument("--save-every", type=int, default=0,
                           help="synchronous schedules: also save every N steps (async-1f1b saves after each epoch)")
     training.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in "
-                          "--checkpoint-dir: its weights, optimizer state, step and place in the data")
+                          "--checkpoint-dir, if there is one: its weights, optimizer state, step and place in the data")
     args = p.parse_args(argv)
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         p.error("--resume and --save-every need --checkpoint-dir, where checkpoints are saved and loaded")

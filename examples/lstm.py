@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),  # one per stage
         logdir=args.logdir)  # the pipeline logs train/loss and per-stage metrics at every step (rank 0)
     rank0 = pipe.world is None or pipe.world.rank == 0  # pipe.world: this process's place under torchrun
-    if args.resume:  # weights, optimizer state and step count, whatever stage layout saved them
-        pipe.load(args.checkpoint_dir)
+    # The newest checkpoint's weights, optimizer state and step count, whatever stage layout saved them;
+    # none yet (the first start under torchrun --max-restarts) starts from scratch.
+    if args.resume and pipe.resume(args.checkpoint_dir):
         if rank0:
             print(f"resumed from {args.checkpoint_dir} at step {pipe.updates}", flush=True)
 

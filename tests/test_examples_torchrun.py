@@ -21,8 +21,11 @@ def test_script_under_torchrun(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "vgg.py"), *COMMON,
                *CASES["vgg"], "--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = subprocess.run([*command, "--epochs", "1"], capture_output=True, text=True, env=env, timeout=300)
+    # --resume with no checkpoint yet (a first start under --max-restarts) starts from scratch.
+    first = subprocess.run([*command, "--epochs", "1", "--resume"], capture_output=True, text=True, env=env,
+                           timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "resumed from" not in first.stdout
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000012"
     done = subprocess.run([*command, "--resume"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
