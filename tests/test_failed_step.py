@@ -138,6 +138,16 @@ def test_ctrl_c_before_any_update_abandons_the_step():
 
 def test_ctrl_c_once_a_stage_applied_its_update_finishes_the_step_then_raises():
     assert threading.current_thread() is threading.main_thread()  # only the main thread takes signals
+    # Python's own Ctrl-C handler, as in a user's script: a test run earlier in this worker process (or the
+    # worker itself) may have left SIGINT ignored or at the system default, which pipetrain leaves alone.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_after_the_last_stage_applied_its_update()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_after_the_last_stage_applied_its_update() -> None:
     good, _ = _batches()
     interrupted, reference = _wrap("1f1b", {}), _wrap("1f1b", {})
     last = max(interrupted.held_stages.items())[1].optimizer
