@@ -20,7 +20,10 @@ from schedules import BUILDERS
 from schedules.cluster import load_cluster
 
 # Each vocabulary is defined where the thing is implemented; these are the names wrap's options use.
-SCHEDULES = tuple(BUILDERS)
+# The kinds the runtime runs; the other kinds in BUILDERS (zbv, dualpipev, interleaved-zb) are
+# planned and simulated by `schedules` only, until the runtime executes them (issue #37).
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b")
+SIMULATED_ONLY = tuple(k for k in BUILDERS if k not in SCHEDULES)
 SYNC_SCHEDULES = tuple(k for k in SCHEDULES if k != "async-1f1b")
 RECOMPUTE = SETTINGS + ("auto",)  # "auto": per stage, the cheapest setting that fits memory_limit
 ZERO = (0, 1, 2)
@@ -105,6 +108,9 @@ class PipelineOptions:
             raise ValueError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}")
+        if self.schedule in SIMULATED_ONLY:
+            raise ValueError(f"schedule {self.schedule!r} is simulated by `schedules` and `pipetrain simulate` but not yet "
+                             f"run by the pipeline runtime; choose one of {', '.join(SCHEDULES)}")
         choose("schedule", self.schedule, SCHEDULES)
         choose("staleness", self.staleness, STALENESS)
         choose("precision", self.precision, PRECISIONS)

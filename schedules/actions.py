@@ -39,7 +39,7 @@ class Action:
     """One step of one device: `kind` applied to `micro_batch` of model chunk `chunk`.
 
     `position` is the device's place in the pipeline (0..stages-1), the index of the
-    list that holds the action; its virtual stage is chunk * stages + position.
+    list that holds the action; its virtual stage is Schedule.virtual_stage(position, chunk).
     `micro_batch` is global across mini-batches (micro-batch g belongs to
     mini-batch g // micro_batches); for STEP and REDUCE it is the mini-batch.
     """

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator, Sequence
 
 from schedules.actions import Action, ActionKind
+from schedules.placement import location_of, virtual_stage_of
 from schedules.schedule import Schedule
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -355,32 +356,34 @@ def link_comm(index: int, src: int, dst: int, kind: str, chunks: int = 1, receiv
 
 
 def link_ops(a: Action, stages: int, links: Links, chunks: int = 1,
-             receive_ahead: bool = True) -> Iterator[tuple[Hashable, Op]]:
-    """(communicator, op) of each message a comm action of device ``a.position`` posts."""
-    v = a.chunk * stages + a.position
+             receive_ahead: bool = True, placement: str = "loop") -> Iterator[tuple[Hashable, Op]]:
+    """(communicator, op) of each message a comm action of device ``a.position`` posts
+    (``placement``: which virtual stage each chunk is, see schedules.placement)."""
+    v = virtual_stage_of(a.position, a.chunk, stages, placement)
 
     def comm(index: int, src: int, dst: int, kind: str) -> Hashable:
         return link_comm(index, src, dst, kind, chunks, receive_ahead)
 
     for index, (src, dst) in enumerate(links):
-        if src % stages == dst % stages:
+        src_device, dst_device = location_of(src, stages, placement)[0], location_of(dst, stages, placement)[0]
+        if src_device == dst_device:
             continue  # both ends on one device: handed over in memory
         if a.kind is SEND_ACT and src == v:
-            yield comm(index, src, dst, "act"), Op(True, dst % stages, ("act", index, a.micro_batch))
+            yield comm(index, src, dst, "act"), Op(True, dst_device, ("act", index, a.micro_batch))
         elif a.kind is RECV_ACT and dst == v:
-            yield comm(index, src, dst, "act"), Op(False, src % stages, ("act", index, a.micro_batch))
+            yield comm(index, src, dst, "act"), Op(False, src_device, ("act", index, a.micro_batch))
         elif a.kind is SEND_GRAD and dst == v:
-            yield comm(index, src, dst, "grad"), Op(True, src % stages, ("grad", index, a.micro_batch))
+            yield comm(index, src, dst, "grad"), Op(True, src_device, ("grad", index, a.micro_batch))
         elif a.kind is RECV_GRAD and src == v:
-            yield comm(index, src, dst, "grad"), Op(False, dst % stages, ("grad", index, a.micro_batch))
+            yield comm(index, src, dst, "grad"), Op(False, dst_device, ("grad", index, a.micro_batch))
 
 
 def batch_groups(batch: Sequence[Action], stages: int, links: Links, chunks: int = 1,
-                 receive_ahead: bool = True) -> list[Group]:
+                 receive_ahead: bool = True, placement: str = "loop") -> list[Group]:
     """One group per communicator holding every op of ``batch`` on it (in the order first used)."""
     by_comm: dict[Hashable, list[Op]] = {}
     for a in batch:
-        for comm, op in link_ops(a, stages, links, chunks, receive_ahead):
+        for comm, op in link_ops(a, stages, links, chunks, receive_ahead, placement):
             by_comm.setdefault(comm, []).append(op)
     return [Group(comm, tuple(ops)) for comm, ops in by_comm.items()]
 
@@ -398,12 +401,12 @@ def posted_groups(schedule: Schedule, links: Links | None = None,
         program: list[Group | Wait] = []
         for item in posted_batches(actions, receive_ahead):
             if isinstance(item, CommBatch):
-                program += batch_groups(item.actions, p, links, chunks, receive_ahead)
-                program += batch_groups(item.ahead, p, links, chunks, receive_ahead)
+                program += batch_groups(item.actions, p, links, chunks, receive_ahead, schedule.placement)
+                program += batch_groups(item.ahead, p, links, chunks, receive_ahead, schedule.placement)
             elif item.kind in BOUNDARY:
                 receive = RECV_ACT if item.kind is F else RECV_GRAD
                 needed = [op.message for _, op in link_ops(Action(d, receive, item.micro_batch, item.chunk), p, links,
-                                                       chunks, receive_ahead)]
+                                                       chunks, receive_ahead, schedule.placement)]
                 if needed:
                     program.append(Wait(tuple(needed)))
         programs[d] = program

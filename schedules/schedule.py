@@ -7,6 +7,8 @@ Text form (one header line, then one line per stage)::
     1: RECV_ACT0 F0 B0 SEND_GRAD0 RECV_ACT1 F1 B1 SEND_GRAD1 STEP0
 
 CSV form: the same header line, then rows `stage,index,kind,micro_batch,chunk`.
+A schedule with V placement (schedules.placement) adds `placement=v` to the header; a header
+without it means the default loop placement.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import io
 from dataclasses import dataclass
 
 from schedules.actions import Action
+from schedules.placement import check_placement, location_of, virtual_stage_of
 
 _HEADER = "# schedule"
 _CSV_COLUMNS = ["stage", "index", "kind", "micro_batch", "chunk"]
@@ -28,9 +31,10 @@ class ScheduleError(ValueError):
 class Schedule:
     """Per-device action lists for `stages` devices.
 
-    `chunks` is the number of virtual stages (model chunks) per device
-    (interleaved schedules; device d chunk c is virtual stage c*stages + d);
-    `mini_batches` the number of optimizer steps the lists cover.
+    `chunks` is the number of virtual stages (model chunks) per device, `placement`
+    which virtual stage each is ("loop": device d chunk c is c*stages + d; "v": device d
+    holds d and 2*stages-1-d; see schedules.placement and the methods virtual_stage and
+    location); `mini_batches` the number of optimizer steps the lists cover.
     """
 
     kind: str
@@ -39,6 +43,7 @@ class Schedule:
     actions: list[list[Action]]
     chunks: int = 1
     mini_batches: int = 1
+    placement: str = "loop"
 
     def __post_init__(self) -> None:
         for name in ("stages", "micro_batches", "chunks", "mini_batches"):
@@ -50,17 +55,38 @@ class Schedule:
                 f"Schedule has {len(self.actions)} action lists for {self.stages} stages; "
                 "give exactly one list per stage"
             )
+        check_placement(self.placement, self.chunks)
 
     @property
     def virtual_stages(self) -> int:
         """Number of model pieces in the pipeline (stages x chunks)."""
         return self.stages * self.chunks
 
+    def virtual_stage(self, position: int, chunk: int) -> int:
+        """The virtual stage of chunk `chunk` on device `position` under this placement."""
+        return virtual_stage_of(position, chunk, self.stages, self.placement)
+
+    def location(self, virtual_stage: int) -> tuple[int, int]:
+        """(position, chunk) holding `virtual_stage`: the inverse of virtual_stage."""
+        return location_of(virtual_stage, self.stages, self.placement)
+
+    def remote_neighbour(self, position: int, chunk: int, step: int) -> int | None:
+        """The device of virtual stage v+step (v: chunk `chunk` of device `position`; step +1
+        downstream, -1 upstream), or None when no message goes there: v+step is outside the
+        pipeline, or on the same device (V placement's hand-off stages-1 -> stages, done in memory)."""
+        other = self.virtual_stage(position, chunk) + step
+        if not 0 <= other < self.virtual_stages:
+            return None
+        device = self.location(other)[0]
+        return None if device == position else device
+
     def _header(self) -> str:
         return (
             f"{_HEADER} kind={self.kind} stages={self.stages} "
             f"micro_batches={self.micro_batches} chunks={self.chunks} "
             f"mini_batches={self.mini_batches}"
+            # written only when not the default, so loop schedules keep their text
+            + (f" placement={self.placement}" if self.placement != "loop" else "")
         )
 
     def to_text(self) -> str:
@@ -122,7 +148,7 @@ def _parse_header(line: str) -> dict:
     if not line.startswith(_HEADER):
         raise ValueError(
             f"schedule text must start with a header like "
-            f"'{_HEADER} kind=custom stages=2 micro_batches=4' (chunks, mini_batches optional), "
+            f"'{_HEADER} kind=custom stages=2 micro_batches=4' (chunks, mini_batches, placement optional), "
             f"got {line!r}"
         )
     fields = dict(item.split("=", 1) for item in line[len(_HEADER):].split() if "=" in item)
@@ -130,7 +156,8 @@ def _parse_header(line: str) -> dict:
         meta = {"kind": fields.pop("kind"), "stages": int(fields.pop("stages")),
                 "micro_batches": int(fields.pop("micro_batches")),
                 "chunks": int(fields.pop("chunks", 1)),
-                "mini_batches": int(fields.pop("mini_batches", 1))}
+                "mini_batches": int(fields.pop("mini_batches", 1)),
+                "placement": fields.pop("placement", "loop")}
     except (KeyError, ValueError) as exc:
         raise ValueError(f"bad schedule header {line!r}: needs kind=, stages=, micro_batches= ({exc})") from None
     if fields:

@@ -74,7 +74,7 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     p = schedule.stages
     split = is_split(schedule)
     per_device = compute_per_device(schedule, costs, split)
-    timeline = execute(schedule, per_device, costs.latency(p, wraps=schedule.chunks > 1))
+    timeline = execute(schedule, per_device, costs.latency(p, wraps=schedule.chunks > 1 and schedule.placement == "loop"))
     return result_of_timeline(schedule, costs, timeline, split)
 
 

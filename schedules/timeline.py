@@ -43,7 +43,6 @@ def execute(schedule: Schedule, cost: list[dict[ActionKind, float]],
     """Time every action; cost[d][kind] is the duration of a compute action on device d,
     latency[a][b] the delay of a message from device a to device b."""
     p = schedule.stages
-    last = schedule.virtual_stages - 1
     # message key: (is_gradient, micro_batch, receiving virtual stage)
     arrival: dict[tuple[int, int, int], float] = {}
     waiting: dict[tuple[int, int, int], int] = {}
@@ -54,19 +53,19 @@ def execute(schedule: Schedule, cost: list[dict[ActionKind, float]],
     # what a device needs each time it resumes (often: once per micro-batch in 1F1B);
     # a device sends activations to the next device and gradients to the previous one
     devices = [(schedule.actions[d], start[d].append, end[d].append, cost[d][F], cost[d][B],
-                cost[d][W], latency[d][(d + 1) % p], latency[d][(d - 1) % p]) for d in range(p)]
+                cost[d][W], _links(schedule, d, latency)) for d in range(p)]
     ready = deque(range(p))
     while ready:
         d = ready.popleft()
-        actions, add_start, add_end, forward, backward, weight, to_next, to_previous = devices[d]
+        actions, add_start, add_end, forward, backward, weight, links = devices[d]
         t, work = clock[d], busy[d]
         for i in range(len(start[d]), len(actions)):
             a = actions[i]
             kind = a.kind
             if kind is F or kind is B:
-                v = a.chunk * p + d
+                v, receives_act, receives_grad, _, _ = links[a.chunk]
                 backward_pass = kind is B
-                if v < last if backward_pass else v > 0:  # a message from the neighbouring stage
+                if receives_grad if backward_pass else receives_act:  # a message from another device
                     key = (int(backward_pass), a.micro_batch, v)
                     at = arrival.pop(key, None)
                     if at is None:
@@ -85,11 +84,12 @@ def execute(schedule: Schedule, cost: list[dict[ActionKind, float]],
             else:
                 add_start(t)
                 if kind is SEND_ACT or kind is SEND_GRAD:
+                    v, _, _, to_next, to_previous = links[a.chunk]
                     if kind is SEND_ACT:
-                        key = (0, a.micro_batch, a.chunk * p + d + 1)
+                        key = (0, a.micro_batch, v + 1)
                         arrival[key] = t + to_next
                     else:
-                        key = (1, a.micro_batch, a.chunk * p + d - 1)
+                        key = (1, a.micro_batch, v - 1)
                         arrival[key] = t + to_previous
                     if key in waiting:
                         ready.append(waiting.pop(key))
@@ -99,3 +99,15 @@ def execute(schedule: Schedule, cost: list[dict[ActionKind, float]],
     blocked = [(d, len(start[d])) for d in range(p) if len(start[d]) < len(schedule.actions[d])]
     waiting_for = {d: key for key, d in waiting.items()}
     return Timeline(start, end, busy, blocked, waiting_for)
+
+
+def _links(schedule: Schedule, d: int, latency: list[list[float]]) -> list[tuple[int, bool, bool, float, float]]:
+    """Per chunk of device d: (virtual stage, its F receives a message, its B receives a message,
+    latency to the next virtual stage's device, latency to the previous one's)."""
+    links = []
+    for chunk in range(schedule.chunks):
+        after, before = (schedule.remote_neighbour(d, chunk, step) for step in (1, -1))
+        links.append((schedule.virtual_stage(d, chunk), before is not None, after is not None,
+                      latency[d][after] if after is not None else 0.0,
+                      latency[d][before] if before is not None else 0.0))
+    return links

@@ -24,7 +24,7 @@ def chrome_trace_events(result: "SimResult") -> list[dict]:
                        "args": {"name": f"stage {d}"}})
     for d, actions in enumerate(s.actions):
         for a, t0, t1 in zip(actions, result.start[d], result.end[d]):
-            v = a.chunk * s.stages + d
+            v = s.virtual_stage(d, a.chunk)
             if a.kind in COMPUTE_KINDS:
                 events.append({"name": str(a), "cat": a.kind.name, "ph": "X", "pid": 0, "tid": d,
                                "ts": t0 * _SECONDS_TO_US, "dur": (t1 - t0) * _SECONDS_TO_US,
@@ -38,7 +38,7 @@ def chrome_trace_events(result: "SimResult") -> list[dict]:
     flow = 0
     for d, actions in enumerate(s.actions):
         for a, t0 in zip(actions, result.start[d]):
-            v = a.chunk * s.stages + d
+            v = s.virtual_stage(d, a.chunk)
             key = (int(a.kind is ActionKind.BACKWARD), a.micro_batch, v)
             if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD) and key in sent:
                 src, ts = sent[key]

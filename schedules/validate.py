@@ -54,7 +54,7 @@ def _message_text(is_grad: bool, send: bool, micro_batch: int, chunk: int) -> st
 
 
 def _check_fields_and_messages(s: Schedule) -> None:
-    p, chunks, virtual = s.stages, s.chunks, s.virtual_stages
+    chunks, virtual = s.chunks, s.virtual_stages
     micro_total, mini_batches = s.micro_batches * s.mini_batches, s.mini_batches
     # per ordered pair (sender, receiver): its messages in posting order, each as
     # (is_grad, micro_batch, receiving virtual stage), and their indices in the stage's list
@@ -85,17 +85,21 @@ def _check_fields_and_messages(s: Schedule) -> None:
             role = _MESSAGE_ROLE.get(kind)
             if role is not None:
                 is_grad, is_send, step = role
-                v = chunk * p + stage
+                v = s.virtual_stage(stage, chunk)
                 other_v = v + step
                 if not 0 <= other_v < virtual:
                     edge = "first" if other_v < 0 else "last"
                     raise ScheduleError(f"{_where(stage, i, a)}: the {edge} virtual stage has no "
                                         f"peer for {kind.name}; remove it")
+                peer = s.location(other_v)[0]
+                if peer == stage:
+                    raise ScheduleError(f"{_where(stage, i, a)}: virtual stages {v} and {other_v} are both "
+                                        f"on stage {stage} and hand over in memory; remove it")
                 if is_send:
-                    messages, at = sent[(stage, other_v % p)]
+                    messages, at = sent[(stage, peer)]
                     messages.append((is_grad, micro, other_v))
                 else:
-                    messages, at = received[(other_v % p, stage)]
+                    messages, at = received[(peer, stage)]
                     messages.append((is_grad, micro, v))
                 at.append(i)
     no_messages: tuple[list, list[int]] = ([], [])
@@ -108,19 +112,19 @@ def _check_fields_and_messages(s: Schedule) -> None:
 def _raise_message_mismatch(s: Schedule, pair: tuple[int, int], out: list, out_at: list[int],
                             inc: list, inc_at: list[int]) -> None:
     """Name the first message of `pair` whose send and receive do not match one to one."""
-    p, (src, dst) = s.stages, pair
+    src, dst = pair
     j = next((j for j, (sent, received) in enumerate(zip(out, inc)) if sent != received),
              min(len(out), len(inc)))
     if j >= len(inc):
         i, (is_grad, micro, v) = out_at[j], out[j]
         raise ScheduleError(f"{_where(src, i, s.actions[src][i])}: send has no matching "
-                            f"receive ({_message_text(is_grad, False, micro, v // p)} on "
+                            f"receive ({_message_text(is_grad, False, micro, s.location(v)[1])} on "
                             f"stage {dst})")
     if j >= len(out):
         i, (is_grad, micro, v) = inc_at[j], inc[j]
         src_v = v + 1 if is_grad else v - 1
         raise ScheduleError(f"{_where(dst, i, s.actions[dst][i])}: receive has no matching "
-                            f"send ({_message_text(is_grad, True, micro, src_v // p)} on "
+                            f"send ({_message_text(is_grad, True, micro, s.location(src_v)[1])} on "
                             f"stage {src})")
     si, ri = out_at[j], inc_at[j]
     raise ScheduleError(
@@ -131,7 +135,12 @@ def _raise_message_mismatch(s: Schedule, pair: tuple[int, int], out: list, out_a
 
 def _check_stage(s: Schedule, stage: int) -> None:
     actions = s.actions[stage]
-    p, last = s.stages, s.virtual_stages - 1
+    # per chunk: the chunk of the same stage it hands over to in memory upstream / downstream
+    # (V placement's virtual stages stages-1 -> stages), else None: a message or the pipeline's end
+    upstream_here = {c: _local_chunk(s, stage, c, -1) for c in range(s.chunks)}
+    downstream_here = {c: _local_chunk(s, stage, c, +1) for c in range(s.chunks)}
+    first_here = {c: s.virtual_stage(stage, c) == 0 for c in range(s.chunks)}
+    last_here = {c: s.virtual_stage(stage, c) == s.virtual_stages - 1 for c in range(s.chunks)}
     kinds = set(map(attrgetter("kind"), actions))
     split, uses_reduce = W in kinds, REDUCE in kinds
     # kind -> {(micro_batch, chunk): index of that action}
@@ -152,12 +161,21 @@ def _check_stage(s: Schedule, stage: int) -> None:
             fail(i, a, f"duplicate of action {done[key]}")
         done[key] = i
         if kind is F:
-            if key not in received_act and chunk * p + stage > 0:
+            before = upstream_here.get(chunk)
+            if before is not None:
+                if (micro, before) not in forwards:
+                    fail(i, a, f"forward before the forward F{micro}:{before} it takes its input from")
+            elif key not in received_act and not first_here.get(chunk, True):
                 fail(i, a, f"forward without a posted RECV_ACT{micro} before it")
         elif kind is B:
             if key not in forwards:
                 fail(i, a, "backward before its forward")
-            if key not in received_grad and chunk * p + stage < last:
+            after = downstream_here.get(chunk)
+            if after is not None:
+                if (micro, after) not in backwards:
+                    fail(i, a, f"backward before the backward B{micro}" + (f":{after}" if after else "")
+                         + " it takes its gradient from")
+            elif key not in received_grad and not last_here.get(chunk, True):
                 fail(i, a, f"backward without a posted RECV_GRAD{micro} before it")
         elif kind is W:
             if key not in backwards:
@@ -191,6 +209,15 @@ def _check_stage(s: Schedule, stage: int) -> None:
                                 f"mini-batch); append STEP{mini} after its last backward")
 
 
+def _local_chunk(s: Schedule, stage: int, chunk: int, step: int) -> int | None:
+    """The chunk of `stage` holding virtual stage v+step (v: `chunk`'s), or None if on another stage or none."""
+    other = s.virtual_stage(stage, chunk) + step
+    if not 0 <= other < s.virtual_stages:
+        return None
+    position, other_chunk = s.location(other)
+    return other_chunk if position == stage else None
+
+
 def _missing(s: Schedule, finished: dict[tuple[int, int], int], mini: int) -> str:
     """The first micro-batch (and chunk) of `mini` whose gradient is not finished yet, or ''."""
     for micro in range(mini * s.micro_batches, (mini + 1) * s.micro_batches):
@@ -209,8 +236,8 @@ def raise_if_deadlocked(s: Schedule, timeline: Timeline) -> None:
     a = s.actions[stage][i]
     is_grad, micro, v = timeline.waiting_for[stage]
     src_v = v + 1 if is_grad else v - 1
-    src = src_v % s.stages
-    send = _message_text(is_grad, True, micro, src_v // s.stages)
+    src, src_chunk = s.location(src_v)
+    send = _message_text(is_grad, True, micro, src_chunk)
     # the message checks guarantee the sender's list holds this SEND, so the sender is stuck too
     src_pos = len(timeline.start[src])
     raise ScheduleError(f"{_where(stage, i, a)}: waits forever (deadlock) for {send} from stage "

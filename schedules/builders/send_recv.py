@@ -1,7 +1,9 @@
 """Where activations and gradients travel, and the SEND/RECV actions that move them.
 
-Device d chunk c is virtual stage v = c*stages + d. Activations go v -> v+1,
-gradients v+1 -> v. Messages between an ordered pair of devices are matched
+Device d chunk c is virtual stage v (schedules.placement: c*stages + d in loop
+placement). Activations go v -> v+1, gradients v+1 -> v; between two virtual
+stages on one device (V placement) they are handed over in memory, without
+SEND or RECV. Messages between an ordered pair of devices are matched
 first-in first-out, so a device must post its receives from one peer in the
 order that peer sends (with 2 devices one pair carries both activations and
 gradients of interleaved schedules).
@@ -9,6 +11,7 @@ gradients of interleaved schedules).
 from __future__ import annotations
 
 from schedules.actions import Action, ActionKind
+from schedules.placement import location_of, virtual_stage_of
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
@@ -33,26 +36,41 @@ def backward_block(backward: Action, v: int, last: int) -> list[Action]:
     return block
 
 
-def attach_comms(compute: list[list[Action]], stages: int, chunks: int) -> list[list[Action]]:
+def attach_comms(compute: list[list[Action]], stages: int, chunks: int,
+                 placement: str = "loop") -> list[list[Action]]:
     """Wrap each F and B of per-device compute lists in its RECV and SEND.
 
     A RECV sits directly before its consumer and a SEND directly after its
     producer. That keeps each peer's messages in FIFO order as long as every
     device consumes them in the order its peer produces them, which all the
     builders here do (validate() checks it). The compute actions themselves
-    are reused, not copied.
+    are reused, not copied. `placement` says which virtual stage each chunk is;
+    a neighbour on the same device gets no SEND/RECV (handed over in memory).
     """
-    last = stages * chunks - 1
     result = []
     for device, actions in enumerate(compute):
+        # per chunk: (receives from upstream, sends downstream) of its forward
+        remote = [(_remote(device, c, -1, stages, chunks, placement), _remote(device, c, 1, stages, chunks, placement))
+                  for c in range(chunks)]
         out: list[Action] = []
         for a in actions:
             kind = a.kind
-            if kind is F:
-                out += forward_block(a, a.chunk * stages + device, last)
-            elif kind is B:
-                out += backward_block(a, a.chunk * stages + device, last)
+            if kind is F or kind is B:
+                upstream, downstream = remote[a.chunk]
+                receives, sends = (upstream, downstream) if kind is F else (downstream, upstream)
+                recv, send = (RECV_ACT, SEND_ACT) if kind is F else (RECV_GRAD, SEND_GRAD)
+                if receives:
+                    out.append(Action(device, recv, a.micro_batch, a.chunk))
+                out.append(a)
+                if sends:
+                    out.append(Action(device, send, a.micro_batch, a.chunk))
             else:
                 out.append(a)
         result.append(out)
     return result
+
+
+def _remote(device: int, chunk: int, step: int, stages: int, chunks: int, placement: str) -> bool:
+    """True when virtual stage v+step (v: `chunk` of `device`) exists and is on another device."""
+    other = virtual_stage_of(device, chunk, stages, placement) + step
+    return 0 <= other < stages * chunks and location_of(other, stages, placement)[0] != device

@@ -79,7 +79,6 @@ class _Shared:
         self.schedule, self.cost, self.latency = schedule, cost, latency
         self.send_cpu, self.recv_cpu, self.reduce_cpu = send_cpu, recv_cpu, reduce_cpu
         self.p, self.cores, self.wakeup = schedule.stages, cores, wakeup
-        self.last = schedule.virtual_stages - 1
         units = len(placement) * self.p
         self.node = [placement[u // self.p][u % self.p] for u in range(units)]
         self.start: list[list[float]] = [[] for _ in range(units)]
@@ -141,15 +140,15 @@ class _Shared:
 
     def _advance(self, u: int, t: float) -> None:
         """Run unit u's zero-time actions from time t until it starts compute, waits, or ends."""
-        p, r, d = self.p, u // self.p, u % self.p
+        r, d = divmod(u, self.p)
         actions = self.schedule.actions[d]
         while len(self.start[u]) < len(actions):
             a = actions[len(self.start[u])]
             kind = a.kind
             if kind is F or kind is B or kind is W:
-                v = a.chunk * p + d
-                needs = (kind is F and v > 0) or (kind is B and v < self.last)
+                needs = kind is not W and self.schedule.remote_neighbour(d, a.chunk, -1 if kind is F else 1) is not None
                 if needs:
+                    v = self.schedule.virtual_stage(d, a.chunk)
                     key = (int(kind is B), a.micro_batch, v)
                     at = self.arrival[r].get(key)
                     if at is None:
@@ -178,8 +177,9 @@ class _Shared:
                 self.running[u] = [self.reduce_cpu[d], self.reduce_cpu[d]]
                 return
             if kind is SEND_ACT or kind is SEND_GRAD:
-                to = d + 1 if kind is SEND_ACT else d - 1
-                key = (int(kind is SEND_GRAD), a.micro_batch, a.chunk * p + to)
+                step = 1 if kind is SEND_ACT else -1
+                to = self.schedule.remote_neighbour(d, a.chunk, step)
+                key = (int(kind is SEND_GRAD), a.micro_batch, self.schedule.virtual_stage(d, a.chunk) + step)
                 sending = self.send_cpu[d].get(kind, 0.0)
                 if sending > 0:  # the message leaves once the sender's CPU work is done
                     self.outbox[u] = (r, key, to)
@@ -221,6 +221,6 @@ def simulate_shared(schedule: Schedule, costs: Costs, placement: Sequence[Sequen
     check_structure(schedule)
     split = is_split(schedule)
     timelines = execute_shared(schedule, compute_per_device(schedule, costs, split),
-                               costs.latency(schedule.stages, wraps=schedule.chunks > 1), placement, cores, wakeup,
+                               costs.latency(schedule.stages, wraps=schedule.chunks > 1 and schedule.placement == "loop"), placement, cores, wakeup,
                                send_cpu, recv_cpu, reduce_cpu)
     return [result_of_timeline(schedule, costs, timeline, split) for timeline in timelines]
