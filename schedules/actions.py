@@ -23,6 +23,9 @@ class ActionKind(str, Enum):
     RECV_GRAD = "RECV_GRAD"
     STEP = "STEP"  # optimizer step; micro_batch holds the mini-batch index
     REDUCE = "REDUCE"  # data-parallel gradient reduction; micro_batch = mini-batch index
+    # marker, no work: the F (micro_batch, chunk) right after it runs overlapped with the next B
+    # (dualpipev), the slot where a communication hook such as an MoE all-to-all would hide
+    OVERLAP = "OVERLAP"
 
 
 COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT})

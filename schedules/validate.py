@@ -12,9 +12,10 @@ forever (deadlock).
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import islice
 from operator import attrgetter
 
-from schedules.actions import Action, ActionKind
+from schedules.actions import COMPUTE_KINDS, Action, ActionKind
 from schedules.timeline import Timeline, execute
 from schedules.gc_pause import gc_paused
 from schedules.schedule import Schedule, ScheduleError
@@ -22,7 +23,7 @@ from schedules.schedule import Schedule, ScheduleError
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
 SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
-STEP, REDUCE = ActionKind.STEP, ActionKind.REDUCE
+STEP, REDUCE, OVERLAP = ActionKind.STEP, ActionKind.REDUCE, ActionKind.OVERLAP
 # communication kind -> (carries a gradient, is a send, virtual stage of the peer minus own)
 _MESSAGE_ROLE = {SEND_ACT: (False, True, 1), RECV_ACT: (False, False, -1),
                  SEND_GRAD: (True, True, -1), RECV_GRAD: (True, False, 1)}
@@ -180,6 +181,8 @@ def _check_stage(s: Schedule, stage: int) -> None:
         elif kind is W:
             if key not in backwards:
                 fail(i, a, "weight-gradient before its backward (B)")
+        elif kind is OVERLAP:
+            _check_overlap(actions, i, a, fail)
         elif kind is SEND_ACT:
             if key not in forwards:
                 fail(i, a, f"sends an activation before its forward F{micro}")
@@ -207,6 +210,17 @@ def _check_stage(s: Schedule, stage: int) -> None:
         if mini not in stepped:
             raise ScheduleError(f"stage {stage}: no STEP{mini} (every stage steps once per "
                                 f"mini-batch); append STEP{mini} after its last backward")
+
+
+def _check_overlap(actions: list[Action], i: int, marker: Action, fail) -> None:
+    """An OVERLAP marker names the F that follows it and pairs it with the next B of another micro-batch."""
+    pair = list(islice((a for a in islice(actions, i + 1, None) if a.kind in COMPUTE_KINDS), 2))
+    if not pair or (pair[0].kind, pair[0].micro_batch, pair[0].chunk) != (F, marker.micro_batch, marker.chunk):
+        fail(i, marker, f"an OVERLAP marker must come right before the forward it names "
+                        f"(F{marker.micro_batch}" + (f":{marker.chunk}" if marker.chunk else "") + ")")
+    if len(pair) < 2 or pair[1].kind is not B or pair[1].micro_batch == marker.micro_batch:
+        fail(i, marker, "an OVERLAP marker pairs its forward with the next computation, which must be "
+                        "the backward (B) of another micro-batch")
 
 
 def _local_chunk(s: Schedule, stage: int, chunk: int, step: int) -> int | None:

@@ -11,6 +11,7 @@ from schedules.builders.interleaved import interleaved_1f1b
 from schedules.builders.one_f_one_b import one_f_one_b
 from schedules.builders.reduce import stream_with_reductions, with_reductions
 from schedules.builders.zero_bubble import zb_h1
+from schedules.builders.zero_bubble_v import dualpipev, interleaved_zb, zbv
 from schedules.gc_pause import gc_paused
 from schedules.schedule import Schedule
 
@@ -20,6 +21,9 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
     "async-1f1b": async_1f1b,
+    "zbv": zbv,
+    "dualpipev": dualpipev,
+    "interleaved-zb": interleaved_zb,
 }
 
 
@@ -27,7 +31,7 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
 def build(kind: str, stages: int, micro_batches: int, **options: object) -> Schedule:
     """Build the action lists of every stage for schedule `kind`.
 
-    Options: chunks (interleaved-1f1b, default 2; gpipe, default 1); mini_batches
+    Options: chunks (interleaved-1f1b and interleaved-zb, default 2; gpipe, default 1); mini_batches
     (async-1f1b, default 4). The lists have no REDUCE: with_reductions adds them.
     """
     if kind not in BUILDERS:

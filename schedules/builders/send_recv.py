@@ -10,6 +10,8 @@ gradients of interleaved schedules).
 """
 from __future__ import annotations
 
+from collections import defaultdict, deque
+
 from schedules.actions import Action, ActionKind
 from schedules.placement import location_of, virtual_stage_of
 
@@ -66,6 +68,46 @@ def attach_comms(compute: list[list[Action]], stages: int, chunks: int,
                     out.append(Action(device, send, a.micro_batch, a.chunk))
             else:
                 out.append(a)
+        result.append(out)
+    return result
+
+
+def receives_in_send_order(lists: list[list[Action]], stages: int, placement: str = "loop") -> list[list[Action]]:
+    """`lists` with each RECV moved up, where needed, so that every device posts the receives
+    from one peer in the order that peer sends (FIFO matching).
+
+    attach_comms puts a RECV right before its consumer; when a device consumes two kinds of
+    message from one peer (V placement: activations of chunk 0 and gradients of chunk 1 both
+    flow d -> d+1) in another order than the peer produced them, the later-consumed one is
+    posted early instead, right before the first receive that comes after it in the peer's
+    order. Receives only post, so this adds no wait; every RECV still precedes its consumer.
+    """
+    sent: dict[tuple[int, int], deque[Action]] = defaultdict(deque)  # (src, dst) -> receives in send order
+    for d, actions in enumerate(lists):
+        for a in actions:
+            if a.kind is SEND_ACT or a.kind is SEND_GRAD:
+                step = 1 if a.kind is SEND_ACT else -1
+                dst, chunk = location_of(virtual_stage_of(d, a.chunk, stages, placement) + step, stages, placement)
+                sent[(d, dst)].append(Action(dst, RECV_ACT if step == 1 else RECV_GRAD, a.micro_batch, chunk))
+    result = []
+    for d, actions in enumerate(lists):
+        posted: set[Action] = set()
+        out: list[Action] = []
+        for a in actions:
+            if a.kind is not RECV_ACT and a.kind is not RECV_GRAD:
+                out.append(a)
+                continue
+            if a in posted:
+                continue
+            step = -1 if a.kind is RECV_ACT else 1
+            src = location_of(virtual_stage_of(d, a.chunk, stages, placement) + step, stages, placement)[0]
+            queue = sent[(src, d)]
+            while queue:
+                receive = queue.popleft()
+                out.append(receive)
+                posted.add(receive)
+                if receive == a:
+                    break
         result.append(out)
     return result
 
