@@ -15,7 +15,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", choices=list(schedules.BUILDERS))
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--chunks", type=int, help="virtual stages per device (interleaved-1f1b)")
+    p.add_argument("--chunks", type=int, help="virtual stages per device (interleaved-1f1b, interleaved-zb)")
     p.add_argument("--mini-batches", type=int, help="mini-batches in the stream (async-1f1b)")
     p.add_argument("--forward", type=float, default=1.0, help="forward time per micro-batch")
     p.add_argument("--backward", type=float, default=1.0,
