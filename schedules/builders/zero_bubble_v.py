@@ -71,14 +71,14 @@ def dualpipev(stages: int, micro_batches: int) -> Schedule:
     limit = 2 * stages
 
     def pick(device: int, ready: list[Unit], held: int, history: list[Unit]) -> Unit | None:
-        forwards_left = any(u.kind is F for u in ready) or sum(u.kind is F for u in history) < 2 * micro_batches
-        if history and forwards_left:
+        # steady phase: forwards are left (and, for the F -> B pairing, half the limit is held)
+        if history and sum(u.kind is F for u in history) < 2 * micro_batches:
             last = history[-1]
-            if last.kind is B:  # steady phase: the backward finishes with its weight gradient
+            if last.kind is B:  # the backward finishes with its weight gradient (a full backward)
                 own_w = [u for u in ready if u.kind is W and (u.micro_batch, u.chunk) == (last.micro_batch, last.chunk)]
                 if own_w:
                     return own_w[0]
-            if last.kind is F and held >= limit // 2:  # steady phase: a forward, then a backward
+            if last.kind is F and held >= limit // 2:  # a forward, then a backward to overlap it with
                 backward = [u for u in ready if u.kind is B]
                 if backward:
                     return min(backward, key=lambda u: (-u.virtual_stage, u.micro_batch))
