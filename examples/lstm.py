@@ -20,24 +20,12 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
 from torch.utils.tensorboard import SummaryWriter
 
 import pipetrain
 from _common import datasets, mini_batches, parse_args
+from pipetrain.apps.training import evaluate
 from pipetrain.apps.models import LSTMLM, LSTMClassifier
-
-
-@torch.no_grad()
-def validate(pipe: pipetrain.Pipeline, val: Dataset, batch_size: int) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy over ``val`` (predict: the forward alone, in eval mode, on every rank)."""
-    loss, correct, count = 0.0, 0, 0
-    for x, y in DataLoader(val, batch_size=batch_size):
-        logits = pipe.predict(x)
-        loss += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(dim=1) == y).sum().item()
-        count += y.numel()
-    return loss / count, correct / count
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
                 saved = bool(args.save_every) and pipe.updates % args.save_every == 0
                 if saved:
                     pipe.save(args.checkpoint_dir)  # every rank saves its own stages
-        val_loss, val_accuracy = validate(pipe, val, args.batch_size)
+        val_loss, val_accuracy = evaluate(pipe, val, args.batch_size)  # pipe.predict over val, every rank
         history.append((sum(losses) / len(losses), val_loss, val_accuracy))
         if writer is not None:
             writer.add_scalar("val/loss", val_loss, pipe.updates)
