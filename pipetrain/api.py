@@ -17,7 +17,8 @@ def wrap(model: nn.Module, example_inputs: Any, *,
          # --- the pipeline
          stages: int = 4,
          micro_batches: int = 8,
-         schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b"] = "1f1b",
+         schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b", "zbv", "dualpipev",
+                           "interleaved-zb"] = "1f1b",
          staleness: Literal["none", "vanilla", "stash", "2bw", "spectrain", "nesterov"] = "none",
          partitioner: Literal["graph", "time", "params", "uniform"] | list[str] = "graph",
          # --- what it trains with
@@ -67,7 +68,9 @@ def wrap(model: nn.Module, example_inputs: Any, *,
         stages: pipeline stages (one process each under torchrun, times data_parallel).
         micro_batches: micro-batches each mini-batch is split into.
         schedule: "gpipe", "1f1b", "interleaved-1f1b" (chunks virtual stages per device), "zb-h1"
-            (zero bubble, backward split into input and weight gradients) or "async-1f1b" (no flush).
+            (zero bubble, backward split into input and weight gradients), "zbv" and "dualpipev" (zero
+            bubble with 2 chunks per device in a V: device 0 holds the first and the last), "interleaved-zb"
+            (interleaved 1F1B with the split backward) or "async-1f1b" (no flush).
         staleness: async-1f1b's weight policy: "vanilla", "stash" (PipeDream), "2bw" (PipeDream-2BW),
             "spectrain" (weight prediction) or "nesterov"; "none" for the synchronous schedules.
         partitioner: "graph" (balanced cost graph), "time", "params", "uniform", or a list of the
@@ -86,7 +89,7 @@ def wrap(model: nn.Module, example_inputs: Any, *,
             torch.save'd state dict or a pipetrain checkpoint; each rank reads only its stages' tensors.
         nonfinite: a NaN/inf loss or gradient: "raise" on every rank, or "skip" the update everywhere.
     Tuning knobs:
-        chunks: virtual stages per device for interleaved-1f1b.
+        chunks: virtual stages per device for interleaved-1f1b and interleaved-zb (zbv, dualpipev: always 2).
         spectrain_variant: "paper" or "forward-only" prediction. lookahead: scales the prediction distance.
         devices: local engine: the torch.device of each stage.
         seed: dropout and initialisation streams (a meta-device model's weights depend on it and names only).

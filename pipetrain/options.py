@@ -20,11 +20,14 @@ from schedules import BUILDERS
 from schedules.cluster import load_cluster
 
 # Each vocabulary is defined where the thing is implemented; these are the names wrap's options use.
-# The kinds the runtime runs; the other kinds in BUILDERS (zbv, dualpipev, interleaved-zb) are
-# planned and simulated by `schedules` only, until the runtime executes them (issue #37).
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "async-1f1b")
-SIMULATED_ONLY = tuple(k for k in BUILDERS if k not in SCHEDULES)
+SCHEDULES = tuple(BUILDERS)  # gpipe, 1f1b, interleaved-1f1b, zb-h1, async-1f1b, zbv, dualpipev, interleaved-zb
 SYNC_SCHEDULES = tuple(k for k in SCHEDULES if k != "async-1f1b")
+# Zero-bubble schedules: each backward split into input gradients (B) and weight gradients (W).
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zbv", "dualpipev", "interleaved-zb")
+# V placement: exactly two chunks per device, the first and the last model piece on device 0.
+V_SCHEDULES = ("zbv", "dualpipev")
+# Loop placement with `chunks` virtual stages per device.
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")
 RECOMPUTE = SETTINGS + ("auto",)  # "auto": per stage, the cheapest setting that fits memory_limit
 ZERO = (0, 1, 2)
 
@@ -63,7 +66,7 @@ class PipelineOptions:
     # parameter) or "skip" (no update on any stage for that step; StepResult.skipped says so).
     nonfinite: str = "raise"
     # Beyond the contract: tuning knobs with safe defaults.
-    chunks: int = 2                    # virtual stages per device for interleaved-1f1b
+    chunks: int = 2                    # virtual stages per device: interleaved-1f1b, interleaved-zb; zbv, dualpipev: 2
     spectrain_variant: str = "paper"
     # spectrain / nesterov: scales the prediction distance (1.0: predict the schedule's real lag; see README).
     lookahead: float = 1.0
@@ -108,9 +111,6 @@ class PipelineOptions:
             raise ValueError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}")
-        if self.schedule in SIMULATED_ONLY:
-            raise ValueError(f"schedule {self.schedule!r} is simulated by `schedules` and `pipetrain simulate` but not yet "
-                             f"run by the pipeline runtime; choose one of {', '.join(SCHEDULES)}")
         choose("schedule", self.schedule, SCHEDULES)
         choose("staleness", self.staleness, STALENESS)
         choose("precision", self.precision, PRECISIONS)
@@ -170,14 +170,22 @@ class PipelineOptions:
                 f"staleness={self.staleness!r} with precision={self.precision!r}: autocast saves low-precision "
                 "copies of the weights for the backward, so the backward could not see the latest/predicted "
                 "weights; use precision='fp32' or staleness='stash'")
-        if compile_arguments(self.compile) is not None and self.schedule == "zb-h1":
-            raise ValueError("compile=... with schedule='zb-h1': zero-bubble splits each backward into input "
+        if compile_arguments(self.compile) is not None and self.splits_backward:
+            raise ValueError(f"compile=... with schedule={self.schedule!r}: zero-bubble splits each backward into input "
                              "gradients (B) and weight gradients (W) by walking the autograd graph, but a "
                              "compiled stage's backward is one autograd node that computes both at once, so it "
                              "cannot be split; use schedule='1f1b' (or 'interleaved-1f1b') with compile, or "
-                             "compile=False with zb-h1")
-        if self.schedule == "interleaved-1f1b" and self.chunks < 2:
-            raise ValueError(f"interleaved-1f1b needs chunks >= 2 virtual stages per device, got {self.chunks}")
+                             f"compile=False with {self.schedule}")
+        if self.schedule in INTERLEAVED_SCHEDULES and self.chunks < 2:
+            raise ValueError(f"{self.schedule} needs chunks >= 2 virtual stages per device, got {self.chunks}")
+        if self.schedule in V_SCHEDULES and self.chunks != 2:
+            # chunks' default is 2: only a value the user chose differs
+            raise ValueError(f"{self.schedule} runs exactly 2 chunks per device (V placement: device d holds virtual "
+                             f"stages d and 2*stages-1-d), got chunks={self.chunks}; leave chunks at 2, or use "
+                             "schedule='interleaved-zb' for more chunks per device")
+        if self.schedule in ("zbv", "dualpipev", "interleaved-zb") and self.stages < 2:
+            raise ValueError(f"{self.schedule} needs stages >= 2 (several chunks on each of at least two devices); "
+                             "with one stage use schedule='zb-h1' or '1f1b'")
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
             raise TypeError(f"weights must be a path (a checkpoint directory or file), got "
                             f"{type(self.weights).__name__}; fix: save the state dict (torch.save or "
@@ -208,7 +216,15 @@ class PipelineOptions:
 
     @property
     def chunks_per_device(self) -> int:
-        return self.chunks if self.schedule == "interleaved-1f1b" else 1
+        """Virtual stages (model chunks) per pipeline position under this schedule."""
+        if self.schedule in INTERLEAVED_SCHEDULES + V_SCHEDULES:
+            return self.chunks
+        return 1
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as B (input gradients) and W (weight gradients)."""
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
 
     @property
     def virtual_stages(self) -> int:

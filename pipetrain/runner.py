@@ -209,7 +209,7 @@ class Runner:
 
     def _executors(self, feed: Feed, recompute: Recompute, train: bool) -> dict[int, PositionExecutor]:
         p = self.parts
-        split = p.options.schedule == "zb-h1"
+        split = p.options.splits_backward
         executors = {}
         for d, stepper in p.steppers.items():
             scaler, reducer = stepper.scaler, p.connections.reducers.get(d)

@@ -65,7 +65,8 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     io = model_io(model, example_inputs, plan)
     check_default_loss(options.loss_fn, plan.graph.example_output, io.model)
     book.resolve_recompute(plan.recompute)
-    topology = Topology(plan, options.stages)
+    topology = Topology(plan, options.stages, book.placement)
+    book.check_links(topology)
     tensors = StageTensors.prepare(plan.graph.model, plan.graph.state_names, plan.graph.without_data,
                                    options.weights, options.seed)
     stages = build_stages(plan, topology, engine, options, precision.autocast_dtype, tensors)
@@ -112,7 +113,7 @@ def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, e
     if decides:
         method = list(options.partitioner) if isinstance(options.partitioner, (list, tuple)) else options.partitioner
         memory = memory_model(book.planning_actions(), options.stages, options.policy_name, options.recompute,
-                              options.optimizer, options.zero, options.data_parallel)
+                              options.optimizer, options.zero, options.data_parallel, book.placement)
         plan = partitioners.partition(graph, options.virtual_stages, method=method, bandwidth=options.bandwidth,
                                       memory_limit=options.memory_limit, memory=memory)
     return engine.agree_on_plan(plan, graph)

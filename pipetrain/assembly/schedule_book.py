@@ -7,11 +7,14 @@ from typing import Callable, Iterator
 
 import schedules
 from pipetrain.runtime.executor import Recompute
+from pipetrain.runtime.topology import Topology
 from schedules import Action, ActionKind
 from schedules.held_activations import recomputed
 from schedules.nccl_order import posted_batches
+from schedules.placement import virtual_stage_of
 
 FORWARD_ONLY = frozenset({ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT})
+TAKES_CHUNKS = ("interleaved-1f1b", "interleaved-zb", "gpipe")  # builders whose chunk count is an option
 
 
 @dataclass(frozen=True)
@@ -31,13 +34,15 @@ class ScheduleBook:
         self._built: dict[tuple[str, int], schedules.Schedule] = {}
         self._posted: dict[tuple[int, bool], tuple[list[Action], list]] = {}  # id(actions), ahead -> (actions, program)
         self._forward_only: dict[int, list[list[Action]]] = {}
+        # which virtual stage each chunk of a position is (schedules.placement): the schedule kind's
+        self.placement = "loop" if kind == "async-1f1b" else self.build(kind, micro_batches).placement
         self.training = RunSchedule(self.planning_actions(), Recompute())
 
     def build(self, kind: str, micro_batches: int) -> schedules.Schedule:
         """A synchronous schedule, validated (bad combinations, e.g. interleaved with m % stages, fail here)."""
         key = (kind, micro_batches)
         if key not in self._built:
-            options = {"chunks": self.chunks} if kind in ("interleaved-1f1b", "gpipe") and self.chunks > 1 else {}
+            options = {"chunks": self.chunks} if kind in TAKES_CHUNKS and self.chunks > 1 else {}
             sched = schedules.build(kind, self.positions, micro_batches, **options)
             if self.data_parallel:
                 sched = schedules.with_reductions(sched)
@@ -57,6 +62,7 @@ class ScheduleBook:
         """Fix which training forwards recompute from the plan's per-virtual-stage settings."""
         S = self.positions
         settings = settings or ["none"] * (S * self.chunks)
+        stage = lambda d, c: virtual_stage_of(d, c, S, self.placement)  # noqa: E731
         if self.kind == "async-1f1b":  # the stream never ends: every stage but the last runs other forwards between
             stages = frozenset(v for v, s in enumerate(settings) if s == "always" or (s == "except-last" and v != S - 1))
             recompute = Recompute(stages=stages)
@@ -64,7 +70,8 @@ class ScheduleBook:
             forwards = set()
             for d, actions in enumerate(self.training.actions):
                 for setting in set(settings) - {"none"}:
-                    forwards |= {(c * S + d, g) for c, g in recomputed(actions, setting) if settings[c * S + d] == setting}
+                    forwards |= {(stage(d, c), g) for c, g in recomputed(actions, setting)
+                                 if settings[stage(d, c)] == setting}
             recompute = Recompute(forwards=frozenset(forwards))
         self.training = RunSchedule(self.training.actions, recompute)
 
@@ -95,8 +102,34 @@ class ScheduleBook:
 
     def forward_only(self, micro_batches: int) -> list[list[Action]]:
         """predict: the forwards of GPipe with the same stage placement (any m works, unlike
-        interleaved-1f1b, which needs m divisible by stages: a short last batch need not be)."""
+        interleaved-1f1b, which needs m divisible by stages: a short last batch need not be); in V
+        placement, which GPipe does not have, the forwards of the training schedule (any m works too)."""
         if micro_batches not in self._forward_only:
+            kind = "gpipe" if self.placement == "loop" else self.kind
             self._forward_only[micro_batches] = [[a for a in actions if a.kind in FORWARD_ONLY]
-                                                 for actions in self.build("gpipe", micro_batches).actions]
+                                                 for actions in self.build(kind, micro_batches).actions]
         return self._forward_only[micro_batches]
+
+    def check_links(self, topology: Topology) -> None:
+        """Raise unless the schedule moves every link between two positions: a SEND at the stage that
+        makes the values and a RECV at the one that uses them, for the activations and their gradients.
+        A link inside one position is handed over in memory; V placement moves nothing from virtual
+        stage positions-1 (and into stage positions, both on the last position), so a skip connection
+        leaving or entering the V's turn there has no action to travel with and would wait for ever."""
+        present = {(d, a.chunk, a.kind) for d, actions in enumerate(self.training.actions) for a in actions}
+        SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
+        SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
+        for link in topology.links:
+            if topology.same_position(link):
+                continue
+            ends = {v: (topology.position_of(v), topology.chunk_of(v)) for v in (link.src, link.dst)}
+            needed = [(link.src, SEND_ACT), (link.dst, RECV_ACT), (link.dst, SEND_GRAD), (link.src, RECV_GRAD)]
+            missing = [(v, kind) for v, kind in needed if (*ends[v], kind) not in present]
+            if missing:
+                v, kind = missing[0]
+                raise ValueError(
+                    f"schedule {self.kind!r} cannot carry {list(link.names)} from stage {link.src} to stage {link.dst} "
+                    f"(positions {ends[link.src][0]} -> {ends[link.dst][0]}): stage {v} has no {kind.value} action "
+                    f"({self.placement} placement moves values only between neighbouring virtual stages there); "
+                    "fix: choose split points so that no value skips the V's turn (partitioner=[...] of split "
+                    "points), or a schedule with loop placement (e.g. 'interleaved-zb' or 'zb-h1')")

@@ -72,7 +72,7 @@ class ReductionSettings:
         # (they add per-version gradients by hand), nor across interleaved chunks, nor when
         # zero-bubble W passes set the weight gradients.
         overlap = (options.overlap and options.staleness == "none" and options.chunks_per_device == 1
-                   and options.schedule != "zb-h1")
+                   and not options.splits_backward)
         return cls(options.bucket_mb, options.allreduce, options.compress, options.cluster, overlap, options.zero,
                    bool(options.zero) and options.staleness in PREDICTING)
 

@@ -1,8 +1,9 @@
 """Moving boundary values between stages: in one process, or over torch.distributed.
 
 Both transports offer the same calls, which the executor uses for every engine: ``exchange``
-(post one comm batch of sends and receives, non-blocking), ``ready`` (is it there? the
-distributed transport waits until it is), ``take`` and ``flush``. A message is the list of values
+(post one comm batch of sends and receives between positions, non-blocking), ``hand_over`` (a link
+inside one position, delivered in memory), ``ready`` (is it there? the distributed transport waits
+until it is), ``take`` and ``flush``. A message is the list of values
 on one link for one micro-batch: activations src -> dst, gradients dst -> src.
 """
 from __future__ import annotations
@@ -43,6 +44,10 @@ class LocalTransport:
         moved = to_device(pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, values),
                           self.devices[dst])
         self.messages[(link.index, kind, micro_batch)] = moved
+
+    def hand_over(self, link: Link, kind: str, micro_batch: int, values: list) -> None:
+        """A link inside one position: handed over as every message is in one process."""
+        self.send(link, kind, micro_batch, values)
 
     def exchange(self, messages: list[Message], ahead: Sequence[Message] = ()) -> None:
         """Deliver the sends of one comm batch at once (a receive needs no posting in one process,
@@ -134,8 +139,13 @@ class DistributedTransport:
     def _is_local(self, link: Link) -> bool:
         return self.local_links[link.index]
 
+    def hand_over(self, link: Link, kind: str, micro_batch: int, values: list) -> None:
+        """A link between two stages of this rank (one pipeline position): delivered in memory."""
+        self.local.send(link, kind, micro_batch, values)
+
     def exchange(self, messages: list[Message], ahead: Sequence[Message] = ()) -> None:
-        """Post the sends and receives of one comm batch: per communicator a group of the headers
+        """Post the sends and receives of one comm batch (links between positions only: ``hand_over`` moves
+        the others): per communicator a group of the headers
         where shapes must be agreed first, then one group with every payload, then one with the
         receives ``ahead`` whose shapes are agreed (the others wait for the next exchange)."""
         batch = _Batch()
@@ -144,13 +154,9 @@ class DistributedTransport:
         # Sends first: a gradient received in this batch may belong to an activation sent in it.
         for m in due:
             if m.values is not None:
-                if self._is_local(m.link):
-                    self.local.send(m.link, m.kind, m.micro_batch, m.values)
-                else:
-                    self._add_send(m, batch)
+                self._add_send(m, batch)
         for m in due:
-            if (m.values is None and not self._is_local(m.link)
-                    and (m.link.index, m.kind, m.micro_batch) not in self.posted):
+            if m.values is None and (m.link.index, m.kind, m.micro_batch) not in self.posted:
                 self._add_receive(m, batch, reads)
         for comm, group in batch.headers.items():
             self._post(comm, group)
@@ -162,8 +168,6 @@ class DistributedTransport:
                 self.agreed_received.add(m.link.index, m.shape_key, meta)
             self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch.payloads)
         for m in ahead:  # after the reads: a header read above may have agreed their shapes
-            if self._is_local(m.link):
-                continue
             meta = self._known_meta(m)
             if meta is None:
                 self.deferred.append(m)

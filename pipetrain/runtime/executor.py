@@ -8,6 +8,12 @@ communicator: the order NCCL needs, checked for every schedule. The local engine
 generators of all positions in one process; the distributed engine drives the one of its rank (its
 transport waits instead of blocking the generator). Both execute the same lists ``schedules`` builds.
 
+SEND and RECV actions move the links between two positions. A link whose two stages run on one position
+(a skip connection between chunks of an interleaved position; V placement's turn, which the schedule moves
+without any action) is handed over in memory as soon as its values exist: the activations right after the
+forward that makes them, the gradients right after the backward. ``ScheduleBook.check_links`` makes sure at
+wrap that every other link has its actions.
+
 A message carries each value in the dtype the stage produced it in, as the unsplit model would hold it
 under the same autocast (a bf16 activation, an fp32 residual or rotary table), and each gradient in the
 dtype of the tensor it belongs to: casting at a boundary would round what the model keeps in fp32.
@@ -83,6 +89,7 @@ class PositionExecutor:
             ActionKind.WEIGHT: self._weight,
             ActionKind.STEP: self._step,
             ActionKind.REDUCE: self._reduce,
+            ActionKind.OVERLAP: self._overlap,
         }
 
     def run(self, program: Iterable[Action | CommBatch], report: StepReport | None = None) -> Iterator[str]:
@@ -97,7 +104,7 @@ class PositionExecutor:
             handler = self._handlers.get(action.kind)
             if handler is None:
                 raise ValueError(f"the runtime cannot execute action {action} ({action.kind.name}); "
-                                 "use gpipe, 1f1b, interleaved-1f1b, zb-h1 or async-1f1b")
+                                 "use a schedule that schedules.build makes")
             yield from (self._step(action, report) if action.kind == ActionKind.STEP else handler(action))
             yield STEPPED if action.kind == ActionKind.STEP else DONE
 
@@ -130,7 +137,10 @@ class PositionExecutor:
             (self.losses if self.train else self.predictions)[g] = out
         else:
             values = dict(zip(self.topology.outputs[stage.index], _as_tuple(out)))
-            self.outputs[(stage.index, g)] = values
+            for link in self.topology.local_out_of[stage.index]:
+                self.transport.hand_over(link, ACT, g, [values[n] for n in link.names])
+            if self.topology.remote_out_of[stage.index]:  # the SEND_ACT takes them
+                self.outputs[(stage.index, g)] = values
             if self.train:
                 self.float_leaves[(stage.index, g)] = {n: _count_float(v) for n, v in values.items()}
 
@@ -139,21 +149,26 @@ class PositionExecutor:
         stage = self._stage(a)
         g, kind = a.micro_batch, a.kind
         shapes = self.feed.shapes(g)
+        into, out_of = self.topology.remote_into[stage.index], self.topology.remote_out_of[stage.index]
         if kind == ActionKind.SEND_ACT:
-            values = self.outputs.pop((stage.index, g))
-            for link in self.topology.out_of[stage.index]:
+            values = self.outputs.pop((stage.index, g)) if out_of else {}
+            for link in out_of:
                 yield Message(link, ACT, g, [values[n] for n in link.names], shapes)
         elif kind == ActionKind.RECV_ACT:
-            for link in self.topology.into[stage.index]:
+            for link in into:
                 yield Message(link, ACT, g, None, shapes)
         elif kind == ActionKind.SEND_GRAD:
-            grads = self.input_grads.pop((stage.index, g))
-            position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
-            for link in self.topology.into[stage.index]:
-                yield Message(link, GRAD, g, [t for n in link.names for t in grads[position[n]]], shapes)
+            grads = self.input_grads.pop((stage.index, g)) if into else []
+            for link in into:
+                yield Message(link, GRAD, g, self._link_grads(stage, link, grads), shapes)
         else:
-            for link in self.topology.out_of[stage.index]:
+            for link in out_of:
                 yield Message(link, GRAD, g, None, shapes)
+
+    def _link_grads(self, stage: StageRuntime, link, grads: list[list]) -> list:
+        """The gradients of ``link``'s values among ``grads`` (per input of the stage, in input order)."""
+        position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
+        return [t for n in link.names for t in grads[position[n]]]
 
     def _backward(self, a: Action) -> Iterator[str]:
         stage = self._stage(a)
@@ -172,7 +187,10 @@ class PositionExecutor:
         input_grads = stage.backward(g, grads, loss_scale=self.loss_scale(), split=self.split_backward, last=last)
         self._busy[stage.index] += time.perf_counter() - start
         if stage.index > 0:
-            self.input_grads[(stage.index, g)] = input_grads
+            for link in self.topology.local_into[stage.index]:
+                self.transport.hand_over(link, GRAD, g, self._link_grads(stage, link, input_grads))
+            if self.topology.remote_into[stage.index]:  # the SEND_GRAD takes them
+                self.input_grads[(stage.index, g)] = input_grads
 
     def _output_grads(self, stage: StageRuntime, g: int, links, by_link: dict[int, list]) -> list:
         """Sum the gradients every consumer sent for each floating output, in output order.
@@ -210,6 +228,11 @@ class PositionExecutor:
     def _reduce(self, a: Action) -> Iterator[str]:
         if self.reduce is not None:
             self.reduce(a.micro_batch)
+        return iter(())
+
+    def _overlap(self, a: Action) -> Iterator[str]:
+        """A marker (dualpipev): the forward after it could overlap the backward that follows it. Both run
+        in order here; the mark is where a communication hook would hide behind the other's compute."""
         return iter(())
 
 

@@ -12,17 +12,20 @@ from pipetrain.runtime.staleness import POLICIES
 from pipetrain.runtime.tensor_bytes import storage_bytes
 from partitioners.memory_model import SETTINGS, Moments
 from schedules.held_activations import held_activations
+from schedules.placement import virtual_stage_of
 
 
-def schedule_moments(actions: list[list[schedules.Action]], stages: int) -> dict[str, list[Moments]]:
-    """Per recomputation setting and virtual stage (chunk * stages + position), the moments its held bytes may peak."""
+def schedule_moments(actions: list[list[schedules.Action]], stages: int,
+                     placement: str = "loop") -> dict[str, list[Moments]]:
+    """Per recomputation setting and virtual stage (``placement`` says which one each position's chunk is),
+    the moments its held bytes may peak."""
     chunks = 1 + max((a.chunk for listed in actions for a in listed), default=0)
     out: dict[str, list] = {}
     for setting in SETTINGS:
         per_stage: list = [[] for _ in range(stages * chunks)]
         for d, listed in enumerate(actions):
             for c, moments in held_activations(listed, setting).items():
-                per_stage[c * stages + d] = sorted(moments)
+                per_stage[virtual_stage_of(d, c, stages, placement)] = sorted(moments)
         out[setting] = per_stage
     return out
 
@@ -51,12 +54,14 @@ def optimizer_state_factor(optimizer: Callable[[list[torch.nn.Parameter]], torch
 
 
 def memory_model(actions: list[list[schedules.Action]], stages: int, policy: str, recompute: str,
-                 optimizer: Callable, zero: int = 0, data_parallel: int = 1) -> partitioners.MemoryModel:
-    """The memory model of a pipeline running ``actions`` (one list per pipeline position). With ``zero`` >= 1 a
+                 optimizer: Callable, zero: int = 0, data_parallel: int = 1,
+                 placement: str = "loop") -> partitioners.MemoryModel:
+    """The memory model of a pipeline running ``actions`` (one list per pipeline position, its chunks placed
+    as ``placement`` says: schedules.placement). With ``zero`` >= 1 a
     replica holds 1/``data_parallel`` of the optimizer state. ZeRO-2's gradient shard does not lower
     the peak: gradients accumulate whole over a step's micro-batches and are sharded only after the
     last backward, so the moments the gradients are counted at are the same."""
-    moments = schedule_moments(actions, stages)
+    moments = schedule_moments(actions, stages, placement)
     virtual = len(moments["none"])
     versions = weight_versions(policy, virtual, recompute)
     shards = data_parallel if zero else 1
