@@ -49,7 +49,8 @@ def held_activations(actions: list[Action], mode: str) -> dict[int, set[tuple[in
     the micro-batch's activations are still held and its weight gradients exist. Gradients are absent
     from a STEP (which clears them) to the next backward."""
     again = recomputed(actions, mode)
-    split = any(a.kind is ActionKind.WEIGHT for a in actions)
+    # chunks whose backward is split (B keeps the graph for W); a chunk without W runs its backward whole
+    split_chunks = {a.chunk for a in actions if a.kind is ActionKind.WEIGHT}
     whole: dict[int, int] = {}
     boundary: dict[int, int] = {}
     grads: dict[int, int] = {}
@@ -70,6 +71,7 @@ def held_activations(actions: list[Action], mode: str) -> dict[int, set[tuple[in
                 whole[c] += 1
             at.add((whole[c], boundary[c], grads[c]))
         elif a.kind is ActionKind.BACKWARD:
+            split = c in split_chunks
             if key in again:  # the recomputed forward brings its activations back for the backward
                 boundary[c] -= 1
                 whole[c] += 1

@@ -129,7 +129,7 @@ class ScheduleBook:
                 v, kind = missing[0]
                 raise ValueError(
                     f"schedule {self.kind!r} cannot carry {list(link.names)} from stage {link.src} to stage {link.dst} "
-                    f"(positions {ends[link.src][0]} -> {ends[link.dst][0]}): stage {v} has no {kind.value} action "
-                    f"({self.placement} placement moves values only between neighbouring virtual stages there); "
-                    "fix: choose split points so that no value skips the V's turn (partitioner=[...] of split "
-                    "points), or a schedule with loop placement (e.g. 'interleaved-zb' or 'zb-h1')")
+                    f"(positions {ends[link.src][0]} -> {ends[link.dst][0]}): stage {v} has no {kind.value} action, "
+                    f"as its neighbour on that side runs on its own position (the {self.placement} placement's "
+                    "hand-over in memory); fix: split points where no value skips over that turn "
+                    "(partitioner=[...]), or a schedule with loop placement ('interleaved-zb', 'zb-h1')")

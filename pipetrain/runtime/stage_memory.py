@@ -24,6 +24,11 @@ def schedule_moments(actions: list[list[schedules.Action]], stages: int,
     for setting in SETTINGS:
         per_stage: list = [[] for _ in range(stages * chunks)]
         for d, listed in enumerate(actions):
+            if d == 0:
+                # Virtual stage 0 (chunk 0 of position 0 in every placement) takes no input gradient, so its
+                # backward never splits (StageRuntime.backward): it frees its activations at B and its W's
+                # do nothing. Without them the chunk counts as a whole backward.
+                listed = [a for a in listed if not (a.kind is schedules.ActionKind.WEIGHT and a.chunk == 0)]
             for c, moments in held_activations(listed, setting).items():
                 per_stage[virtual_stage_of(d, c, stages, placement)] = sorted(moments)
         out[setting] = per_stage
