@@ -145,9 +145,10 @@ class DistributedTransport:
 
     def exchange(self, messages: list[Message], ahead: Sequence[Message] = ()) -> None:
         """Post the sends and receives of one comm batch (links between positions only: ``hand_over`` moves
-        the others): per communicator a group of the headers
-        where shapes must be agreed first, then one group with every payload, then one with the
-        receives ``ahead`` whose shapes are agreed (the others wait for the next exchange)."""
+        the others): per communicator a group of the headers where shapes must be agreed first, then one
+        group with every payload whose shapes are known, then, once the headers are read, one with the
+        payloads they announced, then one with the receives ``ahead`` whose shapes are agreed (the others
+        wait for the next exchange)."""
         batch = _Batch()
         reads: list[tuple] = []  # header receives, read before their payload's buffers can exist
         due, self.deferred = [*messages, *self.deferred], []
@@ -160,20 +161,25 @@ class DistributedTransport:
                 self._add_receive(m, batch, reads)
         for comm, group in batch.headers.items():
             self._post(comm, group)
+        # Before any header is read (the host blocks there): the peer may need one of these sends before it
+        # can send the header read here (two chunks on each of two ranks: each sends an activation of a new
+        # shape and reads the header of the other's next one).
+        for comm, group in batch.payloads.items():
+            self._post(comm, group)
         for m, header, works, recorded in reads:
             self._wait(works, m.link, m.kind, m.micro_batch, recorded)
             host_sync.note("shape header")
             meta = decode_header(header.cpu())
             if not self.dynamic_shapes:
                 self.agreed_received.add(m.link.index, m.shape_key, meta)
-            self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch.payloads)
+            self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch.announced)
         for m in ahead:  # after the reads: a header read above may have agreed their shapes
             meta = self._known_meta(m)
             if meta is None:
                 self.deferred.append(m)
             else:
                 self.posted[(m.link.index, m.kind, m.micro_batch)] = self._add_payload_receive(m, meta, batch.ahead)
-        for comm, group in batch.payloads.items():
+        for comm, group in batch.announced.items():
             self._post(comm, group)
         for comm, group in batch.ahead.items():
             self._post(comm, group)
@@ -389,12 +395,13 @@ class _Posted:
 
 
 class _Batch:
-    """The ops of one exchange by communicator, headers and receives ahead apart: (P2POps, recorded ops,
-    its works once posted)."""
+    """The ops of one exchange by communicator, headers, payloads announced by headers read and receives
+    ahead apart: (P2POps, recorded ops, its works once posted)."""
 
     def __init__(self):
         self.headers: dict[Hashable, tuple[list, list, _Posted]] = {}
         self.payloads: dict[Hashable, tuple[list, list, _Posted]] = {}
+        self.announced: dict[Hashable, tuple[list, list, _Posted]] = {}  # payloads of the headers read
         self.ahead: dict[Hashable, tuple[list, list, _Posted]] = {}
 
     @staticmethod
