@@ -191,11 +191,17 @@ def distributed_scenarios(rank, world):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def distributed(request, tmp_path_factory):
-    world = request.param
-    return world, run_world(world, "test_runtime_zero_bubble_v", "distributed_scenarios",
-                            tmp_path_factory.mktemp(f"zero_bubble_v{world}"))
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """world -> each rank's ``distributed_scenarios``, spawned once for all the tests that ask (spawning is slow)."""
+    results = {}
+
+    def ranks(world: int) -> list:
+        if world not in results:
+            results[world] = run_world(world, "test_runtime_zero_bubble_v", "distributed_scenarios",
+                                       tmp_path_factory.mktemp(f"zero_bubble_v{world}"))
+        return results[world]
+    return ranks
 
 
 def reference_global(optimizer, replicas=2, micro_batches=2):
@@ -212,9 +218,10 @@ def reference_global(optimizer, replicas=2, micro_batches=2):
 
 
 @pytest.mark.slow
-def test_distributed_equals_the_local_engine_and_the_unsplit_model(distributed, one_thread):
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_equals_the_local_engine_and_the_unsplit_model(spawned, world, one_thread):
     # one_thread: the same kernels and thread count as the ranks, for bitwise equality with the local engine
-    world, per_rank = distributed
+    per_rank = spawned(world)
     for schedule in SCHEDULES:
         _, losses, expected, prediction = train("skip", world, schedule)
         merged = {}
@@ -230,8 +237,9 @@ def test_distributed_equals_the_local_engine_and_the_unsplit_model(distributed, 
 
 
 @pytest.mark.slow
-def test_recorded_traffic_replays_under_nccl(distributed):
-    world, per_rank = distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_recorded_traffic_replays_under_nccl(spawned, world):
+    per_rank = spawned(world)
     for key in distributed_cases(world):
         programs = {rank: per_rank[rank][key][3] for rank in range(world)}
         assert all(any(isinstance(g, Group) for g in p) for p in programs.values()), key
@@ -241,10 +249,8 @@ def test_recorded_traffic_replays_under_nccl(distributed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key,optimizer", [("zbv-hybrid", sgd), ("dualpipev-zero1", adam)])
-def test_hybrid_and_zero_equal_one_process_on_the_global_batch(distributed, key, optimizer):
-    world, per_rank = distributed
-    if world != 4:
-        pytest.skip("2 stages x 2 replicas need 4 ranks")
+def test_hybrid_and_zero_equal_one_process_on_the_global_batch(spawned, key, optimizer):
+    per_rank = spawned(4)  # 2 stages x 2 replicas
     ref = reference_global(optimizer)
     for replica in range(2):
         merged = {}

@@ -32,7 +32,7 @@ from pipetrain.runtime.feed import Feed
 from pipetrain.runtime.optimizer_step import StepReport
 from pipetrain.runtime.progress import BLOCKED, DONE, STEPPED
 from pipetrain.runtime.stage import StageRuntime, takes_grad
-from pipetrain.runtime.topology import ACT, GRAD, Message, Topology
+from pipetrain.runtime.topology import ACT, GRAD, Link, Message, Topology
 from schedules import Action, ActionKind
 from schedules.nccl_order import CommBatch
 
@@ -151,21 +151,21 @@ class PositionExecutor:
         shapes = self.feed.shapes(g)
         into, out_of = self.topology.remote_into[stage.index], self.topology.remote_out_of[stage.index]
         if kind == ActionKind.SEND_ACT:
-            values = self.outputs.pop((stage.index, g)) if out_of else {}
+            values = self.outputs.pop((stage.index, g))
             for link in out_of:
                 yield Message(link, ACT, g, [values[n] for n in link.names], shapes)
         elif kind == ActionKind.RECV_ACT:
             for link in into:
                 yield Message(link, ACT, g, None, shapes)
         elif kind == ActionKind.SEND_GRAD:
-            grads = self.input_grads.pop((stage.index, g)) if into else []
+            grads = self.input_grads.pop((stage.index, g))
             for link in into:
                 yield Message(link, GRAD, g, self._link_grads(stage, link, grads), shapes)
         else:
             for link in out_of:
                 yield Message(link, GRAD, g, None, shapes)
 
-    def _link_grads(self, stage: StageRuntime, link, grads: list[list]) -> list:
+    def _link_grads(self, stage: StageRuntime, link: Link, grads: list[list]) -> list:
         """The gradients of ``link``'s values among ``grads`` (per input of the stage, in input order)."""
         position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
         return [t for n in link.names for t in grads[position[n]]]
