@@ -166,6 +166,7 @@ def test_cli_simulate_prints_a_bubble_below_zb_h1(kind, capsys):
 
 
 @pytest.mark.parametrize("kind", NEW)
-def test_the_pipeline_runtime_refuses_them_for_now(kind):
-    with pytest.raises(ValueError, match="not yet run by the pipeline runtime"):
-        pipetrain.PipelineOptions(schedule=kind)
+def test_the_pipeline_runtime_takes_them_with_two_chunks_per_device(kind):
+    # they run (tests/test_runtime_zero_bubble_v.py), each backward split in B and W
+    options = pipetrain.PipelineOptions(schedule=kind, stages=3)
+    assert options.splits_backward and options.virtual_stages == 6
