@@ -167,9 +167,12 @@ SIZE = 13  # samples a hybrid mini-batch: replica shards of 7 and 6, uneven micr
 
 
 def distributed_cases(world: int) -> dict[str, dict]:
-    """Per case, wrap's options (besides the model's): every new schedule on ``world`` stages; on 4 ranks
-    also hybrid mode (2 stages x 2 replicas) and ZeRO-1 with one of them."""
+    """Per case, wrap's options (the skip model unless ``name`` says): every new schedule on ``world`` stages;
+    on 2 ranks also the tied model in V placement (both copies on rank 0); on 4 ranks also hybrid mode
+    (2 stages x 2 replicas) and ZeRO-1 with one of them."""
     cases = {schedule: dict(stages=world, schedule=schedule) for schedule in SCHEDULES}
+    if world == 2:
+        cases["zbv-tied"] = dict(stages=2, schedule="zbv", name="tied")
     if world == 4:
         cases["zbv-hybrid"] = dict(stages=2, schedule="zbv", data_parallel=2)
         cases["dualpipev-zero1"] = dict(stages=2, schedule="dualpipev", data_parallel=2, zero=1, optimizer=adam)
@@ -182,11 +185,12 @@ def distributed_scenarios(rank, world):
     for key, options in distributed_cases(world).items():
         options = dict(options)
         hybrid = options.get("data_parallel", 1) > 1
+        name = options.pop("name", "skip")
         with recording() as recorder:
-            pipe = wrap("skip", options.pop("stages"), options.pop("schedule"), "distributed", **options)
-            bs = batches("skip", size=SIZE) if hybrid else batches("skip", size=12, last=7)
+            pipe = wrap(name, options.pop("stages"), options.pop("schedule"), "distributed", **options)
+            bs = batches(name, size=SIZE) if hybrid else batches(name, size=12, last=7)
             losses = [r.loss for r in pipe.train(bs)]
-            prediction = pipe.predict(data("skip", 6, seed=9)[0])
+            prediction = pipe.predict(data(name, 6, seed=9)[0])
         out[key] = (losses, pipe.state_dict(), prediction, recorder.program)
     return out
 
@@ -222,18 +226,21 @@ def reference_global(optimizer, replicas=2, micro_batches=2):
 def test_distributed_equals_the_local_engine_and_the_unsplit_model(spawned, world, one_thread):
     # one_thread: the same kernels and thread count as the ranks, for bitwise equality with the local engine
     per_rank = spawned(world)
-    for schedule in SCHEDULES:
-        _, losses, expected, prediction = train("skip", world, schedule)
+    for case, options in distributed_cases(world).items():
+        if options.get("data_parallel", 1) > 1:
+            continue  # below
+        name = options.get("name", "skip")
+        _, losses, expected, prediction = train(name, world, options["schedule"])
         merged = {}
         for rank in range(world):
-            rank_losses, state, rank_prediction, _ = per_rank[rank][schedule]
-            assert rank_losses == losses, f"{schedule}: rank {rank} reports other losses"
-            assert torch.equal(rank_prediction, prediction), f"{schedule}: rank {rank}"
+            rank_losses, state, rank_prediction, _ = per_rank[rank][case]
+            assert rank_losses == losses, f"{case}: rank {rank} reports other losses"
+            assert torch.equal(rank_prediction, prediction), f"{case}: rank {rank}"
             merged.update(state)
-        assert set(merged) == set(expected), schedule
+        assert set(merged) == set(expected), case
         for key, value in expected.items():
-            assert torch.equal(merged[key], value), f"{schedule}: {key} differs"
-        assert_unsplit(merged, "skip", what=f"{schedule} distributed")
+            assert torch.equal(merged[key], value), f"{case}: {key} differs"
+        assert_unsplit(merged, name, what=f"{case} distributed")
 
 
 @pytest.mark.slow
