@@ -170,12 +170,8 @@ class PipelineOptions:
                 f"staleness={self.staleness!r} with precision={self.precision!r}: autocast saves low-precision "
                 "copies of the weights for the backward, so the backward could not see the latest/predicted "
                 "weights; use precision='fp32' or staleness='stash'")
-        if compile_arguments(self.compile) is not None and self.schedule == "zb-h1":
-            raise ValueError("compile=... with schedule='zb-h1': zero-bubble splits each backward into input "
-                             "gradients (B) and weight gradients (W) by walking the autograd graph, but a "
-                             "compiled stage's backward is one autograd node that computes both at once, so it "
-                             "cannot be split; use schedule='1f1b' (or 'interleaved-1f1b') with compile, or "
-                             "compile=False with zb-h1")
+        # A bad value fails here, at wrap; every schedule compiles (split ones their derived B and W graphs).
+        compile_arguments(self.compile)
         if self.schedule == "interleaved-1f1b" and self.chunks < 2:
             raise ValueError(f"interleaved-1f1b needs chunks >= 2 virtual stages per device, got {self.chunks}")
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
