@@ -114,7 +114,7 @@ def derive(module: nn.Module, inputs: tuple, target: Any = None, loss_fn: Callab
         raise GraphSplitUnsupported(f"its joint graph has {len(tangents)} output gradients for {sum(taking)} "
                                     "differentiable outputs")
     forward, backward = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=num_outputs)
-    input_slots = [i for i in range(len(weights), len(weights) + len(inputs)) if args[i].requires_grad]
+    input_slots = [i for i in range(len(names), len(names) + len(inputs)) if args[i].requires_grad]
     b, w, saved_for_b, w_from_b, w_saved = _split_backward(backward, len(tangents), len(weights), input_slots)
     compile_graph = (lambda g: g) if compile_options is None else (lambda g: _Inductor(g, compile_options))
     return GraphSplit(compile_graph(forward), compile_graph(b), None if w is None else compile_graph(w),
