@@ -60,6 +60,19 @@ class WeightlessMiddle(nn.Module):
         return self.down(h)
 
 
+class Attention(nn.Module):
+    """Pre-norm attention: layer norm's backward has several outputs, the attention kernel a dropout_p of 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.qkv, self.out = nn.LayerNorm(8), nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).flatten(-2))
+
+
 def mlp():
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
 
@@ -79,6 +92,7 @@ def run_split(module, inputs, target=None, loss_fn=None, tangents=None, autocast
             return split, outputs, saved, [], b_out, []
         kept = b_out[split.num_input_grads:]
         for_w = [b_args[i] for i in split.w_from_b] + [saved[i] for i in split.w_saved] + kept
+        assert all(isinstance(t, torch.Tensor) for t in saved + for_w)  # what a micro-batch holds: tensors
         weight_grads = list(split.weight_grads(*for_w))
     return split, outputs, saved, b_out[:split.num_input_grads], weight_grads, for_w
 
@@ -97,11 +111,14 @@ def assert_close(got, want, what):
         torch.testing.assert_close(g, w, rtol=REL, atol=REL * w.abs().max().item(), msg=f"{what} {i}")
 
 
-@pytest.mark.parametrize("name", ["mlp", "skip", "buffer", "weightless"])
+STAGES = {"mlp": mlp, "skip": Skip, "buffer": WithBuffer, "weightless": WeightlessMiddle, "attention": Attention}
+
+
+@pytest.mark.parametrize("name", list(STAGES))
 def test_b_and_w_graphs_equal_autograds_full_backward(name):
     torch.manual_seed(0)
-    module = fx.symbolic_trace({"mlp": mlp, "skip": Skip, "buffer": WithBuffer, "weightless": WeightlessMiddle}[name]())
-    x = torch.randn(6, 8, requires_grad=True)
+    module = fx.symbolic_trace(STAGES[name]())
+    x = torch.randn(2, 5, 8, requires_grad=True) if name == "attention" else torch.randn(6, 8, requires_grad=True)
     outputs = module(x)
     outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
     tangents = [torch.randn_like(o) for o in outputs]

@@ -18,6 +18,7 @@ to the eager split.
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -136,7 +137,8 @@ def _refuse_random(joint: fx.GraphModule) -> None:
     """Random draws (dropout) are refused: graph and eager kernels draw different numbers, so a split
     stage would not compute what the eager one does."""
     for node in joint.graph.nodes:
-        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags \
+                and not _without_dropout(node):
             raise GraphSplitUnsupported(f"its forward draws random numbers ({node.target}, e.g. dropout), which "
                                         "the graphs would draw differently from eager")
 
@@ -171,6 +173,16 @@ def _trace_joint(run: Callable, args: tuple, num_params_buffers: int) -> fx.Grap
     return aot_export_joint_simple(copied, args, trace_joint=True, num_params_buffers=num_params_buffers)
 
 
+def _without_dropout(node: fx.Node) -> bool:
+    """An op that may draw (attention kernels with a ``dropout_p``) called with ``dropout_p=0``: it draws nothing."""
+    names = [a.name for a in node.target._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", node.target._schema.arguments[i].default_value)
+    return p == 0
+
+
 def _split_backward(backward: fx.GraphModule, num_tangents: int, num_weights: int, input_slots: list[int]):
     """Cut the backward graph into B (input gradients and what W reads of B) and W (weight gradients).
 
@@ -189,6 +201,8 @@ def _split_backward(backward: fx.GraphModule, num_tangents: int, num_weights: in
         b = _subgraph(backward, b_saved + tangents, weight_grads)
         return b, None, [saved.index(p) for p in b_saved], [], []
     b_nodes = _ancestors([g for g in input_grads if g is not None])
+    # An op of B with several outputs hands W tensors, not the tuple: its getitems are B's too.
+    b_nodes |= {n for n in graph.nodes if n.target is operator.getitem and n.args[0] in b_nodes}
     w_nodes = {n for n in _ancestors([g for g in weight_grads if g is not None]) - b_nodes if n.op != "placeholder"}
     # What W reads from outside itself (a saved value, a tangent or a B intermediate), and weight
     # gradients that B's nodes already are (a placeholder or an intermediate passed through).
