@@ -17,6 +17,7 @@ from torch import fx, nn
 from torch.nn import functional as F
 
 import pipetrain
+from dist_harness import run_world
 from helpers import batches, wrap_unprofiled
 from pipetrain.runtime.graph_split import GraphSplitUnsupported, derive
 from runtime_models import make, sgd
@@ -236,10 +237,10 @@ def test_unsplittable_stages_say_why(case, reason):
 
 # -- pipelines ---------------------------------------------------------------------------------------------
 
-def train(model, compile, stages=2, recompute="none", precision="fp32", steps=3):
+def train(model, compile, stages=2, recompute="none", precision="fp32", steps=3, engine="local"):
     data = batches(model, steps, 8, seed=3)
     pipe = wrap_unprofiled(make(model), data[0][0][:2], stages=stages, micro_batches=4, schedule="zb-h1",
-                           optimizer=sgd, partitioner="uniform", engine="local", compile=compile,
+                           optimizer=sgd, partitioner="uniform", engine=engine, compile=compile,
                            recompute=recompute, precision=precision)
     losses = [pipe.step(x, y) for x, y in data]
     return losses, pipe.state_dict(), pipe
@@ -283,6 +284,23 @@ def test_compiled_zero_bubble_low_precision_trains_like_eager(precision, one_thr
     assert losses == pytest.approx(eager_losses, rel=1e-4)
     # bf16/fp16 rounding of the backward's products, reordered by inductor's fusion (measured 7e-5).
     assert_state_close(state, eager_state, 1e-2)
+
+
+def distributed_training(rank, world, recompute):
+    losses, state, pipe = train("skip", True, recompute=recompute, engine="distributed")
+    return losses, state, [rt.split_fallback for rt in pipe.held_stages.values()]
+
+
+@pytest.mark.slow
+def test_compiled_zero_bubble_on_two_gloo_ranks_trains_like_local_eager(tmp_path, one_thread):
+    eager_losses, eager_state, _ = train("skip", False)
+    per_rank = run_world(2, "test_graph_split_backward", "distributed_training", tmp_path, "always")
+    state = {}
+    for losses, rank_state, fallbacks in per_rank:
+        assert fallbacks == [None]
+        assert losses == pytest.approx(eager_losses, rel=1e-4)
+        state.update(rank_state)
+    assert_state_close(state, eager_state, 1e-4)
 
 
 def test_stage_that_cannot_split_warns_and_trains_exactly_like_eager():
