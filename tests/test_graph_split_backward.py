@@ -19,6 +19,7 @@ from torch.nn import functional as F
 import pipetrain
 from dist_harness import run_world
 from helpers import batches, wrap_unprofiled
+from pipetrain.runtime.compiled import compile_arguments, graph_compile_options
 from pipetrain.runtime.graph_split import GraphSplitUnsupported, derive
 from runtime_models import make, sgd
 
@@ -323,3 +324,12 @@ def test_compile_options_reach_the_graphs_and_other_schedules_keep_module_compil
     assert all(rt.graph_backward is None and rt.split_fallback is None for rt in pipe.held_stages.values())
     pipe = pipetrain.wrap(make("skip"), x, stages=2, schedule="zb-h1", compile={"backend": "aot_eager"}, profile=False)
     assert all(rt.graph_backward is not None for rt in pipe.held_stages.values())
+
+
+def test_graph_compile_options_follow_compile_and_never_replay_cuda_graphs():
+    """Saved values outlive a graph's call (micro-batches in flight), so CUDA graphs, which replay into the
+    same output buffers, stay off even where the mode asks for them."""
+    assert graph_compile_options(compile_arguments({"backend": "aot_eager"})) is None
+    assert graph_compile_options(compile_arguments(True)) == {"emulate_precision_casts": True,
+                                                              "triton.cudagraphs": False}
+    assert graph_compile_options(compile_arguments({"mode": "reduce-overhead"}))["triton.cudagraphs"] is False

@@ -68,5 +68,10 @@ def graph_compile_options(arguments: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if "mode" in arguments:
         import torch._inductor
-        return dict(torch._inductor.list_mode_options(arguments["mode"]))
-    return dict(arguments.get("options") or {})
+        options = dict(torch._inductor.list_mode_options(arguments["mode"]))
+    else:
+        options = dict(arguments.get("options") or {})
+    # CUDA graphs (mode="reduce-overhead") replay into the same output buffers, but a forward's saved
+    # values and B's outputs for W live on across the micro-batches in flight.
+    options["triton.cudagraphs"] = False
+    return options

@@ -70,8 +70,7 @@ class GraphBackward:
             return None
         args = [v.detach().requires_grad_() if takes_input_grads and v.is_floating_point() else v for v in inputs]
         target_leaves = [t for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)]
-        key = (signature(args), signature(target_leaves),
-               torch.is_autocast_enabled(), torch.get_autocast_dtype(args[0].device.type) if args else None)
+        key = (signature(args), signature(target_leaves))  # the stage's autocast never changes
         split = self._splits.get(key)
         if split is None:
             try:

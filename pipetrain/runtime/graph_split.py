@@ -10,8 +10,7 @@ W is the rest, its outputs the weight gradients. So between B and W a micro-batc
 reads (the forward's saved tensors only B reads are dropped after B). Each graph may then be compiled
 with inductor. The graphs hold no autograd state: the caller passes tensors in and gets tensors out.
 
-A graph fixes its input shapes and dtypes (``GraphSplit.signature``): the caller derives one per
-signature. ``derive`` raises ``GraphSplitUnsupported`` with the reason where a stage cannot be split
+A graph fixes its input shapes and dtypes (``signature``): the caller derives one per signature. ``derive`` raises ``GraphSplitUnsupported`` with the reason where a stage cannot be split
 this way (random draws, writes to buffers, a forward that does not trace), and the caller falls back
 to the eager split.
 """
@@ -27,6 +26,8 @@ from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils import _pytree as pytree
+
+from pipetrain.runtime.loss_checks import compute_loss
 
 
 class GraphSplitUnsupported(Exception):
@@ -63,7 +64,6 @@ def _joint_function(module: nn.Module, names: list[str], num_inputs: int, target
                     loss_fn: Callable | None, specs: dict) -> Callable:
     """The stage as a flat function of (weights, constants, inputs, target leaves) returning a flat tuple:
     what AOTAutograd traces. The output's structure is left in ``specs``."""
-    from pipetrain.runtime.loss_checks import compute_loss
 
     def run(*args):
         state = dict(zip(names, args[:len(names)]))
