@@ -158,6 +158,32 @@ def test_first_stage_has_no_input_gradient_so_b_is_the_whole_backward():
     assert_close(weight_grads, want, "weight gradient")
 
 
+class PassThrough(nn.Module):
+    """A stage handing on what later stages read: its input (and a view of it) unchanged, integer ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, ids):
+        return self.lin(x), x, ids, x[:, :2]
+
+
+def test_outputs_that_are_inputs_take_their_gradients_and_integers_none():
+    torch.manual_seed(0)
+    module = fx.symbolic_trace(PassThrough())
+    x, ids = torch.randn(4, 8, requires_grad=True), torch.randint(0, 3, (4,))
+    outputs = module(x, ids)
+    floating = [outputs[0], outputs[1], outputs[3]]
+    tangents = [torch.randn_like(o) for o in floating]
+    split, graph_outputs, _, input_grads, weight_grads, _ = run_split(module, [x, ids], tangents=tangents)
+    assert split.tangent_outputs == [0, 1, 3]
+    assert torch.equal(graph_outputs[2], ids)
+    want_inputs, want_weights = autograd_grads(module, [x, ids], floating, tangents)
+    assert_close(input_grads, want_inputs, "input gradient")
+    assert_close(weight_grads, want_weights, "weight gradient")
+
+
 def tensor_bytes(tensors, module):
     """Distinct storages' bytes, the module's weights left out (saved views of weights cost nothing)."""
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
