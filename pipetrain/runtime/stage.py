@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
 from pipetrain.runtime.graph_backward import GraphBackward, GraphFlight
+from pipetrain.runtime.graph_split import GraphSplit
 from pipetrain.runtime.loss_checks import compute_loss
 from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.metrics import StageReport
@@ -136,7 +137,7 @@ class StageRuntime:
             self._hold(micro_batch, InFlight(to_differentiate, leaves, self.policy.updates, counted))
         return loss.detach() if self.is_last else out
 
-    def _graph_forward(self, micro_batch: int, split, inputs: tuple, target: Any, weight: float, seed: int,
+    def _graph_forward(self, micro_batch: int, split: GraphSplit, inputs: tuple, target: Any, weight: float, seed: int,
                        recompute: bool) -> Any:
         """The forward through the stage's derived forward graph; keeps its saved values (or, with
         ``recompute``, only its inputs) for B."""
@@ -152,8 +153,7 @@ class StageRuntime:
             held = graphs.held_bytes(saved + (list(inputs) if self.index > 0 else []))
             flight = GraphFlight(split, tuple(inputs), weight, saved, outputs)
             self._hold(micro_batch, InFlight([], [], self.policy.updates, held, None, flight))
-        out = pytree.tree_unflatten(outputs, split.out_spec)
-        return out
+        return pytree.tree_unflatten(outputs, split.out_spec)
 
     def _hold(self, micro_batch: int, flight: InFlight) -> None:
         self.in_flight[micro_batch] = flight
