@@ -41,8 +41,7 @@ class GraphFlight:
 class GraphBackward:
     """One stage's derived graphs by input signature, or the reason it falls back to the eager split."""
 
-    def __init__(self, stage: int, module: nn.Module, compile_options: dict[str, Any] | None,
-                 fallback: str | None = None):
+    def __init__(self, stage: int, module: nn.Module, compile_options: dict[str, Any] | None):
         self.stage = stage
         self.module = module
         self.compile_options = compile_options
@@ -51,8 +50,6 @@ class GraphBackward:
         self._weights = [p for p in module.parameters() if p.requires_grad]
         self._constants = [p for p in module.parameters() if not p.requires_grad] + list(module.buffers())
         self._param_storages = {storage_key(p) for p in module.parameters()}
-        if fallback is not None:
-            self.fall_back(fallback)
 
     def fall_back(self, reason: str) -> None:
         """Run this stage eager with the autograd split from now on, telling the user why."""
