@@ -330,6 +330,31 @@ def test_compiled_zero_bubble_on_two_gloo_ranks_trains_like_local_eager(tmp_path
     assert_state_close(state, eager_state, 1e-4)
 
 
+def hybrid_training(rank, world):
+    data = batches("skip", 3, 8, seed=3)
+    pipe = wrap_unprofiled(make("skip"), data[0][0][:2], stages=2, micro_batches=2, schedule="zb-h1", optimizer=sgd,
+                           partitioner="uniform", engine="distributed", data_parallel=2, zero=1,
+                           compile={"backend": "aot_eager"})
+    return [pipe.step(x, y) for x, y in data], pipe.state_dict(), [rt.split_fallback for rt in pipe.held_stages.values()]
+
+
+@pytest.mark.slow
+def test_split_graphs_with_data_parallel_and_zero_train_like_one_process(tmp_path, one_thread):
+    """2 stages x 2 replicas with ZeRO-1 on 4 gloo ranks, each replica half of every mini-batch in 2
+    micro-batches of 2: the same 4 micro-batches the local eager pipeline accumulates. The replicas' mean
+    gradient is a reordered sum of the same terms (fp32 rounding, 1e-5 as tests/test_hybrid.py)."""
+    eager_losses, eager_state, _ = train("skip", False)
+    per_rank = run_world(4, "test_graph_split_backward", "hybrid_training", tmp_path)
+    for replica in range(2):
+        state = {}
+        for losses, rank_state, fallbacks in per_rank[2 * replica:2 * replica + 2]:
+            assert fallbacks == [None]
+            assert losses == pytest.approx(eager_losses, rel=1e-5)
+            state.update(rank_state)
+        for name, value in eager_state.items():
+            torch.testing.assert_close(state[name], value, atol=1e-5, rtol=0, msg=name)
+
+
 def test_stage_that_cannot_split_warns_and_trains_exactly_like_eager():
     """Batch norm writes its running statistics: every stage falls back to the eager split, says why, and
     trains what eager zero-bubble trains, bit for bit."""
