@@ -170,12 +170,8 @@ class PipelineOptions:
                 f"staleness={self.staleness!r} with precision={self.precision!r}: autocast saves low-precision "
                 "copies of the weights for the backward, so the backward could not see the latest/predicted "
                 "weights; use precision='fp32' or staleness='stash'")
-        if compile_arguments(self.compile) is not None and self.splits_backward:
-            raise ValueError(f"compile=... with schedule={self.schedule!r}: zero-bubble splits each backward into input "
-                             "gradients (B) and weight gradients (W) by walking the autograd graph, but a "
-                             "compiled stage's backward is one autograd node that computes both at once, so it "
-                             "cannot be split; use schedule='1f1b' (or 'interleaved-1f1b') with compile, or "
-                             f"compile=False with {self.schedule}")
+        # A bad value fails here, at wrap; every schedule compiles (split ones their derived B and W graphs).
+        compile_arguments(self.compile)
         if self.schedule in INTERLEAVED_SCHEDULES and self.chunks < 2:
             raise ValueError(f"{self.schedule} needs chunks >= 2 virtual stages per device, got {self.chunks}")
         if self.schedule in V_SCHEDULES and self.chunks != 2:

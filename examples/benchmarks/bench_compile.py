@@ -1,10 +1,12 @@
 """compile=True vs eager: step time per schedule and the compile time, on a small Transformer LM.
 
     .venv/bin/python examples/benchmarks/bench_compile.py [--rounds 5] [--steps 4] [--width 64] [--length 64]
+        [--schedules gpipe,zb-h1]
 
 pipetrain.apps.models' TransformerLM (`depth` pre-norm encoder layers of width `width`, 4 heads, vocabulary
 64) trained by wrap(stages=2, micro_batches=4, engine="local", partitioner="uniform") on random tokens,
-batch 32 of `length` tokens, per schedule (gpipe, 1f1b, interleaved-1f1b, async-1f1b with stash). For each,
+batch 32 of `length` tokens, per schedule (gpipe, 1f1b, interleaved-1f1b, async-1f1b with stash, zb-h1: its
+stages run derived F, B and W graphs, compiled). For each,
 an eager and a compiled pipeline are built from the same weights; "compile s" is the compiled pipeline's
 first step minus the eager one's (each stage's graphs compiled; in torch's fresh_cache, an empty on-disk
 cache and cleared in-memory ones, so nothing is reused from an earlier run or schedule). Then both take turns in every round, `steps`
@@ -21,7 +23,8 @@ import time
 import torch
 from torch._inductor.utils import fresh_cache
 
-SCHEDULES = (("gpipe", "none"), ("1f1b", "none"), ("interleaved-1f1b", "none"), ("async-1f1b", "stash"))
+SCHEDULES = (("gpipe", "none"), ("1f1b", "none"), ("interleaved-1f1b", "none"), ("async-1f1b", "stash"),
+             ("zb-h1", "none"))
 VOCAB, BATCH = 64, 32
 
 
@@ -63,12 +66,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--schedules", default=",".join(s for s, _ in SCHEDULES), help="comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"TransformerLM width {args.width}, {args.depth} layers, batch {BATCH} x {args.length} tokens, "
           f"2 stages x 4 micro-batches, local engine, {args.rounds} rounds x {args.steps} steps, one thread")
     print(f"{'schedule':<22}{'compile s':>10}{'eager ms':>10}{'compiled ms':>12}{'eager/compiled':>16}{'pays after':>12}")
-    for schedule, staleness in SCHEDULES:
+    for schedule, staleness in [c for c in SCHEDULES if c[0] in args.schedules.split(",")]:
         eager, compiled = Timed(args, schedule, staleness, False), Timed(args, schedule, staleness, True)
         with fresh_cache():
             compile_s = compiled.run(1, 0) - eager.run(1, 0)

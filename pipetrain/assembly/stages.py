@@ -9,7 +9,8 @@ from torch import nn
 import partitioners
 from pipetrain.assembly.parameter_names import name_parameters
 from pipetrain.comm.replicas import position_owners, trainable
-from pipetrain.runtime.compiled import compile_arguments, compile_stage
+from pipetrain.runtime.compiled import compile_arguments, compile_stage, graph_compile_options
+from pipetrain.runtime.graph_backward import GraphBackward
 from pipetrain.runtime.optimizer_step import GradientNorm, OptimizerStep
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
@@ -60,6 +61,8 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     """The runtimes of the virtual stages this process runs (every one locally; its rank's under torchrun)."""
     V, held = topology.num_stages, set(engine.positions())
     compiling = compile_arguments(options.compile)
+    # Compiled split schedules compile each stage's derived F, B and W graphs, not its module.
+    graph_split = compiling is not None and options.splits_backward
     modules = {v: tensors.materialise(plan.build_stage(v), engine.torch_device(topology.position_of(v)))
                for v in range(V) if topology.position_of(v) in held}
     # Before any optimizer, policy or compiled graph sees the tensors: they start as replica 0's.
@@ -73,7 +76,7 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     stages = {}
     for v, module in modules.items():
         device = engine.torch_device(topology.position_of(v))
-        if compiling is not None:
+        if compiling is not None and not graph_split:
             compile_stage(module, compiling)
         name_parameters(module)
         optimizer = make_optimizer(stepped_parameters(module, owners.get(v), engine), options.optimizer)
@@ -82,8 +85,9 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
                                                micro_batches=options.micro_batches, lookahead=options.lookahead)
         schedulers = [make_scheduler(o, options.lr_scheduler) for o in dict.fromkeys([optimizer, read_by_policy])
                       if o is not None and options.lr_scheduler is not None]
+        graphs = GraphBackward(v, module, graph_compile_options(compiling)) if graph_split else None
         stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed,
-                                 schedulers=schedulers)
+                                 schedulers=schedulers, graph_backward=graphs)
     return stages
 
 

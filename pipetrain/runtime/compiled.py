@@ -55,3 +55,23 @@ def compile_stage(module: nn.Module, arguments: dict[str, Any]) -> None:
     it with other weight tensors swapped in (``pipetrain.runtime.weight_swap``), graph inputs to the compiled code) see no
     wrapper."""
     module.compile(**arguments)
+
+
+def graph_compile_options(arguments: dict[str, Any]) -> dict[str, Any] | None:
+    """What compiling a derived graph (``pipetrain.runtime.graph_split``) takes of ``arguments``: inductor's
+    config patches (its ``options``, or those of its ``mode``), or None to run the graphs uncompiled where
+    another backend than inductor is asked for (``backend="eager"`` or ``"aot_eager"``: the graphs are
+    already what those would run). The dynamo arguments (recompile limits, dynamic shapes) do not apply:
+    a graph is derived per input signature."""
+    backend = arguments.get("backend", "inductor")
+    if backend != "inductor":
+        return None
+    if "mode" in arguments:
+        import torch._inductor
+        options = dict(torch._inductor.list_mode_options(arguments["mode"]))
+    else:
+        options = dict(arguments.get("options") or {})
+    # CUDA graphs (mode="reduce-overhead") replay into the same output buffers, but a forward's saved
+    # values and B's outputs for W live on across the micro-batches in flight.
+    options["triton.cudagraphs"] = False
+    return options

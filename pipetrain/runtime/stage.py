@@ -10,6 +10,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
+from pipetrain.runtime.graph_backward import GraphBackward, GraphFlight
+from pipetrain.runtime.graph_split import GraphSplit
 from pipetrain.runtime.loss_checks import compute_loss
 from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.metrics import StageReport
@@ -36,6 +38,7 @@ class InFlight:
     update: int                          # optimizer updates the stage had taken at forward time
     activation_bytes: int                # bytes held for it until its backward (boundary inputs when replayed)
     replay: Replay | None = None         # set when the backward recomputes the forward first
+    graph: GraphFlight | None = None     # set when the forward ran the stage's derived graphs (no autograd)
 
 
 def tensor_leaves(values: Any) -> list[torch.Tensor]:
@@ -75,6 +78,8 @@ class StageRuntime:
     # Learning-rate schedulers stepped after each applied update: the stage optimizer's, and the one of the
     # optimizer a predicting policy reads its learning rate from when that is another (ZeRO).
     schedulers: list = field(default_factory=list)
+    # Split schedules with compile: the stage runs derived forward, B and W graphs (None: autograd).
+    graph_backward: GraphBackward | None = None
 
     def __post_init__(self):
         # Bytes autograd saves per forward, by input shapes: counting them takes a Python hook per
@@ -84,8 +89,8 @@ class StageRuntime:
         self.peak_activation_bytes = 0
         self.peak_working_bytes = 0  # activations held plus gradients present, at their peak
         self.version_lags: dict[int, int] = {}  # micro-batch -> optimizer steps between its forward and backward
-        # Zero-bubble: micro-batch -> (what its W needs, activation bytes held until then).
-        self.weight_pending: dict[int, tuple[list, int]] = {}
+        # Zero-bubble: micro-batch -> (its W, activation bytes held until then).
+        self.weight_pending: dict[int, tuple[Callable[[], None], int]] = {}
         self._held_bytes = 0  # activation bytes of in_flight and weight_pending, kept as they change
         self.is_last = self.index == self.num_stages - 1
         self._split_ok: bool | None = None  # whether this stage's graph splits into B and W (checked once)
@@ -109,6 +114,14 @@ class StageRuntime:
         With ``recompute`` it keeps only the inputs and runs the forward again before the backward."""
         weights = self.policy.forward_weights(micro_batch) if grad else None
         seed = self._seed_of(micro_batch)
+        if grad and self.graph_backward is not None and self.graph_backward.fallback is None:
+            if weights is not None:
+                self.graph_backward.fall_back(f"staleness={self.policy.name!r} swaps weight versions in")
+            else:
+                split = self.graph_backward.split_for(inputs, target, self.loss_fn if self.is_last else None,
+                                                      self.index > 0, self._autocast())
+                if split is not None:
+                    return self._graph_forward(micro_batch, split, inputs, target, weight, seed, recompute)
         if grad and recompute:
             self.policy.keep_for_recompute(micro_batch)
             with torch.no_grad():
@@ -123,6 +136,24 @@ class StageRuntime:
                 return out
             self._hold(micro_batch, InFlight(to_differentiate, leaves, self.policy.updates, counted))
         return loss.detach() if self.is_last else out
+
+    def _graph_forward(self, micro_batch: int, split: GraphSplit, inputs: tuple, target: Any, weight: float, seed: int,
+                       recompute: bool) -> Any:
+        """The forward through the stage's derived forward graph; keeps its saved values (or, with
+        ``recompute``, only its inputs) for B."""
+        graphs = self.graph_backward
+        outputs, saved = graphs.forward(split, inputs, target)
+        if recompute:
+            self.policy.keep_for_recompute(micro_batch)
+            replay = Replay(tuple(inputs), target, weight, seed)
+            flight = GraphFlight(split, tuple(inputs), weight, None, None)
+            self._hold(micro_batch, InFlight([], [], self.policy.updates, storage_bytes(tensor_leaves(inputs)),
+                                             replay, flight))
+        else:
+            held = graphs.held_bytes(saved + (list(inputs) if self.index > 0 else []))
+            flight = GraphFlight(split, tuple(inputs), weight, saved, outputs)
+            self._hold(micro_batch, InFlight([], [], self.policy.updates, held, None, flight))
+        return pytree.tree_unflatten(outputs, split.out_spec)
 
     def _hold(self, micro_batch: int, flight: InFlight) -> None:
         self.in_flight[micro_batch] = flight
@@ -225,6 +256,8 @@ class StageRuntime:
         mini-batch's last backward on this stage (its gradients must then be complete in ``.grad``)."""
         saved = self.in_flight.pop(micro_batch)
         self._held_bytes -= saved.activation_bytes
+        if saved.graph is not None:
+            return self._graph_backward(micro_batch, saved, output_grads, loss_scale, split, last)
         if saved.replay is not None:
             saved = self._replay(micro_batch, saved)
         self.policy.before_backward(micro_batch)
@@ -238,7 +271,8 @@ class StageRuntime:
         inputs = [leaf for leaves in saved.input_leaves for leaf in leaves]
         if tensors and split and self._splits(tensors, inputs):
             groups = split_backward.backward_input(tensors, grads, inputs, self._weights())
-            self.weight_pending[micro_batch] = (groups, saved.activation_bytes)
+            self.weight_pending[micro_batch] = (lambda: split_backward.backward_weight(self._weights(), groups),
+                                                saved.activation_bytes)
             self._held_bytes += saved.activation_bytes
         elif tensors:
             torch.autograd.backward(tensors, grads)
@@ -246,11 +280,52 @@ class StageRuntime:
         self.policy.after_backward(micro_batch, last)
         return [[l.grad if l.grad is not None else torch.zeros_like(l) for l in ls] for ls in saved.input_leaves]
 
+    def _graph_backward(self, micro_batch: int, saved: InFlight, output_grads: list[torch.Tensor] | None,
+                        loss_scale: float, split: bool, last: bool) -> list[list[torch.Tensor]]:
+        """``backward`` through the derived B graph (after the forward graph again where it recomputes);
+        W runs now, or at ``backward_weight`` with ``split``, holding only what W reads meanwhile."""
+        flight, graphs = saved.graph, self.graph_backward
+        outputs, values = flight.outputs, flight.saved
+        if saved.replay is not None:
+            outputs, values = graphs.forward(flight.split, saved.replay.inputs, saved.replay.target)
+            self._note_peak(self.activation_bytes() + graphs.held_bytes(values))
+        self.policy.before_backward(micro_batch)
+        self.version_lags[micro_batch] = self.policy.updates - saved.update
+        if self.is_last:  # the scaled, weighted loss's gradient, as autograd would start it
+            tangents = [torch.full_like(outputs[0], flight.weight * loss_scale)]
+        else:
+            floating = [i for i, t in enumerate(outputs) if t.is_floating_point()]
+            received = dict(zip(floating, output_grads or []))
+            tangents = [received[i] if received.get(i) is not None else torch.zeros_like(outputs[i])
+                        for i in flight.split.tangent_outputs]
+        input_grads, for_w = graphs.input_grads(flight.split, values, tangents)
+        del values, outputs
+        if for_w:
+            held = graphs.held_bytes(for_w)
+            run_w = lambda: graphs.weight_grads(flight.split, for_w)  # noqa: E731 - one closure per micro-batch
+            if split:
+                self.weight_pending[micro_batch] = (run_w, held)
+                self._held_bytes += held
+                self._note_peak(self.activation_bytes())
+            else:
+                self._note_peak(self.activation_bytes() + held)
+                run_w()
+        self.policy.after_backward(micro_batch, last)
+        grads = iter(input_grads)
+        result = []
+        for value in flight.inputs:
+            if self.index > 0 and takes_grad(value):
+                g = next(grads)
+                result.append([g if g is not None else torch.zeros_like(value)])
+            else:
+                result.append([])
+        return result
+
     def backward_weight(self, micro_batch: int) -> None:
         """Zero-bubble W of ``micro_batch``: its weight gradients (nothing if its B ran whole)."""
         pending = self.weight_pending.get(micro_batch)
         if pending is not None:
-            split_backward.backward_weight(self._weights(), pending[0])
+            pending[0]()
             self._note_peak(self.activation_bytes())
             del self.weight_pending[micro_batch]
             self._held_bytes -= pending[1]
@@ -278,6 +353,12 @@ class StageRuntime:
             for b, before in self._buffers_before:
                 b.copy_(before)
         self._buffers_before = []
+
+    @property
+    def split_fallback(self) -> str | None:
+        """Why this stage's split backward runs eager, not as compiled graphs (None when it does not fall
+        back, or when no graph split was asked: a schedule without B/W, or compile=False)."""
+        return None if self.graph_backward is None else self.graph_backward.fallback
 
     def _weights(self) -> list[nn.Parameter]:
         return [p for p in self.params if p.requires_grad]  # per B and W: not a walk of every submodule
