@@ -10,6 +10,7 @@ from dist_harness import run_world
 from helpers import batches, wrap_unprofiled
 from pipetrain.assembly.schedule_book import ScheduleBook
 from pipetrain.comm.recording import recording
+from pipetrain.runtime.topology import Topology
 from runtime_models import data, loss_fn, make, reference_training, sgd
 from schedules import ActionKind
 from schedules.held_activations import in_flight
@@ -32,6 +33,11 @@ def train(name, stages, schedule, engine="local", **kw):
     return pipe, losses, pipe.state_dict(), pipe.predict(data(name, 6, seed=9)[0])
 
 
+def actions_of(schedule, stages, micro_batches):
+    """The action lists the pipeline runs (its ScheduleBook builds the same ones)."""
+    return ScheduleBook(schedule, stages, micro_batches, 2, data_parallel=False).training.actions
+
+
 def assert_unsplit(state, name, micro_batches=4, what=""):
     ref = reference_training(name, batches(name, size=12, last=7), micro_batches).state_dict()
     assert set(state) == set(ref), what
@@ -47,26 +53,31 @@ def assert_unsplit(state, name, micro_batches=4, what=""):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_local_engine_trains_the_unsplit_model(schedule, stages, name):
     pipe, _, state, prediction = train(name, stages, schedule)
-    parts = pipe._parts
-    assert parts.plan.num_stages == 2 * stages  # two chunks per device
-    assert parts.topology.placement == ("v" if schedule in V else "loop")
-    if schedule in V:  # device 0 holds the first and the last virtual stage
-        assert parts.topology.stages_at(0) == [0, 2 * stages - 1]
+    assert pipe.plan.num_stages == 2 * stages  # two chunks per device (which device holds which: on ranks, below)
     if schedule == "dualpipev":  # its OVERLAP markers ran (as nothing)
-        assert any(a.kind is ActionKind.OVERLAP for actions in parts.schedules.training.actions for a in actions)
+        assert any(a.kind is ActionKind.OVERLAP for actions in actions_of(schedule, stages, 4) for a in actions)
     assert_unsplit(state, name, what=f"{schedule} {stages} {name}")
     model = reference_training(name, batches(name, size=12, last=7), 4).eval()
     torch.testing.assert_close(prediction, model(data(name, 6, seed=9)[0]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("schedule, stages", [("zb-h1", 8), ("zbv", 4)])
+def test_a_stage_whose_output_is_a_view_splits_its_backward(schedule, stages):
+    # The tied model's middle stages end in a Linear on 3-D input, whose output is a view: the split B
+    # detaches its outputs in place afterwards, which a view refuses, so it must take them as copies.
+    pipe, _, state, _ = train("tied", stages, schedule)
+    assert pipe.plan.num_stages == 8
+    assert_unsplit(state, "tied", what=f"{schedule} tied")
 
 
 def test_the_v_turn_is_handed_over_in_memory():
     # zbv on 2 devices: virtual stages 0 and 3 on device 0, 1 and 2 on device 1. The links 1 -> 2 (the turn)
     # and 0 -> 3 (the skip, both ends on device 0) have no SEND or RECV action; everything else does.
     pipe = wrap("skip", 2, "zbv")
-    topology = pipe._parts.topology
+    topology = Topology(pipe.plan, 2, "v")
     assert [(l.src, l.dst) for l in topology.links] == [(0, 1), (0, 3), (1, 2), (2, 3)]
     assert [(l.src, l.dst) for l in topology.links if topology.same_position(l)] == [(0, 3), (1, 2)]
-    actions = pipe._parts.schedules.training.actions
+    actions = actions_of("zbv", 2, 4)
     comm = {(d, a.chunk, a.kind) for d, listed in enumerate(actions) for a in listed}
     assert (1, 0, ActionKind.SEND_ACT) not in comm and (1, 1, ActionKind.RECV_ACT) not in comm
     assert (0, 0, ActionKind.SEND_ACT) in comm and (0, 1, ActionKind.RECV_ACT) in comm
@@ -124,7 +135,8 @@ def test_each_stage_holds_the_micro_batches_the_schedule_says(schedule):
     stages, m = 4, 8
     pipe = wrap("mlp", stages, schedule, micro_batches=m)
     result = next(iter(pipe.train(batches("mlp", 1, 8 * m))))
-    topology, actions = pipe._parts.topology, pipe._parts.schedules.training.actions
+    topology = Topology(pipe.plan, stages, "v" if schedule in V else "loop")
+    actions = actions_of(schedule, stages, m)
     measured, expected = [], []
     for v, rt in sorted(pipe.held_stages.items()):
         d, c = topology.position_of(v), topology.chunk_of(v)
@@ -190,7 +202,7 @@ def distributed_scenarios(rank, world):
             bs = batches(name, size=SIZE) if hybrid else batches(name, size=12, last=7)
             losses = [r.loss for r in pipe.train(bs)]
             prediction = pipe.predict(data(name, 6, seed=9)[0])
-        out[key] = (losses, pipe.state_dict(), prediction, recorder.program)
+        out[key] = (losses, pipe.state_dict(), prediction, recorder.program, sorted(pipe.held_stages))
     return out
 
 
@@ -232,7 +244,11 @@ def test_distributed_equals_the_local_engine_and_the_unsplit_model(spawned, worl
         _, losses, expected, prediction = train(name, world, options["schedule"])
         merged = {}
         for rank in range(world):
-            rank_losses, state, rank_prediction, _ = per_rank[rank][case]
+            rank_losses, state, rank_prediction, _, held = per_rank[rank][case]
+            # the placement: V puts virtual stages d and 2S-1-d on rank d (rank 0 the first and the last),
+            # the loop d and S+d
+            other = 2 * world - 1 - rank if options["schedule"] in V else world + rank
+            assert held == sorted([rank, other]), f"{case}: rank {rank} holds {held}"
             assert rank_losses == losses, f"{case}: rank {rank} reports other losses"
             assert torch.equal(rank_prediction, prediction), f"{case}: rank {rank}"
             merged.update(state)

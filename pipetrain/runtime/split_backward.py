@@ -36,6 +36,9 @@ def split_is_complete(outputs: list[torch.Tensor], inputs: list[torch.Tensor], p
 def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None,
                    inputs: list[torch.Tensor], params: list[torch.Tensor]) -> list[dict[str, Any]]:
     """B: accumulate the gradients of ``inputs`` into their ``.grad``; returns what W needs."""
+    # The helper detaches the outputs in place once B is done (freeing their graph), which a view cannot
+    # be (a Linear on 3-D input returns one): such an output enters as a copy, freed with B's graph.
+    outputs = [t.clone() if t._base is not None else t for t in outputs]
     _, groups = graph.stage_backward_input(outputs, output_grads, inputs, iter(params))
     return groups
 
