@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import schedules
 from schedules.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,3 +189,31 @@ def test_runtime_benchmark_on_vgg_prices_async_against_the_bubble_of_its_stream_
     assert corun is not None, out
     alone, together, ratio = map(float, corun.groups())
     assert alone > 0 and ratio == pytest.approx(together / alone, abs=1e-3 + 0.01 / alone), out
+
+
+@pytest.mark.slow
+def test_zero_bubble_benchmark_prints_simulated_and_measured_bubbles_and_each_stages_memory():
+    # Two gloo ranks, every schedule of the table on a small chain. The simulated column must be the schedule's
+    # own bubble at F = B = W = 1, 1f1b's ratio to itself 1, each memory cell's error its printed predicted /
+    # measured - 1; zb-h1's last stage holds more activations than 1f1b's (its B keeps them until W).
+    out = run_script("bench_zero_bubble.py", "--steps", "2", "--rounds", "1", "--warmup", "1", "--layers", "4",
+                     "--width", "64", "--batch-size", "16", "--micro-batches", "4")
+    rows = {kind: (float(sim), float(measured), float(ms), float(ratio)) for kind, sim, measured, ms, ratio in
+            re.findall(r"^([\w-]+)\s+([\d.]+)%\s+(-?[\d.]+)%\s+([\d.]+)\s+([\d.]+)$", out, re.M)}
+    assert set(rows) == {"1f1b", "zb-h1", "interleaved-zb", "zbv", "dualpipev"}, out
+    for kind, (sim, measured, ms, ratio) in rows.items():
+        built = schedules.build(kind, 2, 4, **({"chunks": 2} if kind == "interleaved-zb" else {}))
+        expected = schedules.simulate(built, schedules.Costs(forward=1, backward=1, weight=1)).bubble_fraction
+        assert sim == pytest.approx(100 * expected, abs=0.05), (kind, out)
+        assert 0 <= measured < 100 and ms > 0, (kind, out)
+    assert rows["1f1b"][3] == 1.0, out
+    assert rows["zbv"][0] < rows["zb-h1"][0] < rows["1f1b"][0], out
+    memory = {kind: [tuple(map(float, cell)) for cell in re.findall(r"(\d+)/(\d+)/(\d+) \(([+-][\d.]+)%\)", line)]
+              for kind, line in re.findall(r"^([\w-]+) +(\d+/.*)$", out, re.M)}
+    assert {kind: len(cells) for kind, cells in memory.items()} == {
+        "1f1b": 2, "zb-h1": 2, "interleaved-zb": 4, "zbv": 4, "dualpipev": 4}, out
+    for kind, cells in memory.items():
+        for held, measured, predicted, error in cells:
+            # kB printed to 1 kB, the error to 0.1%: recomputed from the rounded kB it agrees within their rounding
+            assert error == pytest.approx(100 * (predicted / measured - 1), abs=0.05 + 100 * 1.0 / measured), (kind, out)
+    assert memory["zb-h1"][1][0] > memory["1f1b"][1][0], out
