@@ -17,8 +17,8 @@ def one_thread():
 
 # Longest files first. `make test` runs `--dist loadfile`: each file goes whole to one of the 2 workers, in
 # collection order as they free up. xdist would order the files by their number of tests, which put the
-# few-test files that launch torchrun or benchmark scripts last, where one of them ran on alone for minutes
-# while the other worker sat idle. The cost of a test is its duration in the last run that ran it (pytest's
+# few-test files that launch torchrun or benchmark scripts (a minute or two each) last, where the run's end
+# waited on them with the other worker out of work. The cost of a test is its duration in the last run that ran it (pytest's
 # cache), else a guess from its marker; the order only affects how well the two workers stay balanced.
 SECONDS_KEY = "pipetrain/test_seconds"
 GUESS = {True: 10.0, False: 0.2}  # seconds: a test marked slow (spawns ranks or processes), any other
@@ -31,6 +31,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Files in decreasing cost; each file's tests stay together and in their order."""
     cache = getattr(config, "cache", None)
     known = cache.get(SECONDS_KEY, {}) if cache is not None else {}
     files: dict[str, list] = {}
@@ -48,6 +49,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+    """Keep this run's seconds per test for the next run's order (tests it did not run keep theirs)."""
     cache = getattr(session.config, "cache", None)
     if cache is not None and measured and not hasattr(session.config, "workerinput"):  # the controller writes
         cache.set(SECONDS_KEY, {**cache.get(SECONDS_KEY, {}), **measured})
