@@ -12,3 +12,44 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+
+# Longest files first. `make test` runs `--dist loadfile`: each file goes whole to one of the 2 workers, in
+# collection order as they free up. xdist would order the files by their number of tests, which put the
+# few-test files that launch torchrun or benchmark scripts (a minute or two each) last, where the run's end
+# waited on them with the other worker out of work. The cost of a test is its duration in the last run that ran it (pytest's
+# cache), else a guess from its marker; the order only affects how well the two workers stay balanced.
+SECONDS_KEY = "pipetrain/test_seconds"
+GUESS = {True: 10.0, False: 0.2}  # seconds: a test marked slow (spawns ranks or processes), any other
+measured: dict[str, float] = {}  # this run's seconds per test (setup, call and teardown)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files in decreasing cost; each file's tests stay together and in their order."""
+    cache = getattr(config, "cache", None)
+    known = cache.get(SECONDS_KEY, {}) if cache is not None else {}
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def cost(path: str) -> float:
+        return sum(known.get(i.nodeid, GUESS[i.get_closest_marker("slow") is not None]) for i in files[path])
+
+    items[:] = [item for path in sorted(files, key=cost, reverse=True) for item in files[path]]
+
+
+def pytest_runtest_logreport(report):
+    measured[report.nodeid] = measured.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """Keep this run's seconds per test for the next run's order (tests it did not run keep theirs)."""
+    cache = getattr(session.config, "cache", None)
+    if cache is not None and measured and not hasattr(session.config, "workerinput"):  # the controller writes
+        cache.set(SECONDS_KEY, {**cache.get(SECONDS_KEY, {}), **measured})

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import partitioners
-from dist_harness import free_port
+from dist_harness import free_port, start_ranks
 from runtime_models import data, make, sgd
 from helpers import wrap_unprofiled
 
@@ -115,8 +114,7 @@ def _rank(rank, port, out, mode, world, victim):
 
 def _run(tmp_path, mode, victim=VICTIM, world=WORLD):
     port = free_port()
-    ctx = mp.start_processes(_rank, args=(port, str(tmp_path), mode, world, victim), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = start_ranks(_rank, (port, str(tmp_path), mode, world, victim), world, join=False)
     deadline = time.time() + 120
     for r, p in enumerate(ctx.processes):
         if r != victim:  # a hanging victim never ends by itself

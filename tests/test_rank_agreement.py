@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import pipetrain
 from pipetrain.comm import replica_start
-from dist_harness import free_port, run_world
+from dist_harness import free_port, run_world, start_ranks
 from runtime_models import data, make, sgd
 from helpers import wrap_unprofiled
 
@@ -300,8 +299,7 @@ def _own_group_rank(rank, port, out, world):
 
 
 def test_a_failed_step_and_a_rank_stopped_in_a_save_under_pipetrains_own_process_group(tmp_path):
-    ctx = mp.start_processes(_own_group_rank, args=(free_port(), str(tmp_path), 2), nprocs=2, join=False,
-                             start_method="spawn")
+    ctx = start_ranks(_own_group_rank, (free_port(), str(tmp_path), 2), 2, join=False)
     ctx.processes[0].join(180)
     for p in ctx.processes:
         if p.is_alive():

@@ -18,12 +18,17 @@ from test_hybrid import batches, reference_global
 TESTS = Path(__file__).resolve().parent
 
 
-def _two_agents(out: Path, allreduce: str, replicas: int, zero: int) -> None:
+# One launch per (allreduce, replicas) trains every ZeRO level of it in turn on the same processes: a
+# launch of two agents and their ranks costs more than the training it checks.
+LAUNCHES = {("hybrid", 2): [0], ("hierarchical", 4): [0, 2]}
+
+
+def _two_agents(out: Path, allreduce: str, replicas: int, zeros: list[int]) -> None:
     port = free_port()
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nnodes", "2", "--nproc-per-node", str(replicas), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{allreduce}-{replicas}-{zero}",
-               str(TESTS / "two_node_worker.py"), str(out), allreduce, str(replicas), str(zero)]
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{allreduce}-{replicas}",
+               str(TESTS / "two_node_worker.py"), str(out), allreduce, str(replicas), ",".join(map(str, zeros))]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
               for _ in range(2)]
@@ -31,12 +36,25 @@ def _two_agents(out: Path, allreduce: str, replicas: int, zero: int) -> None:
     assert all(agent.returncode == 0 for agent in agents), "\n".join(log[-3000:] for log in logs)
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The output folder of the launch for (allreduce, replicas), launched when a test first asks for it."""
+    outs = {}
+
+    def out(allreduce: str, replicas: int) -> Path:
+        if (allreduce, replicas) not in outs:
+            outs[allreduce, replicas] = tmp_path_factory.mktemp(f"{allreduce}{replicas}")
+            _two_agents(outs[allreduce, replicas], allreduce, replicas, LAUNCHES[allreduce, replicas])
+        return outs[allreduce, replicas]
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("allreduce, replicas, zero", [("hybrid", 2, 0), ("hierarchical", 4, 0),
-                                                       ("hierarchical", 4, 2)])
-def test_two_agents_two_stages_equal_one_process(tmp_path, allreduce, replicas, zero):
-    _two_agents(tmp_path, allreduce, replicas, zero)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2 * replicas)]
+@pytest.mark.parametrize("allreduce, replicas, zero", [(allreduce, replicas, zero) for (allreduce, replicas), zeros
+                                                       in LAUNCHES.items() for zero in zeros])
+def test_two_agents_two_stages_equal_one_process(launched, allreduce, replicas, zero):
+    out = launched(allreduce, replicas) / f"zero{zero}"
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2 * replicas)]
     # torchrun's LOCAL_WORLD_SIZE puts replicas / 2 pipelines on each agent, so every stage's
     # data-parallel group spans the two nodes with replicas / 2 ranks on each.
     assert all(r["hierarchy"] == (2, replicas // 2) for r in ranks)
