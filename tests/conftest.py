@@ -14,7 +14,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-
 # Longest files first. `make test` runs `--dist loadfile`: each file goes whole to one of the 2 workers, in
 # collection order as they free up. xdist would order the files by their number of tests, which put the
 # few-test files that launch torchrun or benchmark scripts (a minute or two each) last, where the run's end
