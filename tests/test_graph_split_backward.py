@@ -303,7 +303,8 @@ def test_compiled_zero_bubble_trains_like_eager(stages, one_thread):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, stages", [("zbv", 2), ("dualpipev", 2), ("interleaved-zb", 2), ("zbv", 4)])
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved-zb"])
 def test_compiled_split_schedules_train_like_eager(schedule, stages, one_thread):
     """The V and interleaved zero-bubble schedules (two chunks per device) run the same compiled B and W graphs."""
     eager_losses, eager_state, _ = train("skip", False, stages, schedule=schedule)
