@@ -179,7 +179,7 @@ class PipelineOptions:
             raise ValueError(f"{self.schedule} runs exactly 2 chunks per device (V placement: device d holds virtual "
                              f"stages d and 2*stages-1-d), got chunks={self.chunks}; leave chunks at 2, or use "
                              "schedule='interleaved-zb' for more chunks per device")
-        if self.schedule in ("zbv", "dualpipev", "interleaved-zb") and self.stages < 2:
+        if self.schedule in V_SCHEDULES + ("interleaved-zb",) and self.stages < 2:
             raise ValueError(f"{self.schedule} needs stages >= 2 (several chunks on each of at least two devices); "
                              "with one stage use schedule='zb-h1' or '1f1b'")
         if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):

@@ -167,8 +167,8 @@ class PositionExecutor:
 
     def _link_grads(self, stage: StageRuntime, link: Link, grads: list[list]) -> list:
         """The gradients of ``link``'s values among ``grads`` (per input of the stage, in input order)."""
-        position = {n: i for i, n in enumerate(self.topology.inputs[stage.index])}
-        return [t for n in link.names for t in grads[position[n]]]
+        index = self.topology.input_index[stage.index]
+        return [t for n in link.names for t in grads[index[n]]]
 
     def _backward(self, a: Action) -> Iterator[str]:
         stage = self._stage(a)

@@ -55,6 +55,7 @@ class Topology:
         self.out_of = {v: [l for l in self.links if l.src == v] for v in range(self.num_stages)}
         self.inputs = {v: list(plan.stage_inputs(v)) for v in range(self.num_stages)}
         self.outputs = {v: list(plan.stage_outputs(v)) for v in range(self.num_stages)}
+        self.input_index = {v: {n: i for i, n in enumerate(names)} for v, names in self.inputs.items()}
         # Per stage, its links to other positions (moved by SEND/RECV actions) and within its position
         # (handed over in memory): looked up for every message, split once.
         self.remote_into = {v: [l for l in ls if not self.same_position(l)] for v, ls in self.into.items()}
