@@ -62,11 +62,13 @@ class GraphBackward:
         if not all(isinstance(v, torch.Tensor) for v in inputs):
             self.fall_back("its inputs are not all tensors")
             return None
-        args = [v.detach().requires_grad_() if takes_input_grads and v.is_floating_point() else v for v in inputs]
         target_leaves = [t for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)]
-        key = (signature(args), signature(target_leaves))  # the stage's autocast never changes
+        # Shapes and dtypes decide: which inputs take a gradient follows from them (floating ones, past stage 0),
+        # and the stage's autocast never changes.
+        key = (tuple((tuple(v.shape), v.dtype) for v in inputs), signature(target_leaves))
         split = self._splits.get(key)
         if split is None:
+            args = [v.detach().requires_grad_() if takes_input_grads and v.is_floating_point() else v for v in inputs]
             try:
                 split = derive(self.module, tuple(args), target, loss_fn, autocast, self.compile_options)
             except GraphSplitUnsupported as exc:
