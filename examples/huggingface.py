@@ -23,6 +23,7 @@ whole model, and each rank reads only its own stage's tensors from DIR.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 
@@ -174,25 +175,42 @@ def main(argv: list[str] | None = None) -> None:
         val_log = SummaryWriter(c.logdir, filename_suffix=".val")
     start = time.perf_counter()
     train_losses, val_losses, accuracies = [], [], []
-    for epoch in range(epochs):
-        losses = [r.loss for r in pipe.train(loader(train, size, seed=c.seed + epoch))]  # every rank, same order
-        val_loss, val_accuracy = evaluate(pipe, val, size)
-        train_losses.append(sum(losses) / len(losses))
-        val_losses.append(val_loss)
-        accuracies.append(val_accuracy)
-        if val_log is not None:
-            val_log.add_scalar("val/loss", val_loss, pipe.updates)
-            val_log.add_scalar("val/accuracy", val_accuracy, pipe.updates)
-            val_log.flush()
-        if is_rank_zero() and c.progress:
-            print(f"epoch {epoch + 1}/{epochs}: train loss {train_losses[-1]:.4f}, val loss {val_loss:.4f}, "
-                  f"val accuracy {100 * val_accuracy:.2f}%", flush=True)
+    per_epoch, stopped = len(train) // size, False
+    # With --checkpoint-dir, SIGTERM (a scheduler's preemption; torchrun forwards it to every rank) stops the run
+    # at a mini-batch every rank agrees on, which is saved; --resume auto continues from there.
+    with pipetrain.StopOnSigterm(pipe, enabled=bool(c.checkpoint_dir)) as stop:
+        if c.resume == "auto" and pipe.resume(c.checkpoint_dir) and is_rank_zero():
+            print(f"resumed from {c.checkpoint_dir} at step {pipe.updates}", flush=True)
+        while pipe.updates < updates:
+            epoch, done = divmod(pipe.updates, per_epoch)  # a resumed run starts where the checkpoint stopped
+            batches = itertools.islice(loader(train, size, seed=c.seed + epoch), done, None)  # every rank, same order
+            losses = [r.loss for r in pipe.train(stop.batches(batches))]
+            if not stop.stopped:  # a whole epoch: validate
+                val_loss, val_accuracy = evaluate(pipe, val, size)
+                train_losses.append(sum(losses) / len(losses))
+                val_losses.append(val_loss)
+                accuracies.append(val_accuracy)
+                if val_log is not None:
+                    val_log.add_scalar("val/loss", val_loss, pipe.updates)
+                    val_log.add_scalar("val/accuracy", val_accuracy, pipe.updates)
+                    val_log.flush()
+                if is_rank_zero() and c.progress:
+                    print(f"epoch {epoch + 1}/{epochs}: train loss {train_losses[-1]:.4f}, val loss {val_loss:.4f}, "
+                          f"val accuracy {100 * val_accuracy:.2f}%", flush=True)
+            if c.checkpoint_dir:
+                pipe.save(c.checkpoint_dir)
+            stopped = stop.requested()
+            if stopped:
+                if is_rank_zero():
+                    print(f"stopped by SIGTERM at step {pipe.updates}; saved {c.checkpoint_dir}, continue with "
+                          "--resume auto", flush=True)
+                break
     if val_log is not None:
         val_log.close()
-    if args.save_pretrained:
+    if args.save_pretrained and not stopped:  # the trained model, once training has finished
         pipe.save_pretrained(args.save_pretrained)
     pipe.close()
-    if is_rank_zero():
+    if is_rank_zero() and accuracies:
         print(f"{type(model).__name__ if args.weights else c.model} ({width} wide, {depth} layers) on text, {c.describe()}, {epochs} epochs ({pipe.updates} "
               f"steps): min train loss {min(train_losses):.4f}, min val loss {min(val_losses):.4f}, max val accuracy "
               f"{100 * max(accuracies):.2f}%, {time.perf_counter() - start:.1f} s", flush=True)

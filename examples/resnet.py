@@ -61,30 +61,39 @@ def main(argv: list[str] | None = None) -> None:
     per_epoch = len(train) // args.batch_size
     last = args.steps or args.epochs * per_epoch
     history, start_time = [], time.perf_counter()
-    while pipe.updates < last:
-        epoch, start = divmod(pipe.updates, per_epoch)  # a resumed run starts where the checkpoint stopped
-        batches = mini_batches(train, args.batch_size, seed=args.seed, epoch=epoch, start=start,
-                               stop=min(per_epoch, last - epoch * per_epoch))
-        losses, saved = [], False
-        if args.schedule == "async-1f1b":  # no flush: the pipeline stays full all epoch and drains at its end
-            losses = [result.loss for result in pipe.train(batches)]
-        else:
-            for x, y in batches:
-                losses.append(pipe.step(x, y))
-                saved = bool(args.save_every) and pipe.updates % args.save_every == 0
-                if saved:
-                    pipe.save(args.checkpoint_dir)  # every rank saves its own stages
-        val_loss, val_accuracy = evaluate(pipe, val, args.batch_size)  # pipe.predict over val, every rank
-        history.append((sum(losses) / len(losses), val_loss, val_accuracy))
-        if writer is not None:
-            writer.add_scalar("val/loss", val_loss, pipe.updates)
-            writer.add_scalar("val/accuracy", val_accuracy, pipe.updates)
-            writer.flush()
-        if rank0 and args.log_every:
-            print(f"epoch {epoch + 1}: train loss {history[-1][0]:.4f}, val loss {val_loss:.4f}, "
-                  f"val accuracy {100 * val_accuracy:.2f}%", flush=True)
-        if args.checkpoint_dir and not saved:
-            pipe.save(args.checkpoint_dir)
+    # With a checkpoint directory, SIGTERM (a scheduler's preemption; torchrun forwards it to every rank) stops
+    # the run at a mini-batch every rank agrees on, which is saved; --resume continues from there.
+    with pipetrain.StopOnSigterm(pipe, enabled=bool(args.checkpoint_dir)) as stop:
+        while pipe.updates < last:
+            epoch, start = divmod(pipe.updates, per_epoch)  # a resumed run starts where the checkpoint stopped
+            batches = stop.batches(mini_batches(train, args.batch_size, seed=args.seed, epoch=epoch, start=start,
+                                                stop=min(per_epoch, last - epoch * per_epoch)))
+            losses, saved = [], False
+            if args.schedule == "async-1f1b":  # no flush: the pipeline stays full all epoch and drains at its end
+                losses = [result.loss for result in pipe.train(batches)]
+            else:
+                for x, y in batches:
+                    losses.append(pipe.step(x, y))
+                    saved = bool(args.save_every) and pipe.updates % args.save_every == 0
+                    if saved:
+                        pipe.save(args.checkpoint_dir)  # every rank saves its own stages
+            if not stop.stopped:  # a whole epoch (or --steps of it): validate
+                val_loss, val_accuracy = evaluate(pipe, val, args.batch_size)  # pipe.predict over val, every rank
+                history.append((sum(losses) / len(losses), val_loss, val_accuracy))
+                if writer is not None:
+                    writer.add_scalar("val/loss", val_loss, pipe.updates)
+                    writer.add_scalar("val/accuracy", val_accuracy, pipe.updates)
+                    writer.flush()
+                if rank0 and args.log_every:
+                    print(f"epoch {epoch + 1}: train loss {history[-1][0]:.4f}, val loss {val_loss:.4f}, "
+                          f"val accuracy {100 * val_accuracy:.2f}%", flush=True)
+            if args.checkpoint_dir and not saved:
+                pipe.save(args.checkpoint_dir)
+            if stop.requested():
+                if rank0:
+                    print(f"stopped by SIGTERM at step {pipe.updates}; saved {args.checkpoint_dir}, continue with "
+                          "--resume", flush=True)
+                break
     pipe.close()
     if writer is not None:
         writer.close()

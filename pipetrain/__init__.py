@@ -16,9 +16,10 @@ from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.nonfinite import NonFiniteError
 from pipetrain.options import PipelineOptions
 from pipetrain.pipeline import Pipeline
+from pipetrain.preemption import StopOnSigterm
 from pipetrain.weights.errors import InitialisationError, WeightsError
 
 __all__ = ["wrap", "Pipeline", "PipelineOptions", "StepResult", "export_state_dict", "CheckpointError",
            "NonFiniteError", "PeerFailure", "model_loss", "WeightsError", "InitialisationError",
-           "parameter_name"]
+           "parameter_name", "StopOnSigterm"]
 __version__ = version("pipetrain")  # one source: pyproject.toml

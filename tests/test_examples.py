@@ -14,6 +14,8 @@ import pytest
 
 from _example_runs import CASES, EXAMPLES, run_example, scalars
 
+HERE = Path(__file__).resolve().parent
+
 # 96 samples in mini-batches of 16: 6 steps an epoch.
 SMALL = ["--stages", "2", "--train-samples", "96", "--val-samples", "32", "--batch-size", "16",
          "--partitioner", "params", "--log-every", "1"]
@@ -48,31 +50,59 @@ def latest_step(checkpoints: Path) -> int:
     return int((checkpoints / "latest").read_text().strip().removeprefix("step-"))
 
 
-# How each script's first run stops, and its checkpoints: async-1f1b saves after an epoch (its stream drains
-# there), a synchronous schedule also between two steps (--save-every).
-FIRST_RUN = {"vgg": (["--epochs", "1"], [6]), "transformer": (["--epochs", "1"], [6]),
-             "resnet": (["--steps", "4", "--save-every", "3"], [3, 4]),
-             "lstm": (["--steps", "4", "--save-every", "3"], [3, 4])}
+def stopped_by_sigterm(name: str, step: int, *args: str, env: dict | None = None) -> str:
+    """What `python examples/<name>.py <args>` prints when it gets a real SIGTERM right after step ``step``
+    (tests/sigterm_at_step.py sends it from the training loop, so where it lands does not depend on timing).
+    It must exit with status 0."""
+    done = subprocess.run([sys.executable, str(HERE / "sigterm_at_step.py"), str(EXAMPLES / f"{name}.py"), *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "SIGTERM_STEP": str(step), **(env or {})})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def saved_steps(checkpoints: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in checkpoints.glob("step-*"))
+
+
+SIGNAL_AT = 8  # inside the second epoch (6 steps an epoch): a validation and an epoch checkpoint came before it
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_resumed_run_continues_the_uninterrupted_one(name, tmp_path, capsys):
+def test_sigterm_saves_and_the_resume_continues_as_documented(name, tmp_path, capsys):
+    # SIGTERM with --checkpoint-dir: the script finishes the mini-batch in flight, saves, says so and exits 0;
+    # --resume continues. Synchronous schedules (resnet, lstm) resume bit for bit into the uninterrupted run.
+    # async-1f1b (vgg, transformer) drains the mini-batches it took first: its resume equals a run that drained
+    # at that step (--steps), not the run that never stopped.
     args = [*SMALL, *CASES[name]]
+    is_async = "async-1f1b" in args
     whole = step_losses(printed(name, [*args, "--epochs", "2"], capsys))
     assert sorted(whole) == list(range(1, 13)) and all(math.isfinite(v) for v in whole.values())
     checkpoints, logdir = tmp_path / "ckpt", tmp_path / "runs"
-    stop, saved = FIRST_RUN[name]
-    first = step_losses(run_script(name, *args, *stop, "--checkpoint-dir", str(checkpoints), "--logdir", str(logdir)))
-    assert first == {step: whole[step] for step in range(1, saved[-1] + 1)}
-    assert sorted(checkpoints.glob("step-*")) == [checkpoints / f"step-{step:08d}" for step in saved]
+    also_every = [] if is_async else ["--save-every", "3"]  # a synchronous run also saves between steps
+    output = stopped_by_sigterm(name, SIGNAL_AT, *args, "--epochs", "2", *also_every, "--checkpoint-dir",
+                                str(checkpoints), "--logdir", str(logdir))
+    first = step_losses(output)
+    stop = max(first)
+    assert f"stopped by SIGTERM at step {stop}; saved {checkpoints}" in output
+    # Synchronous: the step in flight was the last. async-1f1b: the ones the stream had taken, drained.
+    assert stop == SIGNAL_AT if not is_async else SIGNAL_AT <= stop < 12
+    assert first == {step: whole[step] for step in range(1, stop + 1)}
+    assert saved_steps(checkpoints) == [6, stop]  # retention keeps the two newest (sync: of steps 3, 6 and 8)
     assert scalars(logdir, "train/loss") == pytest.approx(list(first.values()), abs=1e-6)
-    assert len(scalars(logdir, "val/accuracy")) == 1
+    assert len(scalars(logdir, "val/accuracy")) == 1  # epoch 1; the stopped epoch 2 is not validated
     resumed = run_script(name, *args, "--epochs", "2", "--checkpoint-dir", str(checkpoints), "--resume")
-    assert f"resumed from {checkpoints} at step {saved[-1]}" in resumed
-    # The same data order, weights and optimizer state: bit for bit the rest of the whole run.
-    assert step_losses(resumed) == {step: whole[step] for step in range(saved[-1] + 1, 13)}
+    assert f"resumed from {checkpoints} at step {stop}" in resumed
     assert latest_step(checkpoints) == 12 and "(12 steps)" in resumed.splitlines()[-1]
+    if not is_async:  # the same data order, weights and optimizer state: bit for bit the rest of the whole run
+        assert step_losses(resumed) == {step: whole[step] for step in range(stop + 1, 13)}
+        return
+    drained = tmp_path / "drained"
+    printed(name, [*args, "--steps", str(stop), "--checkpoint-dir", str(drained)], capsys)
+    expected = step_losses(printed(name, [*args, "--epochs", "2", "--checkpoint-dir", str(drained), "--resume"],
+                                   capsys))
+    assert step_losses(resumed) == expected and sorted(expected) == list(range(stop + 1, 13))
 
 
 @pytest.mark.parametrize("flags", [["--resume"], ["--save-every", "10"]])

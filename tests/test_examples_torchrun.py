@@ -1,5 +1,5 @@
-"""An example script launched by torchrun itself (2 processes), the way users run it: it trains, rank 0
-alone prints, the per-epoch checkpoint is written and the same command with --resume continues it."""
+"""Example scripts launched by torchrun itself, the way users run them: rank 0 alone prints, a real SIGTERM
+stops every rank at one step with a checkpoint, and the same command with --resume continues it exactly."""
 from __future__ import annotations
 
 import pytest
@@ -10,29 +10,67 @@ from pathlib import Path
 
 import torch
 
-from _example_runs import CASES, COMMON, EXAMPLES
+import pipetrain
+from _example_runs import CASES, COMMON, EXAMPLES, run_example
+from dist_harness import run_world
+
+HERE = Path(__file__).resolve().parent
+
+
+def torchrun_vgg(args: list[str], env: dict | None = None, ranks: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node RANKS examples/vgg.py ARGS`, through tests/sigterm_at_step.py when
+    ``env`` names a step to signal at (it runs the script unchanged otherwise)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    script = [str(HERE / "sigterm_at_step.py"), str(EXAMPLES / "vgg.py")] if env else [str(EXAMPLES / "vgg.py")]
+    return subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(ranks), *script, *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def assert_same_parameters(a: Path, b: Path) -> None:
+    first, second = pipetrain.export_state_dict(a), pipetrain.export_state_dict(b)
+    assert set(first) == set(second) and all(torch.equal(first[k], second[k]) for k in first)
+
+
+# (schedule flags, ranks, who gets SIGTERM after step 3, the step every rank stops at). async-1f1b under
+# torchrun stops at the end of the epoch (12 steps); 1f1b after the step whose report carries the request: rank
+# 0 waits in step 3's callback until torchrun forwarded the signal, so step 4's report carries it.
+PREEMPTED = {
+    "async-1f1b": ([*CASES["vgg"]], 2, {"SIGTERM_RANK": "1"}, 12),
+    "1f1b-2x2": (["--width", "4", "--schedule", "1f1b", "--micro-batches", "2", "--data-parallel", "2"], 4,
+                 {"SIGTERM_RANK": "0", "SIGTERM_TO": "torchrun"}, 4),
+}
 
 
 @pytest.mark.slow
-def test_script_under_torchrun(tmp_path):
-    # The first epoch, checkpointed; then the same command with --resume trains the second: each rank loads
-    # its own stage and the data continues where the checkpoint stopped.
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "vgg.py"), *COMMON,
-               *CASES["vgg"], "--checkpoint-dir", str(tmp_path / "ckpt")]
-    # --resume with no checkpoint yet (a first start under --max-restarts) starts from scratch.
-    first = subprocess.run([*command, "--epochs", "1", "--resume"], capture_output=True, text=True, env=env,
-                           timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "resumed from" not in first.stdout
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000012"
-    done = subprocess.run([*command, "--resume"], capture_output=True, text=True, env=env, timeout=300)
+@pytest.mark.parametrize("case", PREEMPTED)
+def test_sigterm_under_torchrun_saves_every_rank_and_the_resume_is_exact(case, tmp_path, capsys):
+    # The first launch, with --resume and no checkpoint yet (a first start under --max-restarts), starts from
+    # scratch; SIGTERM stops it on every rank at one agreed step, saved; the same command resumes it. Its end
+    # equals the uninterrupted run, bit for bit.
+    flags, ranks, signal_to, stop = PREEMPTED[case]
+    checkpoints = tmp_path / "ckpt"
+    command = [*COMMON, *flags, "--log-every", "1", "--checkpoint-dir", str(checkpoints)]
+    first = torchrun_vgg([*command, "--resume"], {"SIGTERM_STEP": "3", **signal_to}, ranks)
+    # torchrun exits 1 after forwarding a signal it got itself (its own report); the ranks exited 0, or it
+    # would report their failure instead.
+    assert first.returncode == (1 if "SIGTERM_TO" in signal_to else 0), first.stderr[-3000:]
+    assert "ChildFailedError" not in first.stderr and "resumed from" not in first.stdout
+    assert f"stopped by SIGTERM at step {stop}; saved {checkpoints}" in first.stdout  # rank 0 alone prints
+    assert first.stdout.count("stopped by SIGTERM") == 1
+    assert (checkpoints / "latest").read_text().strip() == f"step-{stop:08d}"
+    done = torchrun_vgg([*command, "--resume"], ranks=ranks)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("resumed from") == 1  # printed by rank 0 only
-    summary = [line for line in done.stdout.splitlines() if "max val accuracy" in line]
-    assert len(summary) == 1 and "1 epoch (24 steps)" in summary[0]
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000024"
+    assert done.stdout.count(f"resumed from {checkpoints} at step {stop}") == 1
+    assert (checkpoints / "latest").read_text().strip() == "step-00000024"
+    # The uninterrupted run on as many gloo ranks (forked by the test harness; the local engine cannot replicate).
+    run_world(ranks, "test_examples_torchrun", "uninterrupted", tmp_path / "world", [*COMMON, *flags],
+              str(tmp_path / "whole"))
+    assert_same_parameters(checkpoints, tmp_path / "whole")
+
+
+def uninterrupted(rank: int, world: int, args: list[str], checkpoints: str) -> None:
+    run_example("vgg", [*args, "--no-progress", "--checkpoint-dir", checkpoints])
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ def stop_once(cmd: list[str], delay: float) -> tuple[float, float, int]:
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     sent = stopped = None
     for line in proc.stdout:
-        if sent is None and line.startswith("epoch 1/"):
+        if sent is None and line.startswith("epoch 1:"):
             time.sleep(delay)
             sent = time.perf_counter()
             proc.send_signal(signal.SIGTERM)

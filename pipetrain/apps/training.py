@@ -6,7 +6,7 @@ rank runs the same call and iterates the same global mini-batches (the runtime s
 parallelism); only rank 0 shows progress and writes TensorBoard scalars. Checkpoints are saved after every
 epoch; ``resume="auto"`` loads the newest one and skips the mini-batches it already trained, so a resumed run
 sees the same data order as an uninterrupted one. With a checkpoint directory, SIGTERM is a request to stop
-(pipetrain.apps.stopping): the run finishes the mini-batch in flight (under torchrun, the next one when the
+(pipetrain.StopOnSigterm): the run finishes the mini-batch in flight (under torchrun, the next one when the
 signal came after that one's step report; an async-1f1b stream takes no new mini-batches and drains; under
 torchrun async-1f1b stops at the end of the epoch), saves a checkpoint and returns with ``summary.preempted``
 set, so the process exits with status 0 and ``resume="auto"`` continues it.
@@ -15,6 +15,7 @@ What to train is a RunConfig (pipetrain.apps.run_config); examples/ shows the sa
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -30,7 +31,6 @@ from pipetrain.apps.datasets import dataset_info, load_dataset, make_loader
 from pipetrain.apps.models import build_model
 from pipetrain.apps.run_config import RunConfig
 from pipetrain.apps.run_summary import EpochRecord, PerStageMeans, RunSummary
-from pipetrain.apps.stopping import Feed, StopAgreement, StopRequest, sigterm_requests_stop
 
 
 def _subset(dataset: Dataset, n: int | None) -> Dataset:
@@ -82,12 +82,6 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
     With ``checkpoint_dir`` set, SIGTERM makes the run save at the next mini-batch boundary and
     return early with ``preempted`` set (see the module docstring); without it SIGTERM keeps its
     usual meaning."""
-    with sigterm_requests_stop(bool(config.checkpoint_dir)) as request:
-        return _run(config, request, on_step)
-
-
-def _run(config: RunConfig, request: StopRequest | None,
-         on_step: Callable[[pipetrain.StepResult], None] | None) -> RunSummary:
     from tqdm import tqdm
 
     c = config.resolved()
@@ -110,17 +104,13 @@ def _run(config: RunConfig, request: StopRequest | None,
     if on_step is not None:
         pipe.on_step(on_step)
     rank0 = is_rank_zero()
-    agreement = None
-    if request is not None:
-        agreement = StopAgreement(c.schedule, pipe.options.timeout)
-        request.attach(pipe)
     val_log = None
     if c.logdir and rank0:
         from torch.utils.tensorboard import SummaryWriter
 
         val_log = SummaryWriter(c.logdir, filename_suffix=".val")  # same run directory as the runtime's scalars
     summary = RunSummary(c, gradient_bytes=gradient_bytes)
-    try:
+    with _closed_after(pipe, val_log), pipetrain.StopOnSigterm(pipe, enabled=bool(c.checkpoint_dir)) as stop:
         if c.resume == "auto" and pipe.resume(c.checkpoint_dir) and rank0:
             print(f"resumed from {c.checkpoint_dir} at step {pipe.updates}", flush=True)
         steps_per_epoch = len(loader)
@@ -134,8 +124,7 @@ def _run(config: RunConfig, request: StopRequest | None,
             bar = tqdm(total=steps_per_epoch, initial=skip, disable=not (rank0 and c.progress), leave=False,
                        desc=f"{c.label + ' ' if c.label else ''}epoch {epoch + 1}/{c.epochs}", dynamic_ncols=True)
             losses, samples, seconds, sent = [], 0, 0.0, 0
-            feed = Feed(_batches(train, order, c.batch_size, skip))
-            for result in pipe.train(feed):
+            for result in pipe.train(stop.batches(_batches(train, order, c.batch_size, skip))):
                 losses.append(result.loss)
                 samples += result.samples
                 seconds += result.seconds
@@ -145,18 +134,13 @@ def _run(config: RunConfig, request: StopRequest | None,
                 _add_into(summary.stage_activation_bytes, result.comm_bytes.get("activations", []))
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{result.samples_per_second:.0f}")
-                if agreement is not None and feed.limit is None and agreement.stop_after(result, request):
-                    # Not a break: the stream ends by itself after ``limit`` (async drains its in-flight ones).
-                    # Ranks stop at the same step, having taken the same mini-batches (a sync schedule
-                    # takes one per step; async-1f1b stops mid-stream only in one process).
-                    feed.limit = feed.pulled
             bar.close()
             summary.step_losses += losses
             summary.samples += samples
             summary.train_seconds += seconds
             summary.bytes_sent += sent
             summary.steps += len(losses)
-            if feed.limit is not None and skip + len(losses) < steps_per_epoch:
+            if stop.stopped and skip + len(losses) < steps_per_epoch:
                 pipe.save(c.checkpoint_dir)  # mid-epoch: no validation; the resume starts at the next mini-batch
                 summary.preempted = True
                 if rank0:
@@ -179,8 +163,7 @@ def _run(config: RunConfig, request: StopRequest | None,
                            f"val accuracy {100 * val_acc:.2f}%, {record.samples_per_second:.0f} samples/s")
             if c.checkpoint_dir:
                 pipe.save(c.checkpoint_dir)
-            if agreement is not None and epoch + 1 < c.epochs and (
-                    feed.limit is not None or agreement.any_rank_asked(request)):
+            if epoch + 1 < c.epochs and stop.requested():
                 summary.preempted = True  # asked during validation or the save: the epoch's checkpoint is it
                 if rank0:
                     print(f"stopped by SIGTERM after epoch {epoch + 1} (step {pipe.updates}); saved "
@@ -188,12 +171,19 @@ def _run(config: RunConfig, request: StopRequest | None,
                 break
         for name in PerStageMeans.FIELDS:
             setattr(summary, name, per_stage.mean(name))
+    summary.wall_seconds = time.perf_counter() - wall_start
+    return summary
+
+
+@contextlib.contextmanager
+def _closed_after(pipe: pipetrain.Pipeline, val_log: Any) -> Iterator[None]:
+    """Close the pipeline (and the validation log, if any) when the block ends, also after an error."""
+    try:
+        yield
     finally:
         if val_log is not None:
             val_log.close()
         pipe.close()
-    summary.wall_seconds = time.perf_counter() - wall_start
-    return summary
 
 
 def _add_into(totals: list[float], values: Sequence[float]) -> None:
