@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from _example_runs import CASES, EXAMPLES, run_example, scalars
 
@@ -110,3 +111,23 @@ def test_flags_that_need_a_checkpoint_directory_say_so(flags, capsys):
     with pytest.raises(SystemExit) as exit:
         run_example("vgg", flags)
     assert exit.value.code == 2 and "--resume and --save-every need --checkpoint-dir" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_huggingface_example_and_the_resume_is_exact(tmp_path, capsys):
+    # GPT-2 in bf16 with its learning-rate schedule and clipping (1f1b): stopped by SIGTERM after step 4 (of 6
+    # in epoch 1), resumed with --resume auto, it ends with the bits of the uninterrupted run (weights; the
+    # optimizer and schedule state are what make that possible).
+    import pipetrain
+
+    args = ["--stages", "2", "--train-samples", "96", "--val-samples", "32", "--batch-size", "16", "--partitioner",
+            "params", "--model", "gpt2", "--width", "16", "--depth", "1", "--schedule", "1f1b", "--micro-batches",
+            "2", "--epochs", "2", "--no-progress"]
+    run_example("huggingface", [*args, "--checkpoint-dir", str(tmp_path / "whole")])
+    checkpoints = tmp_path / "ckpt"
+    output = stopped_by_sigterm("huggingface", 4, *args, "--checkpoint-dir", str(checkpoints))
+    assert f"stopped by SIGTERM at step 4; saved {checkpoints}" in output and saved_steps(checkpoints) == [4]
+    resumed = run_script("huggingface", *args, "--checkpoint-dir", str(checkpoints), "--resume", "auto")
+    assert f"resumed from {checkpoints} at step 4" in resumed and latest_step(checkpoints) == 12
+    whole, after = pipetrain.export_state_dict(tmp_path / "whole"), pipetrain.export_state_dict(checkpoints)
+    assert set(whole) == set(after) and all(torch.equal(whole[k], after[k]) for k in whole)
