@@ -104,6 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset of the models")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ring = 2 * (REPLICAS - 1) / REPLICAS
@@ -112,7 +113,7 @@ def main() -> None:
     print(f"{'model':<12} {'params':>10} {'pipeline B':>12} {'DP payload/replica':>19} {'DP payload all':>15} "
           f"{'DP wire all':>13} {'wire ratio':>11} {'payload ratio':>14}")
     ratios, payload_ratios = [], []
-    for name in FAMILIES:
+    for name in args.families.split(","):
         pipe = pipeline_bytes(name, args.batch, args.micro_batches)
         payload_all, params, numel = data_parallel_bytes(name, args.batch)
         per_replica = payload_all / REPLICAS
