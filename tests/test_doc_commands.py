@@ -1,0 +1,306 @@
+"""Every shell command README.md and docs/*.md show runs in the suite (```python blocks: test_docs.py).
+
+A command is a line of a non-python fenced or 4-space indented block, or an inline code span, that starts with
+one of PREFIXES. COMMANDS says how the suite runs each one: as written, or with small-size flags the command
+documents in its --help appended and placeholders substituted (Run), or by pointing at a test that already runs
+it (Covered). A command the suite cannot run is marked in the doc with its reason: `not run: REASON` in the
+line's shell comment, or `<!-- not run: REASON -->` right after the inline span (docs/README.md says so).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from schedules.cluster import PRESETS
+from test_docs import PAGES, ROOT, python_blocks
+
+PREFIXES = ("python ", "torchrun ", "pipetrain ", "make ", "pytest ", "tensorboard ", "pip ")
+SPAN = re.compile(r"`([^`]+)`(\s*<!--\s*not run:(.*?)-->)?")
+NOT_RUN_COMMENT = re.compile(r"not run:(.*)$")
+# Small sizes for the training commands: one epoch on a few samples of a narrow model.
+TINY_TRAINING = "--epochs 1 --train-samples 32 --val-samples 16 --batch-size 16 --width 4 --no-progress"
+PLAN_SMALL = "--max-stages 4 --top 3"  # `pipetrain plan` ranks every depth up to the cluster's devices otherwise
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run the documented text with ``substitute`` applied and ``append`` added (argparse: the last value wins);
+    it must exit 0 and print ``expect``. In this process unless ``process`` (torchrun and make need one).
+    ``broken``: why a command of a page this suite may not edit fails now (a strict xfail: fixing it fails here)."""
+    expect: str
+    append: str = ""
+    substitute: tuple[tuple[str, str], ...] = ()
+    process: bool = False
+    slow: bool = False
+    broken: str = ""
+
+
+@dataclass(frozen=True)
+class Covered:
+    """Already run by the test ``node`` (file::name); its file names the command's script, subcommand and flags."""
+    node: str
+
+
+# Placeholders in substitutions: {tmp} is the case's temporary directory, {cluster} a Cluster JSON written there
+# (a preset: a real calibration is bench_calibration's test), {quickstart} README's quick start saved as a script.
+COMMANDS: dict[str, Run | Covered] = {
+    # README.md
+    "make demo": Run("-m pipetrain.cli demo", append="--dry-run", process=True),  # what it runs: `pipetrain demo`
+    "torchrun --standalone --nproc-per-node 4 train.py": Run(
+        "epoch 4: loss", substitute=(("train.py", "{quickstart}"),), process=True, slow=True),
+    "python examples/vgg.py": Run("max val accuracy", append=TINY_TRAINING + " --stages 2"),
+    "pipetrain plan": Run("usage: pipetrain plan", append="--help"),  # names the command: it exists
+    "pipetrain compare": Run("max val accuracy", append=TINY_TRAINING + " --methods 1f1b --logdir {tmp}/runs"),
+    # docs/README.md, schedules.md
+    "pipetrain simulate": Run("bubble"),
+    "pipetrain simulate --schedule zb-h1 --stages 4 --micro-batches 8 --png out.png": Run("bubble"),
+    # api.md, hybrid-and-zero.md, options.md: a command named with a flag; its --help lists the flag
+    "pipetrain export --hf": Run("--hf", append="--help"),
+    "pipetrain plan --zero auto": Run("--zero {0,1,auto}", append="--help"),
+    "pipetrain plan --cluster": Run("--cluster CLUSTER", substitute=(("--cluster", "--cluster {cluster}"),),
+                                    append="--help"),
+    # checkpoints.md (its commands change with the preemption rework; it carries no markers of its own)
+    "pipetrain train": Run("usage: pipetrain train", append="--help",
+                           broken="pipetrain has no `train` subcommand (simulate, plan, export, compare, demo)"),
+    "torchrun --max-restarts": Run("--max-restarts", substitute=(("--max-restarts", "--max-restarts 0"),),
+                                   append="--help"),
+    "pipetrain export --hf dir out": Covered("tests/test_export_hf.py::test_export_loads_as_the_pipeline_learned"),
+    "pytest tests/test_failures.py -s": Covered("tests/test_failures.py"),
+    "python examples/benchmarks/soak.py": Covered(
+        "tests/test_benchmarks.py::test_soak_counts_every_step_and_prints_rss_per_rank"),
+    "python examples/benchmarks/bench_preemption.py [--ranks 2]": Run(
+        "s after SIGTERM", substitute=(("[--ranks 2]", "--ranks 2"),), append="--repeats 1", slow=True),
+    # cli.md
+    "python -m pipetrain.cli": Run("usage: pipetrain", append="--help"),
+    "pipetrain COMMAND --help": Run("--lr-grid", substitute=(("COMMAND", "compare"),)),
+    "pipetrain simulate --schedule 1f1b --stages 4 --micro-batches 8 --trace out.json --png out.png": Run("bubble"),
+    "pipetrain plan resnet50 --cluster nvlink8-100g --batch-size 256": Run(
+        "predicted memory per device", append=PLAN_SMALL),
+    "pipetrain export --hf checkpoints/run1 out/hf": Covered(
+        "tests/test_export_hf.py::test_export_loads_as_the_pipeline_learned"),
+    "pipetrain plan llama --cluster nvlink8-100g --batch-size 64 --seq-len 2048 --dtype bf16": Covered(
+        "tests/test_cli_plan.py::test_llama_default_config_plans_on_meta_in_little_memory"),
+    "pipetrain plan path/to/config.json --cluster my_cluster.json --batch-size 256": Covered(
+        "tests/test_cli_plan.py::test_tiny_config_plans_and_stage_weights_sum_to_the_model"),
+    "pipetrain compare --model vgg --stages 4 --logdir runs/vgg": Run("max val accuracy", append=TINY_TRAINING),
+    # the demo's only size flag is --models: VGG alone is a third of `make demo`
+    "pipetrain demo": Run("demo wall time", append="--no-progress --models vgg --logdir {tmp}/runs", slow=True),
+    # compile.md
+    "python examples/benchmarks/bench_compile.py": Run(
+        "eager/compiled", append="--rounds 1 --steps 1 --width 16 --depth 1 --length 8 --schedules 1f1b", slow=True),
+    "python examples/benchmarks/bench_compile.py --schedules zb-h1": Run(
+        "eager/compiled", append="--rounds 1 --steps 1 --width 16 --depth 1 --length 8", slow=True),
+    # distributed.md
+    "torchrun --standalone --nproc-per-node 4 examples/vgg.py --stages 4": Run(
+        "max val accuracy", append=TINY_TRAINING, process=True, slow=True),
+    "torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/vgg.py --stages 4 --checkpoint-dir ckpt "
+    "--save-every 50 --resume": Run("max val accuracy", append=TINY_TRAINING, process=True, slow=True),
+    # hybrid-and-zero.md
+    "python examples/benchmarks/bench_zero.py": Run(
+        "all ranks' wire bytes per step", append="--width 32 --depth 1 --seq 4 --batch 4 --steps 1 --replicas 1",
+        slow=True),
+    # language-models.md
+    "python examples/huggingface.py --weights DIR --lora 8 --optimizer adam --save-pretrained out/adapter": Covered(
+        "tests/test_examples_torchrun.py::test_huggingface_example_fine_tunes_its_saved_model_under_torchrun"),
+    # results.md; $M is the doc's own M="..." line
+    "python examples/benchmarks/bench_partitioners.py": Run("graph: solved in", append="--estimate --repeats 1", slow=True),
+    "python examples/benchmarks/bench_schedules.py": Run(
+        "p=8, m=16: CPU seconds", append="--stages 8 --micro-batches 16 --repeats 1"),
+    "python examples/benchmarks/bench_zero_bubble.py --batch-size 256 --width 1024 --compile": Run(
+        "compiled / eager step time, same schedule", append="--steps 1 --rounds 1 --warmup 0 --layers 2 --width 16 --batch-size 8 --micro-batches 4",
+        slow=True),
+    "python examples/benchmarks/bench_runtime.py": Covered(
+        "tests/test_benchmarks.py::test_runtime_benchmark_times_the_local_engine_against_the_unsplit_model"),
+    **{f"pipetrain compare --model {model} --stages 4 --micro-batches 8 --epochs {epochs} --seeds 3 --lr-grid {grid} "
+       "--methods $M": Run("max val accuracy", substitute=(("$M", "{M}"),),
+                           append=TINY_TRAINING + " --seeds 1 --lr-grid 0.05 --logdir {tmp}/runs", slow=True)
+       for model, epochs, grid in (("vgg", 3, "0.01,0.02,0.05,0.1"), ("resnet", 4, "0.01,0.02,0.05"),
+                                   ("transformer", 4, "0.01,0.03,0.1"), ("lstm", 5, "0.03,0.1,0.3"))},
+    "python examples/benchmarks/bench_memory.py": Covered(
+        "tests/test_benchmarks.py::test_memory_benchmark_predicts_every_stage_within_ten_percent"),
+    "python examples/benchmarks/bench_precision.py": Run("bytes ratio fp32 / bf16", append="--rounds 1 --width 8", slow=True),
+    "python examples/benchmarks/bench_comm_bytes.py": Run("geometric mean of the wire ratio", append="--batch 8 --families vgg", slow=True),
+    "python examples/benchmarks/bench_allreduce.py": Run("step time, DDP / fused overlapped", append="--blocks 2 --rounds 1 --steps 1",
+                                                          slow=True),
+    "python examples/benchmarks/bench_calibration.py": Covered(
+        "tests/test_benchmarks.py::test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster"),
+    "python examples/benchmarks/bench_calibration.py --save-cluster this_machine.json": Covered(
+        "tests/test_benchmarks.py::test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster"),
+    "pipetrain plan vgg --cluster this_machine.json --batch-size 64 --profile": Run(
+        "predicted memory per device", substitute=(("this_machine.json", "{cluster}"),), append=PLAN_SMALL),
+    "python examples/benchmarks/bench_big_model.py": Covered(
+        "tests/test_benchmarks.py::test_big_model_benchmark_runs_both_paths_and_checks_the_bound"),
+    "python examples/benchmarks/reproduce_jia.py": Covered("tests/test_benchmarks.py::test_jia_reproduction_matches_the_readme"),
+}
+
+
+# ----- finding the commands -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Documented:
+    """One command as a page shows it: where, its text (whitespace and continuations normalised), and the reason
+    the doc gives for not running it (None: the suite must run it)."""
+    where: str
+    text: str
+    not_run: str | None
+
+
+def _is_code_line(line: str, fence: str | None) -> bool:
+    """A line of a non-python fenced block, or of a 4-space indented block outside fences."""
+    return fence not in (None, "python") or (fence is None and line.startswith("    ") and line.strip() != ""
+                                             and not line.lstrip().startswith(("-", "*", "|")))
+
+
+def documented_commands(page: Path) -> list[Documented]:
+    """Every command of ``page``, in order."""
+    lines, found, fence = page.read_text().splitlines(), [], None
+    name = str(page.relative_to(ROOT))
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.strip().startswith("```"):
+            fence = None if fence is not None else line.strip()[3:]
+        elif _is_code_line(line, fence):
+            start = i
+            while line.rstrip().endswith("\\") and i + 1 < len(lines):  # a continued shell line
+                i += 1
+                line = line.rstrip()[:-1] + " " + lines[i]
+            command, _, comment = line.partition(" #")
+            text = " ".join(command.split())
+            if text.startswith(PREFIXES):
+                reason = NOT_RUN_COMMENT.search(comment)
+                found.append(Documented(f"{name}:{start + 1}", text, reason and reason.group(1).strip()))
+        elif fence is None:
+            for span in SPAN.finditer(line):
+                text = " ".join(span.group(1).split())
+                if text.startswith(PREFIXES):
+                    found.append(Documented(f"{name}:{i + 1}", text, span.group(3) and span.group(3).strip()))
+        i += 1
+    return found
+
+
+ALL = [command for page in PAGES for command in documented_commands(page)]
+
+
+def test_every_documented_command_is_run_or_marked_with_a_reason():
+    unaccounted = [f"{c.where}: {c.text}" for c in ALL if c.not_run is None and c.text not in COMMANDS]
+    assert not unaccounted, (
+        "documented commands the suite does not run:\n  " + "\n  ".join(unaccounted) + "\nadd each to COMMANDS in "
+        "tests/test_doc_commands.py (as written, or with small flags from its --help), or mark it in the doc "
+        "with its reason: `# not run: REASON` in a fenced line's comment, `<!-- not run: REASON -->` after a span")
+    empty = [c.where for c in ALL if c.not_run is not None and not c.not_run]
+    assert not empty, f"say why these are not run: {empty}"
+    stale = set(COMMANDS) - {c.text for c in ALL if c.not_run is None}
+    assert not stale, f"COMMANDS has entries no page shows (unmarked): {sorted(stale)}"
+
+
+# ----- commands another test runs -------------------------------------------------------------------------
+def argv_words(text: str) -> list[str]:
+    """What a test running ``text`` must name: the script's file name, the pipetrain subcommand, every flag."""
+    words = shlex.split(text.replace("[", "").replace("]", ""))
+    named = [w for w in words if w.startswith("--")] + [Path(w).name for w in words if w.endswith(".py")]
+    if words[0] == "pipetrain":
+        named.append(words[1])
+    return named
+
+
+@pytest.mark.parametrize("text", [t for t, how in COMMANDS.items() if isinstance(how, Covered)])
+def test_a_covering_test_exists_and_runs_the_command(text):
+    node = COMMANDS[text].node
+    path, _, name = node.partition("::")
+    source = (ROOT / path).read_text()
+    if name:
+        assert name in {f.name for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef)}, node
+    if text.startswith("pytest "):  # the command runs the suite's own file
+        assert path in text.split(), (text, node)
+    else:
+        missing = [w for w in argv_words(text) if f'"{w}"' not in source and f'/ "{w}' not in source]
+        assert not missing, f"{node} does not run {text!r}: its file never names {missing}"
+
+
+# ----- running the rest -----------------------------------------------------------------------------------
+def _values(tmp: Path) -> dict[str, str]:
+    """The real values of COMMANDS' placeholders, created under ``tmp``."""
+    (tmp / "cluster.json").write_text(PRESETS["nvlink8-100g"].to_json())
+    quickstart = tmp / "train.py"
+    quickstart.write_text("".join(source for _, source, _ in python_blocks(ROOT / "README.md")))
+    results = (ROOT / "docs" / "results.md").read_text()
+    return {"tmp": str(tmp), "cluster": str(tmp / "cluster.json"), "quickstart": str(quickstart),
+            "M": re.search(r'^\s+M="([^"]+)"$', results, re.M).group(1)}
+
+
+def to_run(text: str, how: Run, tmp: Path) -> list[str]:
+    """The argv the suite runs for ``text``."""
+    for placeholder, value in how.substitute:
+        assert placeholder in text, (text, placeholder)
+        text = text.replace(placeholder, value, 1)
+    values = _values(tmp)
+    return [w.format(**values) if "{" in w else w for w in shlex.split(f"{text} {how.append}")]
+
+
+def run_in_process(argv: list[str]) -> None:
+    """Run argv in this process as its program would (a script with its folder on sys.path, as python does)."""
+    old_argv, old_path = sys.argv, list(sys.path)
+    try:
+        if argv[0] == "pipetrain":
+            from pipetrain.cli import main
+
+            assert main(argv[1:]) == 0
+        elif argv[0] == "torchrun":
+            from torch.distributed.run import main as torchrun
+
+            torchrun(argv[1:])
+        elif argv[:2] == ["python", "-m"]:
+            sys.argv = [argv[2], *argv[3:]]
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        else:
+            assert argv[0] == "python", argv
+            sys.argv = argv[1:]
+            sys.path.insert(0, str(Path(argv[1]).resolve().parent))
+            runpy.run_path(argv[1], run_name="__main__")
+    except SystemExit as done:  # --help, or a script that exits
+        assert done.code in (0, None), f"{argv}: exit {done.code}"
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+
+
+def run_in_a_process(argv: list[str], cwd: Path) -> str:
+    """Run argv as a new process (python, torchrun and pipetrain from this virtualenv); its output."""
+    bin_dir = Path(sys.executable).parent
+    program = str(bin_dir / argv[0]) if (bin_dir / argv[0]).exists() else argv[0]
+    done = subprocess.run([program, *argv[1:]], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"{argv}: exit {done.returncode}\n{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
+
+
+def _run_params():
+    for text, how in COMMANDS.items():
+        if isinstance(how, Run):
+            marks = ([pytest.mark.slow] if how.slow else []) + (
+                [pytest.mark.xfail(strict=True, reason=how.broken)] if how.broken else [])
+            yield pytest.param(text, id=text[:80], marks=marks)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("text", list(_run_params()))
+def test_documented_command_runs(text, tmp_path, monkeypatch, capfd):
+    how = COMMANDS[text]
+    argv = to_run(text, how, tmp_path)
+    # from a directory of its own that has the repository's examples/, so files it writes land there
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    if how.process:
+        out = run_in_a_process(argv, ROOT if argv[0] == "make" else tmp_path)
+    else:
+        monkeypatch.chdir(tmp_path)
+        run_in_process(argv)
+        out = "".join(capfd.readouterr())
+    assert how.expect in out, f"{argv} did not print {how.expect!r}:\n{out[-3000:]}"
