@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     train_losses, val_losses, accuracies = [], [], []
     per_epoch, stopped = len(train) // size, False
     # With --checkpoint-dir, SIGTERM (a scheduler's preemption; torchrun forwards it to every rank) stops the run
-    # at a mini-batch every rank agrees on, which is saved; --resume auto continues from there.
+    # at a mini-batch every rank agrees on, which is saved; --resume continues from there.
     with pipetrain.StopOnSigterm(pipe, enabled=bool(c.checkpoint_dir)) as stop:
         if c.resume == "auto" and pipe.resume(c.checkpoint_dir) and is_rank_zero():
             print(f"resumed from {c.checkpoint_dir} at step {pipe.updates}", flush=True)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             if stopped:
                 if is_rank_zero():
                     print(f"stopped by SIGTERM at step {pipe.updates}; saved {c.checkpoint_dir}, continue with "
-                          "--resume auto", flush=True)
+                          "--resume", flush=True)
                 break
     if val_log is not None:
         val_log.close()

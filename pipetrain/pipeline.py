@@ -114,7 +114,7 @@ class Pipeline:
         self._runner.loaded(ckpt.load_pipeline(self._checkpoint_view(), path))
 
     def resume(self, path: str | os.PathLike) -> bool:
-        """Load the newest checkpoint under ``path`` if there is one (``--resume auto``); True if it did. Every
+        """Load the newest checkpoint under ``path`` if there is one (the scripts' ``--resume``); True if it did. Every
         rank takes the same decision: if some see a checkpoint there and others do not, all raise."""
         if not ckpt.found_everywhere(self._checkpoint_view(), path):
             return False

@@ -22,7 +22,7 @@ def main() -> None:
     batches = [(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8]) for i in range(STEPS)]
     pipe = wrap_unprofiled(make("mlp"), x[:2], stages=2, micro_batches=2, optimizer=sgd, partitioner="uniform",
                            engine="distributed", timeout=10)
-    pipe.resume(root)  # --resume auto: continue from the newest checkpoint when there is one
+    pipe.resume(root)  # --resume: continue from the newest checkpoint when there is one
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for x_b, y_b in batches[pipe.updates:]:
         pipe.step(x_b, y_b)

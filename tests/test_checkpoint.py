@@ -198,8 +198,8 @@ def test_a_fresh_run_refuses_to_save_below_another_runs_checkpoint(tmp_path):
     before = snapshot(tmp_path)
     fresh = new_pipe(name="mlp")  # the same command again, without --resume
     fresh.step(*stream("mlp", 1)[0])
-    with pytest.raises(pipetrain.CheckpointError, match=r"step 4, newer than the step 1.*--resume auto.*"
-                                                       r"pipe\.load.*another directory"):
+    with pytest.raises(pipetrain.CheckpointError, match=r"step 4, newer than the step 1.*--resume.*"
+                                                       r"pipe\.resume.*another directory"):
         fresh.save(tmp_path)
     assert snapshot(tmp_path) == before
     # Resuming from that run and saving its later steps is what the directory is for.

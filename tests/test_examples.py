@@ -116,7 +116,7 @@ def test_flags_that_need_a_checkpoint_directory_say_so(flags, capsys):
 @pytest.mark.slow
 def test_sigterm_stops_the_huggingface_example_and_the_resume_is_exact(tmp_path, capsys):
     # GPT-2 in bf16 with its learning-rate schedule and clipping (1f1b): stopped by SIGTERM after step 4 (of 6
-    # in epoch 1), resumed with --resume auto, it ends with the bits of the uninterrupted run (weights; the
+    # in epoch 1), resumed with --resume, it ends with the bits of the uninterrupted run (weights; the
     # optimizer and schedule state are what make that possible).
     import pipetrain
 
@@ -127,7 +127,7 @@ def test_sigterm_stops_the_huggingface_example_and_the_resume_is_exact(tmp_path,
     checkpoints = tmp_path / "ckpt"
     output = stopped_by_sigterm("huggingface", 4, *args, "--checkpoint-dir", str(checkpoints))
     assert f"stopped by SIGTERM at step 4; saved {checkpoints}" in output and saved_steps(checkpoints) == [4]
-    resumed = run_script("huggingface", *args, "--checkpoint-dir", str(checkpoints), "--resume", "auto")
+    resumed = run_script("huggingface", *args, "--checkpoint-dir", str(checkpoints), "--resume")
     assert f"resumed from {checkpoints} at step 4" in resumed and latest_step(checkpoints) == 12
     whole, after = pipetrain.export_state_dict(tmp_path / "whole"), pipetrain.export_state_dict(checkpoints)
     assert set(whole) == set(after) and all(torch.equal(whole[k], after[k]) for k in whole)

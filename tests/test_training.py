@@ -78,7 +78,7 @@ def test_resume_over_a_damaged_checkpoint_stops_instead_of_starting_over(tmp_pat
 def test_a_rerun_without_resume_refuses_to_save_below_the_earlier_run(tmp_path):
     run(tiny(checkpoint_dir=str(tmp_path)))  # steps 6 and 12
     before = snapshot(tmp_path)
-    with pytest.raises(pipetrain.CheckpointError, match="--resume auto"):
+    with pytest.raises(pipetrain.CheckpointError, match="--resume"):
         run(tiny(checkpoint_dir=str(tmp_path)))  # the same command again: its step 6 is below 12
     assert snapshot(tmp_path) == before
 
@@ -138,8 +138,8 @@ def test_adam_option_trains_with_adam_and_its_default_rate():
 
 def other_value(action: argparse.Action):
     """A value of ``action``'s flag that is not its default, as the parser stores it."""
-    if action.nargs == 0:  # store_true / store_false
-        return not action.default
+    if action.nargs == 0:  # store_true, store_false, store_const (--resume): the constant the flag stores
+        return action.const
     if action.choices:
         return [c for c in action.choices if c != action.default][-1]
     if action.type in (int, float):

@@ -75,8 +75,8 @@ class RunConfig:
     engine: str = _setting(PIPELINE_DEFAULTS["engine"], wrap="engine")
     checkpoint_dir: str | None = _flag(None, "save a checkpoint here after every epoch, and on SIGTERM (then exit 0)",
                                        pipeline_only=True)
-    resume: str = _flag("never", "auto: continue from the newest checkpoint in --checkpoint-dir", choices=RESUME,
-                        pipeline_only=True)
+    resume: str = _flag("never", "continue from the newest checkpoint in --checkpoint-dir, if there is one",
+                        action="store_const", const="auto", pipeline_only=True)
     precision: str = _option("precision", choices=PRECISIONS)
     partitioner: str = _option("partitioner", choices=PARTITIONERS)
     # Time each layer for the graph/time partitioners (False: estimate them; deterministic).

@@ -146,7 +146,7 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
                 if rank0:
                     print(f"stopped by SIGTERM at step {pipe.updates} (epoch {epoch + 1}, mini-batch "
                           f"{skip + len(losses)}/{steps_per_epoch}); saved {c.checkpoint_dir}, resume with "
-                          "--resume auto", flush=True)
+                          "--resume", flush=True)
                 break
             val_loss, val_acc = evaluate(pipe, val, c.batch_size)
             record = EpochRecord(epoch + 1, pipe.updates, sum(losses) / len(losses), val_loss, val_acc,
@@ -167,7 +167,7 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
                 summary.preempted = True  # asked during validation or the save: the epoch's checkpoint is it
                 if rank0:
                     print(f"stopped by SIGTERM after epoch {epoch + 1} (step {pipe.updates}); saved "
-                          f"{c.checkpoint_dir}, resume with --resume auto", flush=True)
+                          f"{c.checkpoint_dir}, resume with --resume", flush=True)
                 break
         for name in PerStageMeans.FIELDS:
             setattr(summary, name, per_stage.mean(name))

@@ -37,8 +37,8 @@ def refuse_older_step(root: Path, step: int) -> None:
         raise CheckpointError(
             f"{root} already holds a checkpoint of step {newest}, newer than the step {step} this pipeline is "
             f"saving: it belongs to another run (or this pipeline was rolled back to an older step). Nothing "
-            f"was written. To continue that run, resume from it first (pipetrain train --resume auto, "
-            f"the example scripts' --resume, or pipe.load({str(root)!r})); "
+            f"was written. To continue that run, resume from it first (the example scripts' --resume, "
+            f"or pipe.resume({str(root)!r})); "
             f"to start over or branch off, save into another directory (--checkpoint-dir), or delete "
             f"{root}/step-* and {root}/latest yourself if that run is not needed.")
 
