@@ -34,14 +34,12 @@ PLAN_SMALL = "--max-stages 4 --top 3"  # `pipetrain plan` ranks every depth up t
 @dataclass(frozen=True)
 class Run:
     """Run the documented text with ``substitute`` applied and ``append`` added (argparse: the last value wins);
-    it must exit 0 and print ``expect``. In this process unless ``process`` (torchrun and make need one).
-    ``broken``: why a command of a page this suite may not edit fails now (a strict xfail: fixing it fails here)."""
+    it must exit 0 and print ``expect``. In this process unless ``process`` (torchrun and make need one)."""
     expect: str
     append: str = ""
     substitute: tuple[tuple[str, str], ...] = ()
     process: bool = False
     slow: bool = False
-    broken: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,8 +67,6 @@ COMMANDS: dict[str, Run | Covered] = {
     "pipetrain plan --cluster": Run("--cluster CLUSTER", substitute=(("--cluster", "--cluster {cluster}"),),
                                     append="--help"),
     # checkpoints.md (its commands change with the preemption rework; it carries no markers of its own)
-    "pipetrain train": Run("usage: pipetrain train", append="--help",
-                           broken="pipetrain has no `train` subcommand (simulate, plan, export, compare, demo)"),
     "torchrun --max-restarts": Run("--max-restarts", substitute=(("--max-restarts", "--max-restarts 0"),),
                                    append="--help"),
     "pipetrain export --hf dir out": Covered("tests/test_export_hf.py::test_export_loads_as_the_pipeline_learned"),
@@ -112,12 +108,13 @@ COMMANDS: dict[str, Run | Covered] = {
     "python examples/huggingface.py --weights DIR --lora 8 --optimizer adam --save-pretrained out/adapter": Covered(
         "tests/test_examples_torchrun.py::test_huggingface_example_fine_tunes_its_saved_model_under_torchrun"),
     # results.md; $M is the doc's own M="..." line
-    "python examples/benchmarks/bench_partitioners.py": Run("graph: solved in", append="--estimate --repeats 1", slow=True),
+    "python examples/benchmarks/bench_partitioners.py": Run(
+        "graph: solved in", append="--estimate --repeats 1", slow=True),
     "python examples/benchmarks/bench_schedules.py": Run(
         "p=8, m=16: CPU seconds", append="--stages 8 --micro-batches 16 --repeats 1"),
     "python examples/benchmarks/bench_zero_bubble.py --batch-size 256 --width 1024 --compile": Run(
-        "compiled / eager step time, same schedule", append="--steps 1 --rounds 1 --warmup 0 --layers 2 --width 16 --batch-size 8 --micro-batches 4",
-        slow=True),
+        "compiled / eager step time, same schedule", slow=True,
+        append="--steps 1 --rounds 1 --warmup 0 --layers 2 --width 16 --batch-size 8 --micro-batches 4"),
     "python examples/benchmarks/bench_runtime.py": Covered(
         "tests/test_benchmarks.py::test_runtime_benchmark_times_the_local_engine_against_the_unsplit_model"),
     **{f"pipetrain compare --model {model} --stages 4 --micro-batches 8 --epochs {epochs} --seeds 3 --lr-grid {grid} "
@@ -127,10 +124,12 @@ COMMANDS: dict[str, Run | Covered] = {
                                    ("transformer", 4, "0.01,0.03,0.1"), ("lstm", 5, "0.03,0.1,0.3"))},
     "python examples/benchmarks/bench_memory.py": Covered(
         "tests/test_benchmarks.py::test_memory_benchmark_predicts_every_stage_within_ten_percent"),
-    "python examples/benchmarks/bench_precision.py": Run("bytes ratio fp32 / bf16", append="--rounds 1 --width 8", slow=True),
-    "python examples/benchmarks/bench_comm_bytes.py": Run("geometric mean of the wire ratio", append="--batch 8 --families vgg", slow=True),
-    "python examples/benchmarks/bench_allreduce.py": Run("step time, DDP / fused overlapped", append="--blocks 2 --rounds 1 --steps 1",
-                                                          slow=True),
+    "python examples/benchmarks/bench_precision.py": Run(
+        "bytes ratio fp32 / bf16", append="--rounds 1 --width 8", slow=True),
+    "python examples/benchmarks/bench_comm_bytes.py": Run(
+        "geometric mean of the wire ratio", append="--batch 8 --families vgg", slow=True),
+    "python examples/benchmarks/bench_allreduce.py": Run(
+        "step time, DDP / fused overlapped", append="--blocks 2 --rounds 1 --steps 1", slow=True),
     "python examples/benchmarks/bench_calibration.py": Covered(
         "tests/test_benchmarks.py::test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster"),
     "python examples/benchmarks/bench_calibration.py --save-cluster this_machine.json": Covered(
@@ -139,7 +138,8 @@ COMMANDS: dict[str, Run | Covered] = {
         "predicted memory per device", substitute=(("this_machine.json", "{cluster}"),), append=PLAN_SMALL),
     "python examples/benchmarks/bench_big_model.py": Covered(
         "tests/test_benchmarks.py::test_big_model_benchmark_runs_both_paths_and_checks_the_bound"),
-    "python examples/benchmarks/reproduce_jia.py": Covered("tests/test_benchmarks.py::test_jia_reproduction_matches_the_readme"),
+    "python examples/benchmarks/reproduce_jia.py": Covered(
+        "tests/test_benchmarks.py::test_jia_reproduction_matches_the_readme"),
 }
 
 
@@ -285,9 +285,7 @@ def run_in_a_process(argv: list[str], cwd: Path) -> str:
 def _run_params():
     for text, how in COMMANDS.items():
         if isinstance(how, Run):
-            marks = ([pytest.mark.slow] if how.slow else []) + (
-                [pytest.mark.xfail(strict=True, reason=how.broken)] if how.broken else [])
-            yield pytest.param(text, id=text[:80], marks=marks)
+            yield pytest.param(text, id=text[:80], marks=[pytest.mark.slow] if how.slow else [])
 
 
 @pytest.mark.usefixtures("one_thread")
