@@ -20,6 +20,11 @@ measures are the runtime's overhead, not pipeline speed. The table keeps them un
 PNG's throughput panel and the table's last column show what each method would reach on a named
 cluster of one device per stage, predicted from its run's measured per-stage costs
 (pipetrain.apps.throughput).
+
+Time to target: per method, the epochs its mean validation curve needs to reach the synchronous
+baseline's best mean accuracy minus a point, the ratio to the baseline's epochs (per seed too) and
+the time that takes at the predicted speed (pipetrain.apps.time_to_target): asynchrony pays only if
+its speed-up outweighs the extra epochs.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from pipetrain.apps.models import MODELS
 from pipetrain.apps.throughput import local_cluster, predicted_samples_per_second, stage_seconds
 from pipetrain.apps.run_config import RunConfig, add_arguments, config_from_args
 from pipetrain.apps.run_summary import RunSummary, human_bytes
+from pipetrain.apps.time_to_target import BASELINES, MARGIN, ToTarget, seconds_to_target, spread_text, to_target
 from pipetrain.apps.training import is_rank_zero, run
 from pipetrain.options import PREDICTING, STALENESS
 from schedules import Cluster
@@ -104,6 +110,11 @@ class MethodResult:
     @property
     def best(self) -> list[RunSummary]:
         return self.at(self.best_lr)
+
+    @property
+    def best_by_seed(self) -> dict[int, RunSummary]:
+        """The runs at the best rate by seed (time_to_target pairs seeds across methods)."""
+        return {seed: s for (lr, seed), s in self.runs.items() if lr == self.best_lr}
 
 
 def _finite(value: float, instead: float = 0.0) -> float:
@@ -186,10 +197,13 @@ def measured_speed_label() -> str:
     return f"samples/s, torchrun {world} processes" if world else "local-engine samples/s"
 
 
-def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None = None) -> str:
+def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None = None,
+                 margin: float = MARGIN) -> str:
     """The SpecTrain paper's table (min train loss, min val loss, max val accuracy) at each method's best
     learning rate, mean +- standard deviation over the seeds, plus measured throughput and traffic and,
-    given ``speed``, the predicted throughput; with a learning-rate grid, each rate's mean accuracy too."""
+    given ``speed``, the predicted throughput; with a learning-rate grid, each rate's mean accuracy too.
+    Last, epochs to target (the sync baseline's best mean accuracy minus ``margin``), their ratio to the
+    baseline's and, given ``speed``, the predicted time to target."""
     grid = any(len(r.lrs) > 1 for r in results.values())
     seeds = max(len(r.best) for r in results.values())
     pm = (lambda mean, sd, f: f"{f(mean)} ± {f(sd)}") if seeds > 1 else (lambda mean, sd, f: f(mean))
@@ -219,6 +233,12 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
             row.append(", ".join(f"{lr:g}: {statistics.fmean(100 * _finite(s.max_val_accuracy) for s in r.at(lr)):.1f}"
                                  for lr in r.lrs))
         rows.append(row + predicted)
+    targets = to_target({m: r.best_by_seed for m, r in results.items()}, margin)
+    if targets is not None:
+        head += ["epochs to target", f"x {targets.baseline}'s epochs (seeds)"]
+        head += [] if speed is None else ["predicted time to target"]
+        for row, (m, r) in zip(rows, results.items()):
+            row += _target_cells(targets.methods[m], None if speed is None else speed.of_best(m, r))
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     if seeds > 1:
@@ -229,7 +249,36 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
     if speed is not None:
         lines.append(f"predicted samples/s: on {speed.cluster.name}, from each run's measured per-stage compute "
                      "and bytes (pipetrain.apps.throughput)")
+    if targets is None:
+        baseline = "every seed of the baseline diverged" if any(b in results for b in BASELINES) else \
+            f"no synchronous baseline ({' or '.join(BASELINES)}) among the methods"
+        lines.append(f"no epochs to target: {baseline}")
+    else:
+        b, goal = targets.baseline, targets.goal
+        lines.append(f"target: {b}'s peak mean val accuracy {100 * (goal + margin):.2f}% - {100 * margin:g} = "
+                     f"{100 * goal:.2f}% (the best epoch of the mean over seeds; max val acc is the mean of each "
+                     "seed's best); epochs to target: the first epoch where the method's mean val accuracy over the "
+                     f"seeds (at its best lr) reaches it; x {b}'s epochs: that over {b}'s, and its min–max over "
+                     f"seeds (each seed's run against {b}'s of the same seed; >x: never reached, at least x)")
+        if speed is not None:
+            lines.append("predicted time to target: epochs to target x samples per epoch / predicted samples/s "
+                         f"(a prediction for {speed.cluster.name}, not a measurement)")
     return "\n".join(lines)
+
+
+def _target_cells(t: ToTarget, predicted: float | None) -> list[str]:
+    """A method's epochs to target, ratio (with its seeds' min–max) and, given its ``predicted`` samples/s,
+    the predicted seconds to target."""
+    cells = [str(t.reach), f"{t.ratio} ({spread_text(t.seeds.values())})" if len(t.seeds) > 1 else str(t.ratio)]
+    if predicted is not None:
+        seconds = seconds_to_target(t.reach, t.samples_per_epoch, predicted)
+        cells.append(_seconds(seconds) if seconds == seconds else "never" if t.reach.epoch is None else "-")
+    return cells
+
+
+def _seconds(value: float) -> str:
+    """Three significant digits, whole seconds from 100 on: "0.107 s", "12.5 s", "1,234 s"."""
+    return f"{value:,.0f} s" if value >= 100 else f"{value:.3g} s"
 
 
 def _rounded(value: float) -> str:
@@ -328,6 +377,9 @@ def add_arguments_compare(parser: argparse.ArgumentParser) -> None:
                         help="micro-batches per mini-batch of the async runs (default: --micro-batches; "
                              "1 is the PipeDream/SpecTrain papers' setting)")
     parser.add_argument("--png", help="curves picture (default: <logdir>/compare.png)")
+    parser.add_argument("--target-gap", type=float, default=100 * MARGIN, metavar="POINTS",
+                        help="epochs to target aim at the sync baseline's best mean val accuracy minus this many "
+                             "points (default: %(default)g)")
 
 
 def _numbers(text: str | None, kind: type, flag: str) -> list:
@@ -392,7 +444,7 @@ def run_compare(args: argparse.Namespace) -> tuple[dict[str, MethodResult], Path
         for s in r.runs.values():
             print(s.line())
     print()
-    print(format_table(results, speed))
+    print(format_table(results, speed, args.target_gap / 100))
     print(f"\ncurves: {png}\nTensorBoard: tensorboard --logdir {args.logdir}")
     return results, png
 
