@@ -46,10 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="models compared at once, one process each (default: 2, or 1 on one core); "
                              "1 trains them in this process, with progress bars")
+    parser.add_argument("--epochs", type=int, help="every model trains this many epochs (default: each model's, "
+                        "above); with --train-samples, a quick look that still runs every model and method")
+    parser.add_argument("--train-samples", type=int, help="train on the first N samples only (default: all)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def _compare(name: str, logdir: Path, progress: bool, capture: bool) -> tuple[str, Path, float]:
+def _compare(name: str, logdir: Path, progress: bool, capture: bool, sizes: list[str]) -> tuple[str, Path, float]:
     """One model's `pipetrain compare`; returns what it printed (``capture``: held back, so that two
     workers' tables do not interleave), its PNG and its wall seconds."""
     # These models are tiny: one intra-op thread avoids thread-pool spinning, which costs more than
@@ -58,7 +61,7 @@ def _compare(name: str, logdir: Path, progress: bool, capture: bool) -> tuple[st
     start = time.perf_counter()
     parser = argparse.ArgumentParser()
     add_arguments_compare(parser)
-    argv = [*DEMOS[name], f"--logdir={logdir / name}"] + ([] if progress else ["--no-progress"])
+    argv = [*DEMOS[name], *sizes, f"--logdir={logdir / name}"] + ([] if progress else ["--no-progress"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out) if capture else contextlib.nullcontext():
         _, png = run_compare(parser.parse_args(argv))
@@ -78,19 +81,21 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     logdir = Path(args.logdir or time.strftime("runs/demo-%Y%m%d-%H%M%S"))
+    sizes = [f"--{flag}={value}" for flag, value in (("epochs", args.epochs), ("train-samples", args.train_samples))
+             if value is not None]  # after DEMOS' own: argparse keeps the last
     start = time.perf_counter()
     pngs = {}
     if args.jobs == 1 or len(models) == 1:
         for name in sorted(models, key=ORDER.index):
             print(_header(name), flush=True)
-            _, pngs[name], _ = _compare(name, logdir, args.progress, capture=False)
+            _, pngs[name], _ = _compare(name, logdir, args.progress, capture=False, sizes=sizes)
     else:
         print(f"comparing {', '.join(models)} in {min(args.jobs, len(models))} processes "
               f"(methods: {', '.join(METHODS)}); each model's table follows when it is done", flush=True)
         # spawn, not fork: a forked child of a process that has started torch's threads may deadlock.
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=min(args.jobs, len(models)), mp_context=context) as pool:
-            futures = {pool.submit(_compare, name, logdir, False, True): name
+            futures = {pool.submit(_compare, name, logdir, False, True, sizes): name
                        for name in sorted(models, key=list(DEMOS).index)}
             for future in as_completed(futures):
                 name = futures[future]
