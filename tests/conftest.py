@@ -1,8 +1,4 @@
 """Fixtures shared by the test modules (helpers the spawned ranks use too are in helpers.py)."""
-import json
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,12 +18,9 @@ def one_thread():
 # collection order as they free up. xdist would order the files by their number of tests, which put the
 # few-test files that launch torchrun or benchmark scripts (a minute or two each) last, where the run's end
 # waited on them with the other worker out of work. The cost of a test is its duration in the last run that ran it (pytest's
-# cache); a fresh clone has no cache, so then each file's seconds in a cold run of the whole suite on a fresh clone
-# (FILE_SECONDS, committed: without it the files that compile with inductor, minutes cold, started last and the
-# run waited on them), else a guess from its marker. The order only affects how well the two workers stay balanced.
+# cache), else a guess from its marker; the order only affects how well the two workers stay balanced.
 SECONDS_KEY = "pipetrain/test_seconds"
 GUESS = {True: 10.0, False: 0.2}  # seconds: a test marked slow (spawns ranks or processes), any other
-FILE_SECONDS = Path(__file__).with_name("file_seconds.json")  # rewritten by a run with PIPETRAIN_RECORD_FILE_SECONDS=1
 measured: dict[str, float] = {}  # this run's seconds per test (setup, call and teardown)
 
 
@@ -44,11 +37,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
 
-    recorded = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
-
     def cost(path: str) -> float:
-        if not any(i.nodeid in known for i in files[path]) and path in recorded:
-            return recorded[path]
         return sum(known.get(i.nodeid, GUESS[i.get_closest_marker("slow") is not None]) for i in files[path])
 
     items[:] = [item for path in sorted(files, key=cost, reverse=True) for item in files[path]]
@@ -63,8 +52,3 @@ def pytest_sessionfinish(session):
     cache = getattr(session.config, "cache", None)
     if cache is not None and measured and not hasattr(session.config, "workerinput"):  # the controller writes
         cache.set(SECONDS_KEY, {**cache.get(SECONDS_KEY, {}), **measured})
-    if os.environ.get("PIPETRAIN_RECORD_FILE_SECONDS") == "1" and not hasattr(session.config, "workerinput"):
-        per_file: dict[str, float] = {}
-        for nodeid, seconds in measured.items():
-            per_file[nodeid.split("::")[0]] = per_file.get(nodeid.split("::")[0], 0.0) + seconds
-        FILE_SECONDS.write_text(json.dumps({f: round(s, 1) for f, s in sorted(per_file.items())}, indent=0) + "\n")
