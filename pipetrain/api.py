@@ -37,6 +37,9 @@ def wrap(model: nn.Module, example_inputs: Any, *,
          chunks: int = 2,
          spectrain_variant: Literal["paper", "forward-only"] = "paper",
          lookahead: float = 1.0,
+         spike_compensation: bool = False,
+         dc_lambda: float = 0.0,
+         stage_lr_warmup: int = 0,
          devices: list[torch.device] | None = None,
          seed: int = 0,
          profile: bool = True,
@@ -91,6 +94,9 @@ def wrap(model: nn.Module, example_inputs: Any, *,
     Tuning knobs:
         chunks: virtual stages per device for interleaved-1f1b and interleaved-zb (zbv, dualpipev: always 2).
         spectrain_variant: "paper" or "forward-only" prediction. lookahead: scales the prediction distance.
+        spike_compensation: async-1f1b: apply a late gradient's missed momentum share at once (Kosson et al.).
+        dc_lambda: async-1f1b: DC-ASGD-a's lambda_0, correcting each gradient to the weights it is applied to.
+        stage_lr_warmup: async-1f1b: PipeMare's per-stage rates, lr / (1 + delay) rising to lr over these updates.
         devices: local engine: the torch.device of each stage.
         seed: dropout and initialisation streams (a meta-device model's weights depend on it and names only).
         profile: time the model's nodes for the graph partitioner. bandwidth: bytes/s between stages.

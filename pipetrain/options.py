@@ -15,6 +15,7 @@ from pipetrain.runtime.compiled import compile_arguments
 from pipetrain.runtime.nonfinite import NONFINITE
 from pipetrain.runtime.precision import PRECISIONS
 from pipetrain.runtime.staleness import PREDICTING, SPECTRAIN_VARIANTS, STALENESS
+from pipetrain.runtime.staleness.corrections import DelayCorrections, check_delay_corrections
 from pipetrain.runtime.staleness.two_buffered import check_two_buffered
 from schedules import BUILDERS
 from schedules.cluster import load_cluster
@@ -70,6 +71,11 @@ class PipelineOptions:
     spectrain_variant: str = "paper"
     # spectrain / nesterov: scales the prediction distance (1.0: predict the schedule's real lag; see README).
     lookahead: float = 1.0
+    # async-1f1b delay corrections, with any policy (pipetrain.runtime.staleness.corrections): spike
+    # compensation (Kosson et al.), DC-ASGD-a's lambda_0 (0: off), PipeMare's per-stage rate warm-up (updates; 0: off).
+    spike_compensation: bool = False
+    dc_lambda: float = 0.0
+    stage_lr_warmup: int = 0
     devices: list[torch.device] | None = None  # local engine: device per stage
     seed: int = 0
     profile: bool = True
@@ -159,6 +165,7 @@ class PipelineOptions:
         if self.lookahead != 1.0 and self.staleness not in PREDICTING:
             raise ValueError(f"lookahead={self.lookahead} scales the prediction of staleness='spectrain' or 'nesterov'; "
                              f"staleness={self.staleness!r} predicts nothing: leave lookahead at 1.0")
+        self._check_delay_corrections()
         if self.staleness == "2bw":
             check_two_buffered(self.stages, self.micro_batches)
         if self.schedule == "async-1f1b" and self.precision == "fp16":
@@ -198,6 +205,28 @@ class PipelineOptions:
             raise TypeError(f"optimizer must be a factory: params -> torch.optim.Optimizer, got "
                             f"{type(self.optimizer).__name__}; fix: optimizer=lambda params: "
                             "torch.optim.SGD(params, lr=0.05, momentum=0.9)")
+
+    def _check_delay_corrections(self) -> None:
+        if not isinstance(self.spike_compensation, bool):
+            raise TypeError(f"spike_compensation must be True or False, got {self.spike_compensation!r}")
+        if not isinstance(self.dc_lambda, (int, float)) or not self.dc_lambda >= 0:
+            raise ValueError(f"dc_lambda must be a number >= 0 (0: off; DC-ASGD-a's lambda_0), got {self.dc_lambda!r}")
+        if not isinstance(self.stage_lr_warmup, int) or self.stage_lr_warmup < 0:
+            raise ValueError(f"stage_lr_warmup must be a whole number of updates >= 0 (0: off), got {self.stage_lr_warmup!r}")
+        corrections = self.delay_corrections
+        if not corrections.any:
+            return
+        if self.schedule != "async-1f1b":
+            raise ValueError(f"spike_compensation, dc_lambda and stage_lr_warmup correct the delay of async-1f1b's "
+                             f"gradients; the {self.schedule} schedule has none: leave them off")
+        if self.zero:
+            raise ValueError("the delay corrections are not implemented with zero > 0 (each replica would need every "
+                             "tensor's optimizer state): use zero=0 with them")
+        check_delay_corrections(corrections, self.policy_name, None)
+
+    @property
+    def delay_corrections(self) -> DelayCorrections:
+        return DelayCorrections(self.spike_compensation, float(self.dc_lambda), self.stage_lr_warmup)
 
     def _check_zero(self) -> None:
         if self.zero not in ZERO:

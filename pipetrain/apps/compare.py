@@ -53,18 +53,46 @@ ASYNC = tuple(s for s in STALENESS if s != "none")
 METHODS = ["data-parallel", "1f1b", *ASYNC]
 
 
-def parse_method(method: str) -> tuple[str, float]:
-    """``"spectrain@2"`` -> ("spectrain", 2.0); a plain name has lookahead 1."""
-    name, _, lookahead = method.partition("@")
+DC_LAMBDA, PIPEMARE_WARMUP = 2.0, 500  # "+dc" and "+pm" without a value: DC-ASGD-a's lambda_0 of its paper; T in updates
+# Method suffixes: the delay corrections of pipetrain.runtime.staleness.corrections, and spectrain's variant.
+SUFFIXES = {"sc": "spike compensation (Kosson et al.)", "dc[=L]": f"DC-ASGD-a with lambda_0 L (default {DC_LAMBDA:g})",
+            "pm[=T]": f"PipeMare's per-stage rates over T updates (default {PIPEMARE_WARMUP})",
+            "fo": "spectrain's forward-only variant"}
+
+
+def parse_method(method: str) -> tuple[str, float, dict]:
+    """``"spectrain@2"`` -> ("spectrain", 2.0, {}); ``"stash+sc+dc=1"`` -> ("stash", 1.0, the wrap options of
+    the corrections); a plain name has lookahead 1 and no corrections."""
+    head, *suffixes = method.split("+")
+    name, _, lookahead = head.partition("@")
     if name not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} "
-                         f"(spectrain@x / nesterov@x: lookahead x)")
+                         f"(spectrain@x / nesterov@x: lookahead x; async methods take +{', +'.join(SUFFIXES)})")
+    options: dict = {}
+    for suffix in suffixes:
+        key, _, value = suffix.partition("=")
+        try:
+            if key == "sc" and not value:
+                options["spike_compensation"] = True
+            elif key == "dc":
+                options["dc_lambda"] = float(value) if value else DC_LAMBDA
+            elif key == "pm":
+                options["stage_lr_warmup"] = int(value) if value else PIPEMARE_WARMUP
+            elif key == "fo" and not value and name == "spectrain":
+                options["spectrain_variant"] = "forward-only"
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{method!r}: unknown suffix +{suffix}; async methods take "
+                             + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items())) from None
+    if options and name in ("data-parallel", "1f1b"):
+        raise ValueError(f"{method!r}: the suffixes correct async-1f1b's delay; {name} has none")
     if not lookahead:
-        return name, 1.0
+        return name, 1.0, options
     if name not in PREDICTING:
         raise ValueError(f"{method!r}: only {' and '.join(PREDICTING)} take a lookahead (@x)")
     try:
-        return name, float(lookahead)
+        return name, float(lookahead), options
     except ValueError:
         raise ValueError(f"{method!r}: the lookahead after @ must be a number, e.g. spectrain@2") from None
 
@@ -75,14 +103,15 @@ def method_config(base: RunConfig, method: str, world: int | None = None,
 
     The async methods split a mini-batch into ``async_micro_batches`` (default base.micro_batches).
     """
-    name, lookahead = parse_method(method)
+    name, lookahead, corrections = parse_method(method)
     c = dataclasses.replace(base, label=method, staleness="none", schedule="1f1b", lookahead=1.0)
     if name == "data-parallel":
         return dataclasses.replace(c, stages=1, micro_batches=1, data_parallel=world or 1)
     if name == "1f1b":
         return c
     m = base.micro_batches if async_micro_batches is None else async_micro_batches
-    return dataclasses.replace(c, schedule="async-1f1b", staleness=name, micro_batches=m, lookahead=lookahead)
+    return dataclasses.replace(c, schedule="async-1f1b", staleness=name, micro_batches=m, lookahead=lookahead,
+                               **corrections)
 
 
 @dataclasses.dataclass
@@ -368,7 +397,8 @@ def add_arguments_compare(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser, MODELS, pipeline=False)
     parser.set_defaults(logdir="runs/compare")
     parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of {','.join(METHODS)}; spectrain@x / nesterov@x: lookahead x")
+                        help=f"comma-separated subset of {','.join(METHODS)}; spectrain@x / nesterov@x: lookahead x; "
+                             f"an async method may add +{', +'.join(SUFFIXES)} (e.g. stash+sc+pm=200)")
     parser.add_argument("--lr-grid", help="comma-separated learning rates: every method trains at each and is "
                                           "reported at its best (default: --lr only)")
     parser.add_argument("--seeds", help="comma-separated seeds (or a count N for 0..N-1): mean and spread over them "

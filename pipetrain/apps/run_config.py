@@ -71,6 +71,14 @@ class RunConfig:
                              "spectrain); sync: none", choices=STALENESS, default=None, pipeline_only=True)
     lookahead: float = _option("lookahead", "spectrain/nesterov: scale the prediction distance (1: the schedule's "
                                "real lag)", type=float, pipeline_only=True)
+    spectrain_variant: str = _option("spectrain_variant", "spectrain: 'paper' (predict in forward and backward) or "
+                                     "'forward-only' (predict in forward, stash for backward)",
+                                     choices=("paper", "forward-only"), pipeline_only=True)
+    spike_compensation: bool = _option("spike_compensation", "async-1f1b: apply a late gradient's missed momentum at "
+                                       "once (Kosson et al.)", action="store_true", pipeline_only=True)
+    dc_lambda: float = _option("dc_lambda", "async-1f1b: DC-ASGD-a's lambda_0 (0: off)", type=float, pipeline_only=True)
+    stage_lr_warmup: int = _option("stage_lr_warmup", "async-1f1b: PipeMare's per-stage rate warm-up, in updates "
+                                   "(0: off)", type=int, pipeline_only=True)
     data_parallel: int = _option("data_parallel", "replicas of the whole pipeline", type=int, pipeline_only=True)
     engine: str = _setting(PIPELINE_DEFAULTS["engine"], wrap="engine")
     checkpoint_dir: str | None = _flag(None, "save a checkpoint here after every epoch, and on SIGTERM (then exit 0)",
@@ -129,6 +137,11 @@ class RunConfig:
         """Schedule and layout in a few words, e.g. 'async-1f1b/spectrain 4 stages x 1 micro-batch'."""
         kind = self.schedule + (f"/{self.staleness}" if self.staleness != "none" else "")
         kind += f" (lookahead {self.lookahead:g})" if self.lookahead != 1.0 else ""
+        kind += " (forward-only)" if self.spectrain_variant != "paper" and self.staleness == "spectrain" else ""
+        corrections = [name for name, on in (("spike compensation", self.spike_compensation),
+                                             (f"DC lambda {self.dc_lambda:g}", self.dc_lambda > 0),
+                                             (f"PipeMare warm-up {self.stage_lr_warmup}", self.stage_lr_warmup > 0)) if on]
+        kind += f" + {', '.join(corrections)}" if corrections else ""
         dp = f" x {self.data_parallel} replicas" if self.data_parallel > 1 else ""
         return f"{kind} {self.stages} stages x {self.micro_batches} micro-batches{dp}"
 

@@ -15,6 +15,7 @@ from pipetrain.runtime.optimizer_step import GradientNorm, OptimizerStep
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.staleness import POLICIES, PREDICTING
+from pipetrain.runtime.staleness.corrections import CorrectedStep
 from pipetrain.runtime.topology import Topology
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         read_by_policy = policy_optimizer(module, optimizer, options)
         policy = POLICIES[options.policy_name](module, read_by_policy, v, V,
                                                micro_batches=options.micro_batches, lookahead=options.lookahead)
+        if optimizer is not None and options.delay_corrections.any:
+            CorrectedStep(optimizer, policy, options.delay_corrections)
         schedulers = [make_scheduler(o, options.lr_scheduler) for o in dict.fromkeys([optimizer, read_by_policy])
                       if o is not None and options.lr_scheduler is not None]
         graphs = GraphBackward(v, module, graph_compile_options(compiling)) if graph_split else None

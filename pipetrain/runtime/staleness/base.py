@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.staleness.extrapolation import Extrapolation
+from schedules import StreamLags
 
 WeightSet = dict[str, torch.Tensor]
 V = TypeVar("V")
@@ -147,6 +148,10 @@ class StalenessPolicy:
         self.errors: dict[int, torch.Tensor | float] = {}  # sampled micro-batch -> prediction error (updates)
         self._probe: tuple[int, list[torch.Tensor]] | None = None  # the sampled micro-batch's forward weights
         self._update_size: Extrapolation | None = None
+        # Delay corrections (pipetrain.runtime.staleness.corrections) read each step's gradient delay:
+        self.records_delays = False
+        self._forward_at: dict[int, int] = {}  # micro-batch -> updates applied when its forward ran
+        self._step_delays: list[float] = []  # the delays of the gradients the next step applies
         if optimizer is not None and self.name != "none":
             try:
                 self._update_size = Extrapolation(optimizer, [p for _, p in self.params])
@@ -158,6 +163,8 @@ class StalenessPolicy:
     def forward_weights(self, micro_batch: int) -> WeightSet | None:
         """Weights for the forward of ``micro_batch``; None means the module's own."""
         weights = self._forward_weights(micro_batch)
+        if self.records_delays:
+            self._forward_at[micro_batch] = self.updates
         if weights is not None:
             self.distances[micro_batch] = self.distance(micro_batch)
             if self._probe is None and self._sampled(micro_batch):
@@ -170,7 +177,32 @@ class StalenessPolicy:
         if self._probe is not None and self._probe[0] == micro_batch:
             self.errors[micro_batch] = self._error(self._probe[1])
             self._probe = None
+        if self.records_delays:
+            lag = self.updates - self._forward_at.pop(micro_batch)
+            self._step_delays.append(self.gradient_delay(micro_batch, lag))
         self._before_backward(micro_batch)
+
+    def gradient_delay(self, micro_batch: int, lag: int) -> float:
+        """Updates between the weights the gradient of ``micro_batch`` is computed at and the weights it is
+        applied to; ``lag``: the updates between its forward and its backward, which it is for every policy
+        whose forward meets the weights in force (or their prediction)."""
+        return float(lag)
+
+    def steady_delay(self) -> float:
+        """The mean gradient delay of a mini-batch past the warm-up: stage k of N at m micro-batches per
+        mini-batch, the mean lag of the schedule's steady period ((N - k - 1) / m on average)."""
+        lags = StreamLags(self.stage, self.stages, self.micro_batches)
+        return sum(lags(lags.steady + j) for j in range(self.micro_batches)) / self.micro_batches
+
+    def scale_learning_rate(self, scale: Callable[[], float]) -> None:
+        """The optimizer's steps scale its rates by ``scale()``: predictions and their unit follow."""
+        if self._update_size is not None:
+            self._update_size.lr_scale = scale
+
+    def take_step_delay(self) -> float:
+        """The mean delay of the gradients the step about to run applies (forgotten afterwards)."""
+        delays, self._step_delays = self._step_delays, []
+        return sum(delays) / len(delays) if delays else 0.0
 
     def after_backward(self, micro_batch: int, last: bool) -> None:
         """Release what the backward of ``micro_batch`` held. Gradients computed on weight copies reach the
@@ -203,6 +235,7 @@ class StalenessPolicy:
     def on_skip(self) -> None:
         """Called instead of ``before_step`` and ``on_step`` when a step is skipped on every stage
         (nonfinite="skip", fp16 overflow): the weights and the optimizer state did not move."""
+        self._step_delays.clear()
 
     def start_stream(self) -> None:
         """A train() stream begins: micro-batch numbers start again at 0 and the optimizer state may
@@ -220,6 +253,8 @@ class StalenessPolicy:
         self.end_stream()
         self.distances.clear()
         self.errors.clear()
+        self._forward_at.clear()
+        self._step_delays.clear()
 
     def take_diagnostics(self, micro_batches: range) -> tuple[float, torch.Tensor | float]:
         """The mean prediction distance and error over ``micro_batches`` (forgotten afterwards); the error is
@@ -318,6 +353,30 @@ class StashPolicy(StalenessPolicy):
         super().__init__(*args, **kwargs)
         # A version that goes hands its gradients over (those of the micro-batches that used it).
         self.versions: VersionStore[WeightSet] = VersionStore(on_drop=lambda version: accumulate(self.params, version))
+        # DC-ASGD: the mean over the mini-batch's micro-batches of the weights their gradients were computed at
+        # (id of the live parameter -> tensor); None when nobody reads it.
+        self._stale: dict[int, torch.Tensor] | None = None
+
+    def keep_stale_mean(self) -> None:
+        """From now on, average the weights each backward's gradient is computed at, per mini-batch."""
+        self._stale = {}
+
+    def take_stale_mean(self) -> dict[int, torch.Tensor] | None:
+        """The averaged weights of the mini-batch whose step is about to run (forgotten afterwards)."""
+        stale, self._stale = self._stale, ({} if self._stale is not None else None)
+        return stale
+
+    def _before_backward(self, micro_batch: int) -> None:
+        if self._stale is None:
+            return
+        version = self.versions.of(micro_batch)
+        with torch.no_grad():
+            for name, p in self.params:
+                mean = self._stale.get(id(p))
+                if mean is None:
+                    self._stale[id(p)] = version[name].detach() / self.micro_batches
+                else:
+                    mean.add_(version[name].detach(), alpha=1.0 / self.micro_batches)
 
     @property
     def peak_versions(self) -> int:
@@ -348,9 +407,16 @@ class StashPolicy(StalenessPolicy):
         super().on_step()
         self.versions.drop_unused(self._release_when_unused)
 
+    def on_skip(self) -> None:
+        super().on_skip()
+        if self._stale is not None:
+            self._stale = {}
+
     def abandon(self) -> None:
         super().abandon()
         self.versions.clear()  # with the micro-batches that used them, and the gradients they held
+        if self._stale is not None:
+            self._stale = {}
 
     def _predicted_version(self, steps: Callable[[dict], float]) -> WeightSet:
         """A new version holding W - steps(group) * lr * v (the stage's own weights before any step)."""

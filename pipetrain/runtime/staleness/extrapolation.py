@@ -45,6 +45,9 @@ class Extrapolation:
         self.groups = [(group, members) for group, members in self.groups if members]
         self._directions: list[torch.Tensor | None] | None = None
         self._updates: list[torch.Tensor] | None = None  # ZeRO: lr * v of every parameter, from its owner
+        # The factor the next steps scale the groups' rates by (PipeMare's per-stage rates): predictions
+        # extrapolate the updates as the optimizer will apply them.
+        self.lr_scale: Callable[[], float] = lambda: 1.0
 
     def invalidate(self) -> None:
         """The optimizer stepped (or its state was loaded): recompute v at the next use."""
@@ -57,7 +60,7 @@ class Extrapolation:
         self._updates = updates
 
     def _lr(self, group: dict) -> float:
-        return 1.0 if self._updates is not None else group["lr"]  # provided updates carry their lr
+        return 1.0 if self._updates is not None else group["lr"] * self.lr_scale()  # provided ones carry their lr
 
     def directions(self) -> list[torch.Tensor | None]:
         """Each parameter's smoothed update (None before its first step)."""

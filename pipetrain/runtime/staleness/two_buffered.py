@@ -72,7 +72,14 @@ class TwoBufferedPolicy(StashPolicy):
         super().on_step()
         self.steps += 1
 
+    def gradient_delay(self, micro_batch: int, lag: int) -> float:
+        return float(self.steps - self._key(micro_batch))  # version t - 1 applied to version t: 1 past mini-batch 0
+
+    def steady_delay(self) -> float:
+        return 1.0
+
     def on_skip(self) -> None:
+        super().on_skip()
         self.before_step()  # the next mini-batch still runs on the version in force now
         self.steps += 1
 
