@@ -30,17 +30,19 @@ def train(pipe, batches):
     return [r.loss for r in pipe.train(batches)]
 
 
-CASES = [("1f1b", "none"), ("async-1f1b", "stash"), ("async-1f1b", "spectrain")]
+CASES = [("1f1b", "none"), ("async-1f1b", "stash"), ("async-1f1b", "spectrain"), ("async-1f1b", "nesterov")]
+# The delay corrections keep state in the optimizer (DC-ASGD's MeanSquare) and read the update count (PipeMare).
+OPTIONS = {"nesterov": dict(spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=4)}
 
 
 def first_half(rank, world, root, engine):
     """6 steps straight, and 3 steps + save, per case (async: the stream drains after 3 in both)."""
     out = {}
     for schedule, staleness in CASES:
-        full = new_pipe(engine, world if engine == "distributed" else 2, schedule, staleness)
+        full = new_pipe(engine, world if engine == "distributed" else 2, schedule, staleness, **OPTIONS.get(staleness, {}))
         train(full, stream()[:3])
         train(full, stream()[3:])
-        half = new_pipe(engine, world if engine == "distributed" else 2, schedule, staleness)
+        half = new_pipe(engine, world if engine == "distributed" else 2, schedule, staleness, **OPTIONS.get(staleness, {}))
         train(half, stream()[:3])
         half.save(os.path.join(root, f"{schedule}-{staleness}"))
         out[(schedule, staleness)] = full.state_dict()
@@ -50,7 +52,7 @@ def first_half(rank, world, root, engine):
 def second_half(rank, world, root, engine):
     out = {}
     for schedule, staleness in CASES:
-        pipe = new_pipe(engine, world if engine == "distributed" else 2, schedule, staleness)
+        pipe = new_pipe(engine, world if engine == "distributed" else 2, schedule, staleness, **OPTIONS.get(staleness, {}))
         assert pipe.resume(os.path.join(root, f"{schedule}-{staleness}"))
         assert pipe.updates == 3
         train(pipe, stream()[3:])

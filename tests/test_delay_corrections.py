@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from test_staleness_reference import LR, MOMENTUM, SIZE, Reference, chain, lag, run_pipeline, stream
+from dist_harness import run_world
 from helpers import wrap_unprofiled
 
 ADAM_LR, BETAS, EPS = 0.05, (0.8, 0.99), 1e-8
@@ -170,3 +171,30 @@ def test_refusals_name_what_works():
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.01), **common)
     with pytest.raises(ValueError, match="stage_lr_warmup must be a whole number"):
         wrap_unprofiled(chain(2), x, schedule="async-1f1b", staleness="stash", stage_lr_warmup=-1, **common)
+
+
+DISTRIBUTED = [("nesterov", 1, "sgd", "all"), ("stash", 2, "adam", "all"), ("2bw", 2, "nag", "spike")]
+
+
+def train_corrected(staleness, m, optimizer, correction, engine, steps=6):
+    pipe = wrap_unprofiled(chain(2), stream(1, m)[0][0][:SIZE], stages=2, micro_batches=m, schedule="async-1f1b",
+                           staleness=staleness, partitioner=["1"], optimizer=OPTIMIZERS[optimizer], engine=engine,
+                           **CORRECTIONS[correction])
+    losses = [r.loss for r in pipe.train(stream(steps, m))]
+    return losses, pipe.state_dict()
+
+
+def distributed_runs(rank, world):
+    return [train_corrected(*case, engine="distributed") for case in DISTRIBUTED]
+
+
+@pytest.mark.slow
+def test_the_distributed_engine_equals_the_local_one(tmp_path, one_thread):
+    per_rank = run_world(2, "test_delay_corrections", "distributed_runs", tmp_path)
+    for i, case in enumerate(DISTRIBUTED):
+        losses, state = train_corrected(*case, engine="local")
+        merged = {k: v for rank in per_rank for k, v in rank[i][1].items()}
+        assert per_rank[0][i][0] == losses, case  # every rank reports the same losses, bit for bit
+        assert set(merged) == set(state), case
+        for name, value in state.items():
+            assert torch.equal(merged[name], value), f"{case}: {name}"

@@ -18,6 +18,10 @@ SIZE = 13
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
 
+CORRECTED = dict(staleness="nesterov", spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=3, optimizer=sgd,
+                 partitioner="uniform")
+
+
 def hybrid_scenarios(rank, world):
     out = {}
     for key, kw in {
@@ -40,6 +44,10 @@ def hybrid_scenarios(rank, world):
                            schedule="async-1f1b", staleness="stash", optimizer=sgd, partitioner="uniform",
                            engine="distributed")
     out["async-stash"] = ([r.loss for r in pipe.train(batches("mlp", 5, size=SIZE))], pipe.state_dict(), None, None)
+    # The delay corrections act on the reduced gradient: replicated, they equal one process on the whole batch.
+    pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=1, data_parallel=2,
+                           schedule="async-1f1b", engine="distributed", **CORRECTED)
+    out["async-corrected"] = ([r.loss for r in pipe.train(batches("mlp", 5, size=SIZE))], pipe.state_dict(), None, None)
     # fp16: an overflow injected on replica 1's last stage only must make every rank skip the same step.
     pipe = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=2, data_parallel=2,
                            precision="fp16", optimizer=sgd, partitioner="uniform",
@@ -124,6 +132,17 @@ def test_hybrid_takes_per_bucket_what_the_cluster_model_prices_cheaper(hybrid):
     assert bucket_choice(None, Hierarchy(2, 2, 0, 0, None, None, None)) is None
 
 
+def test_delay_corrections_replicated_equal_one_process_on_the_whole_batch(hybrid):
+    local = wrap_unprofiled(make("mlp"), data("mlp", 2)[0], stages=2, micro_batches=1, schedule="async-1f1b",
+                            engine="local", **CORRECTED)
+    losses = [r.loss for r in local.train(batches("mlp", 5, size=SIZE))]
+    merged = {**hybrid[0]["async-corrected"][1], **hybrid[1]["async-corrected"][1]}
+    # The replicas' shards (7 and 6 samples) reduce to the whole batch's gradient up to float32 rounding.
+    for name, value in local.state_dict().items():
+        torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=0, msg=name)
+    assert hybrid[0]["async-corrected"][0] == pytest.approx(losses, rel=1e-5)
+
+
 def reference_global(bs, replicas=2):
     """One process, whole global batch, gradient accumulation over the replicas' micro-batches."""
     model = make("convbn")
@@ -138,7 +157,7 @@ def reference_global(bs, replicas=2):
 
 
 def test_replicas_stay_identical_and_reduction_is_counted(hybrid):
-    for key in ("1f1b-hybrid", "async-stash"):
+    for key in ("1f1b-hybrid", "async-stash", "async-corrected"):
         for stage_rank in (0, 1):
             a, b = hybrid[stage_rank][key][1], hybrid[stage_rank + 2][key][1]
             assert all(torch.equal(a[k], b[k]) for k in a if "running" not in k and "num_batches" not in k), key
