@@ -2,8 +2,8 @@
 
 A command is a line of a non-python fenced or 4-space indented block, or an inline code span, that starts with
 one of PREFIXES. COMMANDS says how the suite runs each one: as written, or with small-size flags the command
-documents in its --help appended and placeholders substituted (Run), or by pointing at a test that already runs
-it (Covered). A command the suite cannot run is marked in the doc with its reason: `not run: REASON` in the
+documents in its --help appended and placeholders substituted (Run), by pointing at a test that already runs
+it (Covered), or as part of another entry that runs the same script with more flags (Within). A command the suite cannot run is marked in the doc with its reason: `not run: REASON` in the
 line's shell comment, or `<!-- not run: REASON -->` right after the inline span (docs/README.md says so).
 """
 from __future__ import annotations
@@ -48,9 +48,16 @@ class Covered:
     node: str
 
 
+@dataclass(frozen=True)
+class Within:
+    """Run as part of the entry ``command``, a Run whose text has every word of this one (the same script, with
+    flags added): one launch runs both."""
+    command: str
+
+
 # Placeholders in substitutions: {tmp} is the case's temporary directory, {cluster} a Cluster JSON written there
 # (a preset: a real calibration is bench_calibration's test), {quickstart} README's quick start saved as a script.
-COMMANDS: dict[str, Run | Covered] = {
+COMMANDS: dict[str, Run | Covered | Within] = {
     # README.md
     "make demo": Run("-m pipetrain.cli demo", append="--dry-run", process=True),  # what it runs: `pipetrain demo`
     "torchrun --standalone --nproc-per-node 4 train.py": Run(
@@ -93,14 +100,13 @@ COMMANDS: dict[str, Run | Covered] = {
     "pipetrain demo": Run("demo wall time", append="--no-progress --epochs 1 --train-samples 128 --logdir {tmp}/runs",
                           slow=True),
     # compile.md
-    "python examples/benchmarks/bench_compile.py": Run(
-        # the same small LM and schedule as the next entry: the later of the two finds its graphs in inductor's cache
-        "eager/compiled", append="--rounds 1 --steps 1 --width 16 --depth 1 --length 8 --schedules zb-h1", slow=True),
+    "python examples/benchmarks/bench_compile.py": Within("python examples/benchmarks/bench_compile.py --schedules zb-h1"),
     "python examples/benchmarks/bench_compile.py --schedules zb-h1": Run(
         "eager/compiled", append="--rounds 1 --steps 1 --width 16 --depth 1 --length 8", slow=True),
     # distributed.md
-    "torchrun --standalone --nproc-per-node 4 examples/vgg.py --stages 4": Run(
-        "max val accuracy", append=TINY_TRAINING, process=True, slow=True),
+    "torchrun --standalone --nproc-per-node 4 examples/vgg.py --stages 4": Within(
+        "torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/vgg.py --stages 4 --checkpoint-dir ckpt "
+        "--save-every 50 --resume"),
     "torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/vgg.py --stages 4 --checkpoint-dir ckpt "
     "--save-every 50 --resume": Run("max val accuracy", append=TINY_TRAINING, process=True, slow=True),
     # hybrid-and-zero.md
@@ -227,6 +233,16 @@ def test_a_covering_test_exists_and_runs_the_command(text):
     else:
         missing = [w for w in argv_words(text) if f'"{w}"' not in source and f'/ "{w}' not in source]
         assert not missing, f"{node} does not run {text!r}: its file never names {missing}"
+
+
+@pytest.mark.parametrize("text", [t for t, how in COMMANDS.items() if isinstance(how, Within)])
+def test_a_command_within_another_is_its_subset_and_that_one_runs(text):
+    command = COMMANDS[text].command
+    assert isinstance(COMMANDS.get(command), Run), f"{text!r} is within {command!r}, which the suite must run"
+    words, within = shlex.split(text), shlex.split(command)
+    assert words[0] == within[0] and not set(words) - set(within), f"{command!r} does not have every word of {text!r}"
+    scripts = [w for w in words if w.endswith(".py")]
+    assert scripts == [w for w in within if w.endswith(".py")], (text, command)
 
 
 # ----- running the rest -----------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
 def compile_arguments(value: Any) -> dict[str, Any] | None:
     """The keyword arguments for ``torch.compile`` that ``compile=value`` asks for (None: run eager).
     ``True`` means ``DEFAULTS`` and ``INDUCTOR_OPTIONS``; a dict is passed on over them (its ``options``
-    over ``INDUCTOR_OPTIONS``, which are left out with a ``mode``: torch.compile takes one or the other),
+    over ``INDUCTOR_OPTIONS``, which are left out with a ``mode``, as torch.compile takes one or the other,
+    and with another ``backend`` than inductor, which takes none),
     its keys checked against ``torch.compile``'s parameters here so a typo fails at ``wrap``, not at the
     first step."""
     if value is False:
@@ -44,7 +45,7 @@ def compile_arguments(value: Any) -> dict[str, Any] | None:
         raise ValueError(f"compile={value!r}: torch.compile takes no argument(s) {', '.join(unknown)}; "
                          f"fix: use only {', '.join(sorted(accepted))}")
     arguments = {**DEFAULTS, **value}
-    if "mode" not in value:
+    if "mode" not in value and value.get("backend", "inductor") == "inductor":  # other backends take no options
         arguments["options"] = {**INDUCTOR_OPTIONS, **(value.get("options") or {})}
     return arguments
 
