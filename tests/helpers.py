@@ -1,9 +1,14 @@
 """Helpers shared by the test modules and by the ranks they spawn (which cannot take pytest fixtures)."""
 from __future__ import annotations
 
+import contextlib
+import copy
+from typing import Any, Iterator
+
 import torch
 from torch import nn
 
+import partitioners
 import pipetrain
 from runtime_models import data
 
@@ -29,3 +34,23 @@ def batches(name: str, steps: int = 3, size: int = 8, *, last: int | None = None
     sizes = [size] * (steps - 1) + [size if last is None else last]
     starts = [sum(sizes[:i]) for i in range(steps)]
     return [(x[s:s + n], y[s:s + n]) for s, n in zip(starts, sizes)]
+
+
+@contextlib.contextmanager
+def capture_once(monkeypatch, captures: dict, key: Any) -> Iterator[None]:
+    """Within the block, ``wrap`` captures the model only the first time ``captures`` sees ``key`` (with the
+    same profile and autocast arguments) and partitions a copy of that capture afterwards: a copy, so every
+    pipeline gets its own tensors. ``key`` must name the same model (class, config and seed) and example
+    inputs: torch.export takes most of a small Hugging Face model's time, and its graph does not depend on
+    the stage count or the engine it is partitioned for, nor on the checkpoint a meta model is loaded from."""
+    capture = partitioners.trace_for_training
+
+    def once(model, example_inputs, profile, autocast=None):
+        full = (key, profile, autocast)
+        if full not in captures:
+            captures[full] = copy.deepcopy(capture(model, example_inputs, profile, autocast))
+        return copy.deepcopy(captures[full])
+
+    with monkeypatch.context() as patch:
+        patch.setattr(partitioners, "trace_for_training", once)
+        yield
