@@ -194,6 +194,7 @@ def test_mixed_dtype_boundaries_under_gloo_train_like_the_local_engine(tmp_path,
     # gradients) cross processes as they are, so both engines give the same bits.
     per_rank = run_world(2, "test_language_models", "interleaved_ranks", tmp_path)
     sent = _record_sends(monkeypatch)
+    _capture_once(monkeypatch, "llama", "bf16")  # the (llama, bf16) cells' capture; the ranks capture their own
     losses, expected = _interleaved_llama_bf16("local")
     assert {torch.bfloat16, torch.float32} <= _sent_dtypes(sent)
     merged = {}
