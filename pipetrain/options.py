@@ -172,11 +172,13 @@ class PipelineOptions:
             raise ValueError("fp16 loss scaling needs every stage to agree on skipped steps, which a "
                              "never-flushed async-1f1b pipeline cannot do without stalling: use "
                              "precision='bf16' (no loss scaling) or a synchronous schedule")
-        if self.schedule == "async-1f1b" and self.precision != "fp32" and self.staleness in ("vanilla", "spectrain"):
+        if (self.schedule == "async-1f1b" and self.precision != "fp32" and self.policy_name in ("vanilla", "spectrain")
+                and compile_arguments(self.compile) is not None):
             raise ValueError(
-                f"staleness={self.staleness!r} with precision={self.precision!r}: autocast saves low-precision "
-                "copies of the weights for the backward, so the backward could not see the latest/predicted "
-                "weights; use precision='fp32' or staleness='stash'")
+                f"staleness={self.staleness!r} with precision={self.precision!r} casts the weights again when the "
+                "backward reads them (pipetrain.runtime.live_casts), which a compiled stage's graph does not let "
+                "it do: use compile=False, precision='fp32', or a policy whose backward reuses the forward's "
+                "weights ('stash', '2bw', 'nesterov', spectrain_variant='forward-only')")
         # A bad value fails here, at wrap; every schedule compiles (split ones their derived B and W graphs).
         compile_arguments(self.compile)
         if self.schedule in INTERLEAVED_SCHEDULES and self.chunks < 2:

@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from pipetrain.runtime import split_backward
 from pipetrain.runtime.graph_backward import GraphBackward, GraphFlight
 from pipetrain.runtime.graph_split import GraphSplit
+from pipetrain.runtime.live_casts import LiveCasts
 from pipetrain.runtime.loss_checks import compute_loss
 from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.metrics import StageReport
@@ -182,12 +183,15 @@ class StageRuntime:
             return out, loss, [], leaves, 0
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(args))
         counted = self.saved_bytes.get(shapes)
-        counter: Any = contextlib.nullcontext()
+        # Autocast's copies of weights a policy rewrites before the backward: cast again when it reads them.
+        casts = (LiveCasts(list(weights.values())) if weights is not None and self.autocast_dtype is not None
+                 and not self.policy.keeps_forward_weights else None)
+        counter: Any = casts.hooks() if casts is not None else contextlib.nullcontext()
         if counted is None:
             param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
             if weights is not None:
                 param_ptrs |= {w.untyped_storage().data_ptr() for w in weights.values()}
-            counter = SavedBytes(param_ptrs, [leaf for ls in leaves for leaf in ls])
+            counter = SavedBytes(param_ptrs, [leaf for ls in leaves for leaf in ls], casts)
         with counter:
             out, loss = self._run(tuple(args), weights, target, seed, with_loss=True)
         if counted is None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipetrain.runtime.live_casts import LiveCasts
+
 
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
@@ -36,19 +38,21 @@ def storage_bytes(tensors) -> int:
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """The bytes of the distinct storages autograd saves for a backward, weights excluded, together
-    with the ``held`` tensors (boundary inputs) the stage keeps for the same micro-batch."""
+    with the ``held`` tensors (boundary inputs) the stage keeps for the same micro-batch; with ``casts``
+    those hooks apply too (they run in place of any outer ones)."""
 
-    def __init__(self, weights: set[int], held: list[torch.Tensor]):
+    def __init__(self, weights: set[int], held: list[torch.Tensor], casts: LiveCasts | None = None):
         self.storages: dict[int, int] = {}
         for t in held:
             _count(self.storages, t)
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if storage_key(t) not in weights:
+        def pack(t: torch.Tensor):
+            packed = casts.pack(t) if casts is not None else t
+            if packed is t and storage_key(t) not in weights:  # a weight cast again at backward is not held
                 _count(self.storages, t)
-            return t
+            return packed
 
-        super().__init__(pack, lambda t: t)
+        super().__init__(pack, casts.unpack if casts is not None else lambda t: t)
 
     @property
     def total(self) -> int:
