@@ -11,6 +11,7 @@ rounding noise around zero (OPT's key bias has an exact gradient of 0 and sits a
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -169,12 +170,14 @@ def test_hand_written_batch_norm_profiles_without_making_buffers_require_grad() 
 
 
 @pytest.mark.parametrize("form", ["tuple", "dict"])
-def test_inputs_as_a_tuple_or_a_dict_of_keyword_arguments(form: str) -> None:
+def test_inputs_as_a_tuple_or_a_dict_of_keyword_arguments(form: str, monkeypatch) -> None:
     case = TRANSFORMERS["bert"]
     inputs, y = case.batch(8, 1)
     as_form = (lambda d: (d["input_ids"], d["attention_mask"])) if form == "tuple" else (lambda d: d)
-    pipe = wrap_unprofiled(build("bert"), as_form(case.batch(2, 0)[0]), stages=2, micro_batches=MICRO,
-                           loss_fn=case.loss_fn, optimizer=sgd, engine="local")
+    # The dict is the example test_trains_predicts... captures build("bert") on; the tuple is captured here.
+    with capture_once(monkeypatch, _CAPTURES, "bert") if form == "dict" else contextlib.nullcontext():
+        pipe = wrap_unprofiled(build("bert"), as_form(case.batch(2, 0)[0]), stages=2, micro_batches=MICRO,
+                               loss_fn=case.loss_fn, optimizer=sgd, engine="local")
     pipe.step(as_form(inputs), y)
     assert_same_state(pipe.state_dict(), reference_training("bert", [(inputs, y)]).state_dict(), exact=True)
     out = pipe.predict(as_form(inputs))
@@ -255,10 +258,11 @@ def async_ranks(rank: int, world: int) -> tuple[list[float], dict, torch.Tensor]
 
 
 @pytest.mark.slow
-def test_async_spectrain_under_gloo_trains_like_the_local_engine(tmp_path, one_thread) -> None:
+def test_async_spectrain_under_gloo_trains_like_the_local_engine(tmp_path, one_thread, monkeypatch) -> None:
     # one_thread: the ranks' thread count, for bitwise equality
     per_rank = run_world(2, "test_third_party_models", "async_ranks", tmp_path)
-    losses, expected, prediction = _async_spectrain("local")
+    with capture_once(monkeypatch, _CAPTURES, "gpt2"):  # build("gpt2") on its example; the ranks capture their own
+        losses, expected, prediction = _async_spectrain("local")
     assert sum(losses[-2:]) < sum(losses[:2])  # it trains: two batches seen three times each
     merged = {}
     for rank_losses, state, rank_prediction in per_rank:
