@@ -133,6 +133,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
                                    ("transformer", 4, "0.01,0.03,0.1"), ("lstm", 5, "0.03,0.1,0.3"))},
     "python examples/benchmarks/bench_memory.py": Covered(
         "tests/test_benchmarks.py::test_memory_benchmark_predicts_every_stage_within_ten_percent"),
+    "python examples/benchmarks/bench_delay.py": Run(
+        "D = 1:", append="--delays 0,1 --epochs 1 --train-samples 128", slow=True),
     "python examples/benchmarks/bench_precision.py": Run(
         "bytes ratio fp32 / bf16", append="--rounds 1 --width 8", slow=True),
     "python examples/benchmarks/bench_comm_bytes.py": Run(
