@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from transformers import BatchEncoding
 
 import pipetrain
+from dist_harness import run_world
 from helpers import wrap_unprofiled
 
 
@@ -39,8 +40,8 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 
 def pipe(example=None, **options) -> pipetrain.Pipeline:
     example = example if example is not None else {k: v[:2] for k, v in batch(0).items()}
-    return wrap_unprofiled(OwnLoss(), example, stages=2, micro_batches=2, partitioner="uniform",
-                           engine="local", loss_fn=pipetrain.model_loss, **options)
+    return wrap_unprofiled(OwnLoss(), example, stages=2, partitioner="uniform", loss_fn=pipetrain.model_loss,
+                           **{"engine": "local", "micro_batches": 2, **options})
 
 
 def assert_same(a: pipetrain.Pipeline, b: pipetrain.Pipeline) -> None:
@@ -80,3 +81,36 @@ def test_on_step_is_called_with_each_result_in_order():
     returned = [(r.step, r.loss) for r in p.train((batch(s), None) for s in range(1, 4))]
     p.step(batch(4))
     assert seen[:3] == returned and [s for s, _ in seen] == [1, 2, 3, 4]
+
+
+# One micro-batch per update: a replica's micro-batch j is another set of samples than the whole batch's
+# micro-batch j, so at m > 1 an async stream pairs other samples with each weight version than one process does.
+ONE_MICRO_BATCH_STASH = dict(schedule="async-1f1b", staleness="stash", micro_batches=1)
+
+
+def hybrid_own_loss(rank, world):
+    """2 stages x 2 replicas, the labels inside the inputs: step, an async stream and predict."""
+    sync = pipe(engine="distributed", data_parallel=2)
+    losses = [sync.step(batch(s)) for s in (1, 2)]
+    stream = pipe(engine="distributed", data_parallel=2, **ONE_MICRO_BATCH_STASH)
+    stream_losses = [r.loss for r in stream.train(batch(s) for s in (1, 2, 3))]
+    return losses, sync.state_dict(), stream_losses, stream.state_dict(), sync.predict(batch(4))["logits"]
+
+
+@pytest.mark.slow
+def test_hybrid_mode_takes_the_labels_inside_the_inputs(tmp_path, one_thread):
+    # Each replica trains on half of every mini-batch (its labels with it); the mean of the replicas' own
+    # losses is the whole batch's, so the pipeline equals one process on the whole batch up to float32
+    # rounding of the two halves' sums.
+    per_rank = run_world(4, "test_batch_forms", "hybrid_own_loss", tmp_path)
+    sync, stream = pipe(), pipe(**ONE_MICRO_BATCH_STASH)
+    losses = [sync.step(batch(s)) for s in (1, 2)]
+    stream_losses = [r.loss for r in stream.train(batch(s) for s in (1, 2, 3))]
+    for index, reference in ((1, sync), (3, stream)):
+        merged = {k: v for rank in per_rank[:2] for k, v in rank[index].items()}
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(merged[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    for got, want in ((per_rank[0][0], losses), (per_rank[0][2], stream_losses)):
+        assert got == pytest.approx(want, rel=1e-6)
+    for rank in per_rank:
+        torch.testing.assert_close(rank[4], sync.predict(batch(4))["logits"], rtol=1e-6, atol=1e-6)

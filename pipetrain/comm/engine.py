@@ -242,9 +242,9 @@ class DistributedEngine:
         D = self.data_parallel
         if D == 1:
             return x, y, 1.0
-        r = self.world.replica
-        xs = replica_shard(x, r, D)
-        return xs, replica_shard(y, r, D), shard_weight(batch_size(x), batch_size(xs), D)
+        r, size = self.world.replica, batch_size(x)
+        xs = replica_shard(x, r, D, size)
+        return xs, replica_shard(y, r, D, size), shard_weight(size, batch_size(xs), D)
 
     def share_prediction(self, output: Any, topology: Topology) -> Any:
         """The full output on every rank, from replica 0's last stage (every replica computes the same)."""

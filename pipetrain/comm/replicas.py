@@ -24,9 +24,11 @@ from schedules.cluster.reductions import Group, prefers_hierarchical
 COMPRESS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def replica_shard(batch: Any, replica: int, replicas: int) -> Any:
-    """Replica ``replica``'s contiguous share of every batch-dimension tensor in ``batch``."""
-    size = batch_size(batch)
+def replica_shard(batch: Any, replica: int, replicas: int, size: int | None = None) -> Any:
+    """Replica ``replica``'s contiguous share of every batch-dimension tensor in ``batch``: those whose dim 0 is
+    ``size`` (default: the first tensor's). Targets take the inputs' size: they may be None or hold no tensor
+    (a model computing its own loss from labels among its inputs)."""
+    size = batch_size(batch) if size is None else size
     if size < replicas:
         raise ValueError(f"a mini-batch of {size} samples cannot feed data_parallel={replicas} replicas; "
                          "use a larger batch")
