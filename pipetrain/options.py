@@ -224,7 +224,7 @@ class PipelineOptions:
         if self.zero:
             raise ValueError("the delay corrections are not implemented with zero > 0 (each replica would need every "
                              "tensor's optimizer state): use zero=0 with them")
-        check_delay_corrections(corrections, self.policy_name, None)
+        check_delay_corrections(corrections, self.policy_name)
 
     @property
     def delay_corrections(self) -> DelayCorrections:

@@ -41,16 +41,6 @@ class CorrectedReference(Reference):
             return 1.0
         return (1.0 + self.steady[k]) ** -(1.0 - min(t / self.warmup, 1.0))
 
-    def weights(self, k, version, steps, nesterov_delay=None):
-        w = self.params[k][version]
-        buf = self.buffers[k][version]
-        if buf is None:
-            return w
-        if nesterov_delay is not None:
-            from pipetrain.runtime.staleness import look_ahead_steps
-            steps = look_ahead_steps(MOMENTUM, nesterov_delay)
-        return [p - steps * LR * self.scale(k, version) * v for p, v in zip(w, buf)]
-
     def train(self, batches):
         N, m = self.stages, self.m
         for t, (x, y) in enumerate(batches):

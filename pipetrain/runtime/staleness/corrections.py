@@ -50,14 +50,13 @@ class DelayCorrections:
         return self.spike_compensation or self.dc_lambda > 0 or self.lr_warmup > 0
 
 
-def check_delay_corrections(corrections: DelayCorrections, staleness: str, optimizer: torch.optim.Optimizer | None) -> None:
-    """Refuse, naming what works, a correction the policy or the optimizer cannot take."""
-    if corrections.dc_lambda > 0 and staleness in ("vanilla", "spectrain"):  # policy names: "spectrain" is the paper's
-        raise ValueError(f"dc_lambda needs the weights each gradient was computed at, and staleness={staleness!r} "
+def check_delay_corrections(corrections: DelayCorrections, policy: str) -> None:
+    """Refuse, naming what works, a correction the policy cannot take (the optimizer is checked when the stage
+    builds it: CorrectedStep)."""
+    if corrections.dc_lambda > 0 and policy in ("vanilla", "spectrain"):  # policy names: "spectrain" is the paper's
+        raise ValueError(f"dc_lambda needs the weights each gradient was computed at, and staleness={policy!r} "
                          "computes the backward at other weights than the forward: use staleness='stash', '2bw', "
                          "'nesterov' or 'spectrain' with spectrain_variant='forward-only'")
-    if corrections.spike_compensation and optimizer is not None:
-        _spike_kind(optimizer)
 
 
 def _spike_kind(optimizer: torch.optim.Optimizer) -> str:
