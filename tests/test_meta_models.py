@@ -164,11 +164,13 @@ def test_initial_weights_are_the_same_under_torchrun(two_ranks: list[dict]) -> N
 
 class AllocatedBytes(TorchDispatchMode):
     """Bytes of every new storage of floating tensors on a real device that the calls under this mode create
-    (meta costs none; the byte tensors collectives pickle objects into are not a model's)."""
+    (meta costs none; the byte tensors collectives pickle objects into are not a model's). It keeps every
+    storage it counted alive: a freed temporary's address may be reused by a later storage, which would then
+    look seen and go uncounted."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: set[int] = set()
+        self.seen: dict[int, torch.UntypedStorage] = {}
         self.bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -177,7 +179,7 @@ class AllocatedBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta:
                 storage = t.untyped_storage()
                 if storage._cdata not in self.seen:
-                    self.seen.add(storage._cdata)
+                    self.seen[storage._cdata] = storage
                     self.bytes += storage.nbytes()
         return out
 
