@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from pipetrain.runtime.local_shards import local
+
 NONFINITE = ("raise", "skip")
 
 
@@ -57,7 +59,7 @@ def first_nonfinite(modules: Iterable[tuple[int, nn.Module]]) -> tuple[int, str]
     step was found bad, so its cost does not matter."""
     for stage, module in modules:
         for name, p in module.named_parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all()):
                 return stage, name
     return None
 

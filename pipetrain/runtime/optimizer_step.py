@@ -21,6 +21,7 @@ from typing import Iterator, Protocol
 import torch
 from torch import nn
 
+from pipetrain.runtime.local_shards import local_grads
 from pipetrain.runtime.nonfinite import NonFiniteError, advice, check_and_unscale_, first_nonfinite, losses_nonfinite
 from pipetrain.runtime.precision import DynamicLossScaler
 from pipetrain.runtime.stage import StageRuntime
@@ -106,8 +107,8 @@ class GradientNorm:
 
     def part(self, params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
         """This position's part of the global norm (float64): the p-th power of its norm, or for the inf-norm its
-        largest entry, as clip_grad_norm_ would take it over these gradients alone."""
-        grads = [p.grad for p in params if id(p) not in self.duplicates] if self.counted else []
+        largest entry, as clip_grad_norm_ would take it over these gradients (their local shards) alone."""
+        grads = local_grads(p for p in params if id(p) not in self.duplicates) if self.counted else []
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=device)
         norm = torch.nn.utils.get_total_norm(grads, self.norm_type).to(device, torch.float64)
@@ -118,10 +119,12 @@ class GradientNorm:
         return combined if self.norm_type == math.inf else combined ** (1.0 / self.norm_type)
 
     def clip_(self, params: list[nn.Parameter], total: float, device: torch.device) -> None:
-        """Scale the gradients by max_norm / (total + 1e-6) where that is below 1, as clip_grad_norm_ does."""
-        if self.max_norm is not None and self.max_norm != math.inf:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm,
-                                                 torch.tensor(total, dtype=torch.float32, device=device))
+        """Scale the gradients by max_norm / (total + 1e-6) where that is below 1, as clip_grad_norm_ does (on
+        their local shards: a sharded gradient is scaled where it lives)."""
+        grads = local_grads(params)
+        if self.max_norm is not None and self.max_norm != math.inf and grads:
+            coefficient = self.max_norm / (torch.tensor(total, dtype=torch.float32, device=device) + 1e-6)
+            torch._foreach_mul_(grads, torch.clamp(coefficient, max=1.0))
 
 
 class OptimizerStep:
@@ -172,7 +175,7 @@ class OptimizerStep:
         if self.scaler is not None:
             grads_bad = self.scaler.unscale_local_(params, self.device)
         else:
-            grads_bad = check_and_unscale_([p.grad for p in params], 1.0, self.device)
+            grads_bad = check_and_unscale_(local_grads(params), 1.0, self.device)
         flags = torch.cat([grads_bad, losses_nonfinite(losses, self.device)])
         # With ZeRO every replica must take the same decision before stepping: each all-gathers its update; with
         # max_grad_norm every stage needs the global norm of the update before stepping.

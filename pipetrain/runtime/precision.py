@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pipetrain.runtime.local_shards import local_grads
 from pipetrain.runtime.nonfinite import check_and_unscale_
 
 
@@ -80,7 +81,7 @@ class DynamicLossScaler:
     def unscale_local_(self, params: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
         """Divide the gradients of `params` by the scale in place; return this process's found-inf flag
         as a one-element tensor (on `device`, default the first gradient's), for the agreement."""
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = local_grads(params)
         if device is None:
             device = grads[0].device if grads else torch.device("cpu")
         return check_and_unscale_(grads, 1.0 / self.scale_value, device)
