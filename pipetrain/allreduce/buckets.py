@@ -9,7 +9,7 @@ communication starts early in the backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +28,15 @@ class BucketSpec:
         return self.numel * self.dtype.itemsize
 
 
-def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, first_bucket_bytes: int) -> list[BucketSpec]:
+def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, first_bucket_bytes: int,
+                   alone: Collection[int] = ()) -> list[BucketSpec]:
     """Pack `params` (registration order) into buckets, returned in launch order.
 
     A bucket closes once its payload reaches its cap (`first_bucket_bytes` for
     the first bucket of each dtype, `bucket_bytes` after), so a tensor larger
     than the cap gets a bucket of its own. A cap of 0 gives one tensor per bucket.
+    The indices in `alone` get a bucket of their own each, in their place in the
+    order (ZeRO's even shards then cut such a tensor by its own elements alone).
     """
     if bucket_bytes < 0 or first_bucket_bytes < 0:
         raise ValueError(f"bucket sizes must be >= 0 bytes, got {bucket_bytes} and {first_bucket_bytes}")
@@ -43,6 +46,9 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, first_buck
     order: list[list[int]] = []  # creation order == launch order
     for i in reversed(range(len(params))):
         p = params[i]
+        if i in alone:
+            order.append([i])
+            continue
         if p.dtype not in open_buckets:
             open_buckets[p.dtype] = []
             open_bytes[p.dtype] = 0

@@ -155,7 +155,7 @@ class GradientReducer:
         if algorithm == "per-tensor":
             specs = assign_buckets(self.params, 0, 0)
         else:
-            specs = assign_buckets(self.params, bucket_bytes, first_bucket_bytes)
+            specs = assign_buckets(self.params, bucket_bytes, first_bucket_bytes, self._alone())
         self.buckets = [self._make_bucket(spec, self._hierarchical(spec.nbytes, choose_hierarchical),
                                           _sent_as(spec.dtype, compress)) for spec in specs]
         self._where = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
@@ -164,6 +164,10 @@ class GradientReducer:
         self._reset_round()
 
     # --- set-up -------------------------------------------------------------
+    def _alone(self) -> set[int]:
+        """Indices into ``self.params`` that get a bucket of their own (none here; see pipetrain.allreduce.sharded)."""
+        return set()
+
     def _make_bucket(self, spec: BucketSpec, hierarchical: bool, compress: torch.dtype | None) -> _Bucket:
         """A bucket of `spec` with its reduction chain (subclasses shard it: pipetrain.allreduce.sharded)."""
         bucket = _Bucket(spec, self.params, self.hierarchy.per_node if hierarchical else 1, compress)

@@ -1,26 +1,32 @@
 """ZeRO-sharded gradient reduction: reduce-scatter over the fused buckets, all-gather of the parameters.
 
-Each replica of a data-parallel group owns whole parameter tensors (`sharding.shard_owners`) and
-steps only those. Inside every bucket the tensors are laid out grouped by owner, so a bucket is a
-row of per-owner segments of uneven length. The gradient reduction is a reduce-scatter of those
-segments (each owner ends up with the group's mean of its own tensors) and, after the step, the
-owners' updated tensors are all-gathered back into every replica.
+Each replica of a data-parallel group owns one contiguous range of every bucket and steps only that range.
+Two layouts (`_Layout`):
 
-Both collectives are ``all_to_all_single`` with uneven splits (native on gloo and NCCL; gloo has no
-native reduce-scatter, see `algorithms`) followed by a local sum in group-rank order. Per bucket of
-N elements over D replicas the group sends (D-1) N elements to reduce-scatter and (D-1) N to
-all-gather: 2 (D-1) N, what a ring all-reduce sends. Hierarchically (nodes x per_node) the segments
-are ordered by (local rank, node): the first reduce-scatter runs inside the node, the second across
-nodes on 1/per_node of the data, and the all-gather retraces them backwards, the same bytes as the
-intra / inter / intra all-reduce of `algorithms.hierarchical_steps`.
+* even (``owners=None``, elementwise optimizers, `slices`): the bucket holds its tensors in bucket order, padded
+  to a multiple of the group size, and each replica owns an equal range, which may cut tensors: the replica
+  steps the flat slices of its range, so it keeps 1/D of the optimizer state (and at ZeRO-2 of the gradients)
+  plus at most D-1 padding elements per bucket;
+* whole tensors (``owners`` given, optimizers that read a whole tensor such as LARS): the tensors are laid out
+  grouped by owner (`sharding.shard_owners`), a row of per-owner segments of uneven length.
+
+The gradient reduction is a reduce-scatter of those ranges (each owner ends up with the group's mean of its
+own) and, after the step, the owners' updated ranges are all-gathered back into every replica.
+
+Both collectives are ``all_to_all_single`` (native on gloo and NCCL; gloo has no native reduce-scatter, see
+`algorithms`) followed by a local sum in group-rank order; every rank issues them bucket after bucket in the
+same order. Per bucket of N elements over D replicas the group sends (D-1) N elements to reduce-scatter and
+(D-1) N to all-gather: 2 (D-1) N, what a ring all-reduce sends. Hierarchically (nodes x per_node) the ranges
+are ordered by (local rank, node): the first reduce-scatter runs inside the node, the second across nodes on
+1/per_node of the data, and the all-gather retraces them backwards, the same bytes as the intra / inter / intra
+all-reduce of `algorithms.hierarchical_steps`.
 
 The flat buffer of a bucket lives only from its first gradient to the end of its reduce-scatter: the
-replica then keeps its segment alone, which is what lets ZeRO-2 (``free_unowned``) drop the gradients
-of the tensors it does not own.
+replica then keeps its range alone, which is what lets ZeRO-2 (``free_unowned``) drop the others.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,33 +35,45 @@ from pipetrain.allreduce.algorithms import Step
 from pipetrain.allreduce.buckets import BucketSpec
 from pipetrain.allreduce.hierarchy import Hierarchy
 from pipetrain.allreduce.reducer import GradientReducer, _Bucket
+from pipetrain.allreduce.slices import slice_of
 
 
 class _ShardedBucket(_Bucket):
-    """A bucket laid out as per-owner segments; its buffers exist only while it is being reduced."""
+    """A bucket as a row of per-owner ranges; its buffers exist only while it is being reduced.
 
-    def __init__(self, spec: BucketSpec, params: list[torch.Tensor], owners: dict[int, int], me: int,
+    ``start[r]`` and ``segment[r]``: where owner r's range begins in the flat buffer and its length;
+    ``mine``: (k, lo, hi) for each tensor k that this replica's range holds elements lo:hi of."""
+
+    def __init__(self, spec: BucketSpec, params: list[torch.Tensor], owners: dict[int, int] | None, me: int,
                  parts: int, compress: torch.dtype | None, hierarchy: Hierarchy | None):
         per_node = hierarchy.per_node if hierarchy is not None else parts
-        # Gather order: by (local rank, node), so each node-local rank's segments are contiguous.
-        key = (lambda o: (o % per_node, o // per_node))
-        indices = sorted(spec.indices, key=lambda i: key(owners[id(params[i])]))
+        # Range order: by (local rank, node), so each node-local rank's ranges are contiguous.
+        position = [(r % per_node) * (parts // per_node) + r // per_node for r in range(parts)]
+        indices = list(spec.indices)
+        if owners is not None:
+            indices.sort(key=lambda i: position[owners[id(params[i])]])
         self.params = [params[i] for i in indices]
-        self.owner = [owners[id(p)] for p in self.params]
         self.offsets = []
         offset = 0
         for p in self.params:
             self.offsets.append(offset)
             offset += p.numel()
-        self.numel, self.dtype, self.device, self.sent_as = offset, spec.dtype, self.params[0].device, compress
-        self.segment = [sum(p.numel() for p, o in zip(self.params, self.owner) if o == r) for r in range(parts)]
-        self.start = {r: sum(p.numel() for p, o in zip(self.params, self.owner) if key(o) < key(r))
-                      for r in range(parts)}
+        if owners is None:
+            share = -(-offset // parts)  # padded to a multiple of the group: equal ranges
+            self.segment = [share] * parts
+        else:
+            self.segment = [sum(p.numel() for p in self.params if owners[id(p)] == r) for r in range(parts)]
+        ahead = sorted(range(parts), key=lambda r: position[r])
+        self.start = {r: sum(self.segment[q] for q in ahead[:ahead.index(r)]) for r in range(parts)}
+        self.numel, self.dtype, self.device, self.sent_as = sum(self.segment), spec.dtype, self.params[0].device, compress
+        self.payload = offset  # elements of tensors: the rest of ``numel`` is padding
         self.me, self.parts, self.per_node, self.hierarchy = me, parts, per_node, hierarchy
-        self.owned = [k for k, o in enumerate(self.owner) if o == me]
+        lo, hi = self.start[me], self.start[me] + self.segment[me]
+        self.mine = [(k, max(lo - o, 0), min(hi - o, p.numel())) for k, (p, o) in enumerate(zip(self.params, self.offsets))
+                     if o < hi and o + p.numel() > lo]
         self.buffer: torch.Tensor | None = None
         self.comm: torch.Tensor | None = None
-        self.shard: torch.Tensor | None = None  # this replica's reduced segment, in the bucket's dtype
+        self.shard: torch.Tensor | None = None  # this replica's reduced range, in the bucket's dtype
         self.hierarchical = False
         self.steps: list[Step] = []
         self.reset()
@@ -67,9 +85,15 @@ class _ShardedBucket(_Bucket):
     def view(self, k: int) -> torch.Tensor:
         if self.buffer is None:
             self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self.buffer[self.payload:].zero_()  # the padding travels as zeros
             self.comm = self.buffer if self.sent_as is None else torch.empty(self.numel, dtype=self.sent_as,
                                                                              device=self.device)
         return super().view(k)
+
+    def reduced(self, k: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements lo:hi of tensor k (in this replica's range) of the reduced gradient."""
+        base = self.offsets[k] - self.start[self.me]
+        return self.shard[base + lo:base + hi]
 
     def local_segments(self) -> list[int]:
         """Elements per node-local rank (summed over nodes), in local-rank order."""
@@ -109,34 +133,51 @@ def _gather(source: torch.Tensor, target: torch.Tensor, splits: list[int], index
 
 
 class ShardedReducer(GradientReducer):
-    """A `GradientReducer` for ZeRO: each replica receives only the mean gradients of the tensors it owns.
+    """A `GradientReducer` for ZeRO: each replica receives only the mean gradient of the range it owns.
 
     Args (beyond GradientReducer's):
-        owners: for each of ``params`` (requires_grad, without duplicates), the group rank owning it.
-        free_unowned: ZeRO-2: ``finish()`` drops ``p.grad`` of the tensors this replica does not own (ZeRO-1
-            leaves them holding this replica's unreduced sums, which nothing reads).
+        owners: None for even ranges (the replica steps `slices` of its tensors: elementwise optimizers only), or
+            for each of ``params`` (requires_grad, without duplicates) the group rank owning it whole.
+        alone: even ranges: parameters that get a bucket of their own, so that their cut depends on their own
+            size alone (the copies of a weight tied across stages, whose gradients are summed across the stages
+            elementwise: every copy must be cut alike).
+        free_unowned: ZeRO-2: ``finish()`` drops the ``p.grad`` it does not need (ZeRO-1 leaves them holding
+            this replica's unreduced sums, which nothing reads).
 
-    After the owners stepped their tensors, ``gather()`` copies every owner's tensors into every replica.
+    `stepped()` gives the tensors this replica's optimizers step, with their reduced gradients; after the step
+    ``gather()`` copies every owner's range into every replica.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], owners: Sequence[int], group: dist.ProcessGroup | None = None,
-                 *, free_unowned: bool = False, **options) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], owners: Sequence[int] | None,
+                 group: dist.ProcessGroup | None = None, *, alone: Collection[torch.Tensor] = (),
+                 free_unowned: bool = False, **options) -> None:
         params = list(params)
-        if len(owners) != len(params) or len({id(p) for p in params}) != len(params):
-            raise ValueError("ShardedReducer: give one owner per parameter, each parameter once")
+        if len({id(p) for p in params}) != len(params) or (owners is not None and len(owners) != len(params)):
+            raise ValueError("ShardedReducer: give each parameter once, and one owner per parameter (or owners=None)")
         if any(not p.requires_grad for p in params):
             raise ValueError("ShardedReducer: every parameter must require grad (frozen ones have nothing to shard)")
-        self._owners = {id(p): o for p, o in zip(params, owners)}
+        self._owners = None if owners is None else {id(p): o for p, o in zip(params, owners)}
+        self._alone_ids = {id(p) for p in alone} if owners is None else set()
         self.me = dist.get_rank(group)
         self.free_unowned = free_unowned
         self.sent_bytes = 0  # bytes this replica sent to the others, both collectives, since creation
         super().__init__(params, group, **options)
-        self.owned = [p for p in self.params if self._owners[id(p)] == self.me]
-        self._owned_ids = {id(p) for p in self.owned}
+        # The tensor the optimizer steps for each of this replica's ranges: the parameter itself when whole.
+        self._stepped = {(b_i, k): b.params[k] if self._owners is not None else slice_of(b.params[k], lo, hi)
+                         for b_i, b in enumerate(self.buckets) for k, lo, hi in b.mine}
+        # Where a reduced range is written: p.grad for whole tensors, at ZeRO-1 (it holds a full gradient anyway)
+        # and for tied copies (the sum across stages adds p.grad); the slice's own .grad otherwise (ZeRO-2).
+        self._in_param = {id(p) for p in self.params
+                          if owners is not None or not free_unowned or id(p) in self._alone_ids}
+        # What ZeRO-2 keeps of p.grad: a tensor stepped whole, and the gradients written there above.
+        self._kept = self._in_param if owners is None else {id(t) for t in self._stepped.values()}
 
-    def owns(self, param: torch.Tensor) -> bool:
-        """Whether this replica steps ``param`` (holds its reduced gradient and its optimizer state)."""
-        return id(param) in self._owned_ids
+    def _alone(self) -> set[int]:
+        return {i for i, p in enumerate(self.params) if id(p) in self._alone_ids}
+
+    def slices(self) -> dict[int, torch.Tensor]:
+        """Even ranges: id(parameter) -> the slice of it this replica steps (`slices.step_slices` takes it)."""
+        return {id(t.pipetrain_slice[0]()): t for t in self._stepped.values() if self._owners is None}
 
     def _make_bucket(self, spec: BucketSpec, hierarchical: bool, compress: torch.dtype | None) -> _Bucket:
         hierarchy = self.hierarchy if hierarchical else None
@@ -166,37 +207,59 @@ class ShardedReducer(GradientReducer):
         return steps
 
     def finish(self) -> None:
-        """Reduce-scatter what the hooks have not launched, wait; owned ``p.grad`` get the group's mean."""
+        """Reduce-scatter what the hooks have not launched, wait; this replica's ranges get the group's mean."""
         self._complete_round()
-        for bucket in self.buckets:
-            base = bucket.start[bucket.me]
-            for k in bucket.owned:
-                p = bucket.params[k]
-                reduced = bucket.shard[bucket.offsets[k] - base: bucket.offsets[k] - base + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = reduced.to(p.dtype, copy=True)
-                else:
-                    p.grad.copy_(reduced)
+        for b_i, b in enumerate(self.buckets):
             if self.free_unowned:
-                for k, p in enumerate(bucket.params):
-                    if bucket.owner[k] != bucket.me:
+                for p in b.params:
+                    if id(p) not in self._kept:
                         p.grad = None
+            for k, lo, hi in b.mine:
+                p, reduced = b.params[k], b.reduced(k, lo, hi)
+                if id(p) not in self._in_param:
+                    self._stepped[b_i, k].grad = reduced  # ZeRO-2: the range alone, a view of the reduced one
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                elif not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
+                p.grad.view(-1)[lo:hi].copy_(reduced)
         self._note_gradient_bytes()
         self._reset_round()
 
+    def stepped(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(tensor, its parameter) for each tensor this replica steps that has a gradient, the reduced one: read
+        again from ``p.grad`` where that holds it, so a sum written there since (tied copies) counts."""
+        out = []
+        for b_i, b in enumerate(self.buckets):
+            for k, lo, hi in b.mine:
+                t, p = self._stepped[b_i, k], b.params[k]
+                if t is not p and id(p) in self._in_param:
+                    t.grad = None if p.grad is None else p.grad.view(-1)[lo:hi]
+                if t.grad is not None:
+                    out.append((t, p))
+        return out
+
+    def _note_gradient_bytes(self) -> None:
+        # The parameters' gradients and the ranges held apart from them (ZeRO-2's).
+        apart = [t.grad for (b_i, k), t in self._stepped.items()
+                 if t.grad is not None and id(self.buckets[b_i].params[k]) not in self._in_param]
+        self.gradient_bytes = sum(g.numel() * g.element_size()
+                                  for g in [p.grad for p in self.params if p.grad is not None] + apart)
+
     @torch.no_grad()
     def gather(self) -> None:
-        """Copy every owner's (updated) tensors into every replica: the all-gather after the step, one bucket
+        """Copy every owner's (updated) range into every replica: the all-gather after the step, one bucket
         after the other (each waits for the last, not overlapped with the next forward)."""
-        for b, full in self._gathered(lambda p: p.detach()):
+        for b, full in self._gathered(lambda t: t.detach()):
             for k, p in enumerate(b.params):
-                if b.owner[k] != b.me:
-                    p.copy_(full[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p))
+                p.copy_(full[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p))
 
     @torch.no_grad()
     def gather_values(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
-        """id(parameter) -> ``value_of(parameter)`` (a tensor of its shape) as computed by its owner, for every
-        parameter: an all-gather like the parameters'."""
+        """id(parameter) -> the values ``value_of`` gives for it (a tensor of the parameter's shape), each range as
+        its owner computes it from the tensor it steps (value_of takes that tensor: a slice, or the parameter):
+        an all-gather like the parameters'."""
         out = {}
         for b, full in self._gathered(value_of):
             for k, p in enumerate(b.params):
@@ -204,10 +267,12 @@ class ShardedReducer(GradientReducer):
         return out
 
     def _gathered(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[_ShardedBucket, torch.Tensor]]:
-        """Per bucket, the flat buffer of every owner's ``value_of`` of its tensors."""
-        for b in self.buckets:
-            mine = [value_of(b.params[k]).reshape(-1).to(b.dtype) for k in b.owned]
-            packed = torch.cat(mine) if mine else torch.empty(0, dtype=b.dtype, device=b.device)
+        """Per bucket, the flat buffer of every owner's ``value_of`` of the tensors it steps."""
+        for b_i, b in enumerate(self.buckets):
+            mine = [value_of(self._stepped[b_i, k]).reshape(-1).to(b.dtype) for k, _, _ in b.mine]
+            held = sum(hi - lo for _, lo, hi in b.mine)
+            mine.append(torch.zeros(b.segment[b.me] - held, dtype=b.dtype, device=b.device))  # padding
+            packed = torch.cat(mine)
             full = torch.empty(b.numel, dtype=b.dtype, device=b.device)
             h = b.hierarchy
             if h is None:
@@ -227,7 +292,6 @@ class ShardedReducer(GradientReducer):
                     _gather(region.clone(), full, local, h.local_rank, h.intra_gather).wait()
             yield b, full
 
-    def shard_bytes(self) -> int:
-        """Bytes of gradient this replica owns (what ZeRO-2 keeps after the reduction)."""
-        return sum(p.numel() * p.element_size() for p in self.owned)
-
+    def padding_bytes(self) -> int:
+        """Bytes of padding the buckets carry (even ranges: under one element per replica each)."""
+        return sum((b.numel - b.payload) * b.dtype.itemsize for b in self.buckets)

@@ -1,9 +1,10 @@
-"""Which replica owns which parameter tensor under ZeRO sharding.
+"""Which replica owns which whole parameter tensor under ZeRO sharding, for optimizers that read whole tensors.
 
-Whole tensors are owned, never slices: an optimizer that reads a whole tensor (LARS's trust ratio,
-its norms) then steps exactly as unsharded. Owners are balanced by bytes (largest tensor first to the
-least loaded owner, ties to the lower index), so every replica computes the same assignment from the
-same tensor list without talking to the others.
+An optimizer that reads a whole tensor (LARS's trust ratio, its norms; any optimizer `slices` does not know
+to be elementwise) steps exactly as unsharded only on whole tensors, so its replicas own whole tensors, balanced
+to within a tensor (elementwise optimizers take even slices instead: `slices`). Owners are balanced by bytes
+(largest tensor first to the least loaded owner, ties to the lower index), so every replica computes the same
+assignment from the same tensor list without talking to the others.
 """
 from __future__ import annotations
 

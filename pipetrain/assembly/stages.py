@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import partitioners
+from pipetrain.allreduce.slices import shards_evenly
 from pipetrain.assembly.parameter_names import name_parameters
 from pipetrain.comm.replicas import position_owners, trainable
 from pipetrain.runtime.compiled import compile_arguments, compile_stage, graph_compile_options
@@ -69,7 +70,10 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     # Before any optimizer, policy or compiled graph sees the tensors: they start as replica 0's.
     engine.start_replicas_equal(modules, same_source=tensors.without_data or options.weights is not None)
     owners: dict[int, list[int]] = {}
-    if options.zero:  # balanced over each position's virtual stages together, as its reducer's buckets hold them
+    if options.zero and not shards_evenly(options.optimizer):
+        # Whole tensors owned (an optimizer that reads whole tensors; an elementwise one is built over every
+        # tensor and steps even slices, pipetrain.allreduce.slices), balanced over each position's virtual
+        # stages together, as its reducer's buckets hold them.
         for d in held:
             order = topology.stages_at(d)
             owners.update(zip(order, position_owners([modules[v] for v in order], order, plan.tied_groups(),

@@ -1,5 +1,7 @@
 """Optimizer state by parameter name instead of position, so a checkpoint loads into another stage count or
-engine (re-partitioned); with ZeRO the replicas' shares are merged into one state by name."""
+engine (re-partitioned); with ZeRO the replicas' shares are merged into one state by name: a tensor cut into
+even slices (pipetrain.allreduce.slices) has its slices' state put together into the whole tensor's, and a
+load cuts it again to the slice this replica steps."""
 from __future__ import annotations
 
 import warnings
@@ -8,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pipetrain.allreduce.slices import cut_state, source_of
 from pipetrain.checkpoint.errors import CheckpointError
 
 
@@ -17,13 +20,22 @@ def param_names(module: torch.nn.Module) -> dict[int, str]:
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: dict[int, str]) -> dict:
-    """Optimizer state keyed by parameter name instead of position (survives re-partitioning)."""
+    """Optimizer state keyed by parameter name instead of position (survives re-partitioning). A ZeRO slice's
+    state is this replica's share of its parameter's: ``slices`` says where it lies (name -> (start, shape))."""
     if optimizer is None:
         return {"state": {}, "groups": []}
-    state = {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"]
-             if p in optimizer.state}
+    state, slices = {}, {}
+    for g in optimizer.param_groups:
+        for t in g["params"]:
+            source = source_of(t)
+            name = names[id(t if source is None else source[0])]
+            if source is not None:
+                slices[name] = (source[1], tuple(source[0].shape))
+            if t in optimizer.state:
+                state[name] = optimizer.state[t]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"state": state, "groups": groups, "class": optimizer_class(optimizer)}
+    return {"state": state, "groups": groups, "class": optimizer_class(optimizer),
+            **({"slices": slices} if slices else {})}
 
 
 def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
@@ -31,25 +43,53 @@ def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
 
 
 def merge_optimizer_shares(shares: list[dict]) -> dict:
-    """One stage's optimizer state by name from the replicas' ZeRO shares (each holds the names it owns)."""
-    state = {name: value for share in shares for name, value in share["state"].items()}
+    """One stage's optimizer state by name from the replicas' ZeRO shares (each holds the names it owns whole,
+    or slices of them, put together here into the whole tensors' state)."""
+    state = {name: value for share in shares for name, value in share["state"].items()
+             if name not in share.get("slices", {})}
+    cut: dict[str, list[tuple[int, tuple[int, ...], dict]]] = {}
+    for share in shares:
+        for name, (start, shape) in share.get("slices", {}).items():
+            cut.setdefault(name, []).append((start, shape, share["state"].get(name, {})))
+    state.update({name: _whole_state(name, parts) for name, parts in cut.items() if any(s for _, _, s in parts)})
     groups = next((share["groups"] for share in shares if share["groups"]), [])
     classes = [share["class"] for share in shares if "class" in share]  # a replica owning nothing has none
     return {"state": state, "groups": groups, **({"class": classes[0]} if classes else {})}
 
 
+def _whole_state(name: str, parts: list[tuple[int, tuple[int, ...], dict]]) -> dict:
+    """The state of parameter ``name`` from its slices' (start, the parameter's shape, the slice's state): per-element
+    tensors laid side by side, step counts (equal in every slice: they step together) taken from the first."""
+    parts = sorted(parts, key=lambda part: part[0])
+    shape, states = parts[0][1], [s for _, _, s in parts]
+    if any(s.keys() != states[0].keys() for s in states):
+        raise RuntimeError(f"ZeRO save: the replicas' slices of {name!r} hold different optimizer state "
+                           f"({[sorted(s) for s in states]}): the replicas stepped it differently; please report this")
+    whole = {}
+    for k, v in states[0].items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            whole[k] = torch.cat([s[k].reshape(-1) for s in states]).view(shape)
+        else:
+            whole[k] = v
+    return whole
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer | None, by_name: dict[str, dict],
                          groups: list[dict], names: dict[int, str]) -> None:
-    """Put each parameter's saved state back, by name; hyper-parameters (every group key) from the saved groups."""
+    """Put each parameter's saved state back, by name (cut to the slice a ZeRO replica steps); hyper-parameters
+    (every group key) from the saved groups."""
     if optimizer is None:
         return
     for g, saved in zip(optimizer.param_groups, groups):
         g.update(saved)  # every key, as Optimizer.load_state_dict (a scheduler's initial_lr among them)
     for g in optimizer.param_groups:
-        for p in g["params"]:
-            state = by_name.get(names[id(p)])
+        for t in g["params"]:
+            source = source_of(t)
+            state = by_name.get(names[id(t if source is None else source[0])])
+            if state is not None and source is not None:
+                state = cut_state(state, source[1], source[1] + t.numel())
             if state is not None:
-                optimizer.state[p] = {k: _owned(v, p.device) for k, v in state.items()}
+                optimizer.state[t] = {k: _owned(v, t.device) for k, v in state.items()}
 
 
 def _owned(value: Any, device: torch.device) -> Any:

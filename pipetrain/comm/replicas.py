@@ -13,6 +13,7 @@ from pipetrain.allreduce.hierarchy import Hierarchy
 from pipetrain.allreduce.reducer import MiB, GradientReducer
 from pipetrain.allreduce.sharded import ShardedReducer
 from pipetrain.allreduce.sharding import shard_owners
+from pipetrain.allreduce.slices import shards_evenly, step_slices
 from pipetrain.optim import smoothed_update
 from pipetrain.runtime.batching import batch_size
 from pipetrain.runtime.metrics import CommCounter
@@ -67,6 +68,7 @@ class ReductionSettings:
     overlap: bool                  # buckets reduced during the last backward
     zero: int = 0                  # 1: optimizer state sharded over the replicas; 2: gradients too
     shares_updates: bool = False   # zero with a predicting policy: lr * v all-gathered after each step
+    even: bool = False             # zero with an elementwise optimizer: even ranges, cutting tensors
 
     @classmethod
     def of(cls, options: Any) -> ReductionSettings:
@@ -76,7 +78,8 @@ class ReductionSettings:
         overlap = (options.overlap and options.staleness == "none" and options.chunks_per_device == 1
                    and not options.splits_backward)
         return cls(options.bucket_mb, options.allreduce, options.compress, options.cluster, overlap, options.zero,
-                   bool(options.zero) and options.staleness in PREDICTING)
+                   bool(options.zero) and options.staleness in PREDICTING,
+                   bool(options.zero) and shards_evenly(options.optimizer))
 
 
 def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -126,10 +129,15 @@ class StageReducer:
         self.zero = settings.zero
         # A predicting policy (spectrain, nesterov) reads v of every parameter: its owner's, all-gathered.
         self.stages, self.shares_updates = stages, settings.shares_updates
-        self._groups = {id(p): (s.optimizer, g) for s in stages if s.optimizer is not None
-                        for g in s.optimizer.param_groups for p in g["params"]}
         if not self.params:
             self.reducer = None
+        elif self.zero and settings.even:
+            alone = [s.module.get_parameter(name) for s in stages for copies in tied or [] for v, name in copies
+                     if v == s.index]
+            self.reducer = ShardedReducer(self.params, None, group, alone=alone, free_unowned=self.zero >= 2, **common)
+            for s in stages:
+                if s.optimizer is not None:
+                    step_slices(s.optimizer, self.reducer.slices())
         elif self.zero:
             replicas = torch.distributed.get_world_size(group)
             per_stage = position_owners([s.module for s in stages], [s.index for s in stages], tied or [], replicas)
@@ -137,6 +145,8 @@ class StageReducer:
             self.reducer = ShardedReducer(self.params, owners, group, free_unowned=self.zero >= 2, **common)
         else:
             self.reducer = GradientReducer(self.params, group, **common)
+        self._groups = {id(p): (s.optimizer, g) for s in stages if s.optimizer is not None
+                        for g in s.optimizer.param_groups for p in g["params"]}
         self.overlap = settings.overlap and self.reducer is not None
         if self.overlap:
             self.reducer.enable_overlap()
@@ -155,9 +165,9 @@ class StageReducer:
             self.reducer.reduce_now()
         self.counter.add("data_parallel", self.stage, self.payload)
 
-    def owns(self, param: torch.Tensor) -> bool:
-        """Whether this replica steps ``param`` (always without ZeRO)."""
-        return not self.zero or self.reducer is None or self.reducer.owns(param)
+    def stepped(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """ZeRO: (tensor, its parameter) for each tensor this replica steps, holding its reduced gradient."""
+        return [] if self.reducer is None else self.reducer.stepped()
 
     def gather(self) -> None:
         """ZeRO: after the owners stepped, every replica takes their updated tensors (nothing without ZeRO)."""
@@ -173,11 +183,11 @@ class StageReducer:
             for s in self.stages:
                 s.policy.receive_updates([updates[id(p)] for _, p in s.policy.params])
 
-    def _update_of(self, param: torch.Tensor) -> torch.Tensor:
-        """``lr * v`` of a parameter this replica steps (zeros before its first step: no prediction)."""
-        optimizer, group = self._groups[id(param)]
-        v = smoothed_update(optimizer, param, group)
-        return torch.zeros_like(param) if v is None else v * group["lr"]
+    def _update_of(self, stepped: torch.Tensor) -> torch.Tensor:
+        """``lr * v`` of a tensor this replica steps (zeros before its first step: no prediction)."""
+        optimizer, group = self._groups[id(stepped)]
+        v = smoothed_update(optimizer, stepped, group)
+        return torch.zeros_like(stepped) if v is None else v * group["lr"]
 
     def abandon(self) -> None:
         """A step raised: forget the buckets filled for it (all ranks abandon the same step)."""

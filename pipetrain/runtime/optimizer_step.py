@@ -74,10 +74,11 @@ class OverflowAgreement(Protocol):
 
 
 class Shards(Protocol):
-    """ZeRO: which parameters this replica steps, and the all-gather of the owners' updates
-    (pipetrain.comm.replicas.StageReducer)."""
+    """ZeRO: what this replica steps, and the all-gather of the owners' updates (pipetrain.comm.replicas.StageReducer)."""
 
-    def owns(self, param: torch.Tensor) -> bool: ...
+    def stepped(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(tensor, its parameter) for each tensor this replica's optimizers step (a parameter it owns whole, or
+        a flat slice of one) that holds a reduced gradient."""
 
     def gather(self) -> None: ...
 
@@ -105,10 +106,12 @@ class GradientNorm:
     counted: bool = True
     duplicates: frozenset[int] = frozenset()
 
-    def part(self, params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
-        """This position's part of the global norm (float64): the p-th power of its norm, or for the inf-norm its
-        largest entry, as clip_grad_norm_ would take it over these gradients (their local shards) alone."""
-        grads = local_grads(p for p in params if id(p) not in self.duplicates) if self.counted else []
+    def part(self, stepped: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
+        """This position's part of the global norm (float64) over the gradients of ``stepped`` ((tensor, its
+        parameter) pairs: a ZeRO slice counts for its parameter): the p-th power of their norm, or for the
+        inf-norm their largest entry, as clip_grad_norm_ would take it over these gradients (their local shards)
+        alone."""
+        grads = local_grads(t for t, p in stepped if id(p) not in self.duplicates) if self.counted else []
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=device)
         norm = torch.nn.utils.get_total_norm(grads, self.norm_type).to(device, torch.float64)
@@ -118,7 +121,7 @@ class GradientNorm:
         """The global norm from the positions' parts combined."""
         return combined if self.norm_type == math.inf else combined ** (1.0 / self.norm_type)
 
-    def clip_(self, params: list[nn.Parameter], total: float, device: torch.device) -> None:
+    def clip_(self, params: list[torch.Tensor], total: float, device: torch.device) -> None:
         """Scale the gradients by max_norm / (total + 1e-6) where that is below 1, as clip_grad_norm_ does (on
         their local shards: a sharded gradient is scaled where it lives)."""
         grads = local_grads(params)
@@ -170,8 +173,10 @@ class OptimizerStep:
         step's ``report``: under torchrun it rides in the agreement's exchange, so the step waits for one
         collective (not an agreement, then a report after it); in one process it is taken once all agreed."""
         yield from self.tied.sync(self.indices, t)
-        params = [p for s in self.stages for p in s.params
-                  if p.grad is not None and (self.shards is None or self.shards.owns(p))]
+        # With ZeRO each replica checks, measures and clips what it steps: every element exactly once.
+        stepped = self.shards.stepped() if self.shards is not None else [
+            (p, p) for s in self.stages for p in s.params if p.grad is not None]
+        params = [t for t, _ in stepped]
         if self.scaler is not None:
             grads_bad = self.scaler.unscale_local_(params, self.device)
         else:
@@ -185,7 +190,7 @@ class OptimizerStep:
                 return self._step_then_agree(t, flags, result)
         vector = report.vector(t) if report is not None else None
         agreed = yield from self.agreement.agree(t, self.position, flags, vector,
-                                                 self.grad_norm.part(params, self.device))
+                                                 self.grad_norm.part(stepped, self.device))
         norm = self.grad_norm.total(agreed.norm)
         if self.stream:  # a sync step hands its norm to its report (report.agreed)
             self.grad_norms[t] = norm
@@ -219,7 +224,7 @@ class OptimizerStep:
                 s.optimizer.zero_grad(set_to_none=True)
             if skip or self.shards is not None:
                 # A stage without an optimizer still must not carry bad gradients into the next step; with
-                # ZeRO the optimizer holds only the owned tensors, and the others' gradients go too.
+                # ZeRO the optimizer holds only what this replica owns, and the parameters' gradients go too.
                 s.module.zero_grad(set_to_none=True)
         if not skip and self.shards is not None:
             self.shards.gather()  # before on_step: a policy that copies the weights sees the updated ones
