@@ -57,7 +57,8 @@ def wrap(model: nn.Module, example_inputs: Any, *,
          hierarchy: tuple[int, int] | None = None,
          overlap: bool = True,
          compress: Literal["bf16", "fp16"] | None = None,
-         zero: Literal[0, 1, 2] = 0,
+         zero: Literal[0, 1, 2, 3] = 0,
+         reshard_after_forward: bool = False,
          **unknown: Any) -> Pipeline:
     """Split ``model`` into pipeline stages and return a :class:`Pipeline` that trains it.
 
@@ -111,7 +112,9 @@ def wrap(model: nn.Module, example_inputs: Any, *,
             "hierarchical" or "per-tensor". cluster: a preset or Cluster JSON. bucket_mb: bucket size.
         hierarchy: (nodes, replicas per node); None: from LOCAL_WORLD_SIZE.
         overlap: reduce buckets during the last backward. compress: send gradients in "bf16" or "fp16".
-        zero: 1 shards the optimizer state over a stage's replicas, 2 the gradients too.
+        zero: 1 shards the optimizer state over a stage's replicas, 2 the gradients too, 3 the parameters too
+            (torch's FSDP2: all-gathered once per step). reshard_after_forward: zero=3 frees them after each
+            micro-batch's forward and backward instead.
     """
     if unknown:
         raise TypeError(f"wrap() got unknown option(s) {sorted(unknown)}; valid options: "

@@ -30,7 +30,7 @@ V_SCHEDULES = ("zbv", "dualpipev")
 # Loop placement with `chunks` virtual stages per device.
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")
 RECOMPUTE = SETTINGS + ("auto",)  # "auto": per stage, the cheapest setting that fits memory_limit
-ZERO = (0, 1, 2)
+ZERO = (0, 1, 2, 3)
 
 
 def _default_optimizer(params):
@@ -99,8 +99,12 @@ class PipelineOptions:
     overlap: bool = True                      # reduce buckets during the last backward, not after it
     compress: str | None = None               # "bf16" | "fp16": send gradients in low precision
     # ZeRO over the replicas of each stage: 1 shards the optimizer state (each replica steps the tensors it
-    # owns, gradients reduce-scattered, parameters all-gathered); 2 also drops the gradients it does not own.
+    # owns, gradients reduce-scattered, parameters all-gathered); 2 also drops the gradients it does not own;
+    # 3 shards the parameters too, with torch's FSDP2 (fully_shard over the stage's replicas).
     zero: int = 0
+    # zero=3: free the all-gathered parameters after each micro-batch's forward (gathered again for its
+    # backward) instead of keeping them from a step's first forward to its gradient reduction.
+    reshard_after_forward: bool = False
 
     def __post_init__(self) -> None:
         self.validate()  # a bad value fails where it is written, before anything is captured
@@ -232,14 +236,33 @@ class PipelineOptions:
 
     def _check_zero(self) -> None:
         if self.zero not in ZERO:
-            raise ValueError(f"zero must be 0 (off), 1 (optimizer state sharded) or 2 (gradients too), got {self.zero!r}")
+            raise ValueError(f"zero must be 0 (off), 1 (optimizer state sharded), 2 (gradients too) or 3 (parameters "
+                             f"too), got {self.zero!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        if self.reshard_after_forward and self.zero != 3:
+            raise ValueError("reshard_after_forward frees the parameters zero=3 gathers for each micro-batch; with "
+                             f"zero={self.zero} they are not sharded: use zero=3 or leave it False")
         if not self.zero:
             return
+        if self.zero == 3:
+            self._check_fully_sharded()
         if self.data_parallel == 1 or self.engine == "local":
             raise ValueError(
                 f"zero={self.zero} shards a stage's optimizer state over its data-parallel replicas, and "
                 + ("data_parallel=1 has none" if self.data_parallel == 1 else "engine='local' runs no replicas")
                 + ": use zero=0, or data_parallel > 1 under torchrun (engine='distributed' or 'auto')")
+
+    def _check_fully_sharded(self) -> None:
+        """What zero=3 (FSDP2) does not run, refused before anything is captured."""
+        if self.schedule == "async-1f1b":
+            raise ValueError("zero=3 with schedule='async-1f1b' is not supported: its staleness policies keep and swap "
+                             "whole weight versions, and FSDP2 keeps each replica's shard only; use zero=1 or 2 with "
+                             "async-1f1b, or a synchronous schedule with zero=3")
+        if self.compile:
+            raise ValueError("zero=3 with compile is not supported yet: the compiled stage and its derived backward "
+                             "graphs read the parameters FSDP2 replaces while it gathers them; use compile=False with "
+                             "zero=3, or zero=1/2 with compile")
 
     @property
     def chunks_per_device(self) -> int:

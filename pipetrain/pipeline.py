@@ -17,6 +17,7 @@ from pipetrain.comm.world import World
 from pipetrain.options import PipelineOptions
 from pipetrain.pretrained import write_pretrained
 from pipetrain.runner import Runner
+from pipetrain.runtime.local_shards import whole_state
 from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.stage import StageRuntime
 
@@ -94,9 +95,10 @@ class Pipeline:
 
     # ----- state and checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers under the original model's names (this rank's share when distributed)."""
+        """Parameters and buffers under the original model's names (this rank's share when distributed; whole
+        tensors under zero=3, gathered from the stage's replicas, so every rank calls it)."""
         stages = self._parts.stages
-        return {name: t for v in sorted(stages) for name, t in stages[v].module.state_dict().items()}
+        return {name: t for v in sorted(stages) for name, t in whole_state(stages[v].module).items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load original-model names into the stages that hold them."""

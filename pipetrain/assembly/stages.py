@@ -9,6 +9,7 @@ from torch import nn
 import partitioners
 from pipetrain.allreduce.slices import shards_evenly
 from pipetrain.assembly.parameter_names import name_parameters
+from pipetrain.comm.fully_sharded import counts_in_norm, replica_mesh, shard_module
 from pipetrain.comm.replicas import position_owners, trainable
 from pipetrain.runtime.compiled import compile_arguments, compile_stage, graph_compile_options
 from pipetrain.runtime.graph_backward import GraphBackward
@@ -70,7 +71,11 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     # Before any optimizer, policy or compiled graph sees the tensors: they start as replica 0's.
     engine.start_replicas_equal(modules, same_source=tensors.without_data or options.weights is not None)
     owners: dict[int, list[int]] = {}
-    if options.zero and not shards_evenly(options.optimizer):
+    if options.zero == 3:  # FSDP2 shards every tensor evenly over the stage's replicas; no owners
+        mesh = replica_mesh(engine.world.data_parallel_group, engine.world.hierarchy, engine.world.device)
+        for module in modules.values():
+            shard_module(module, mesh, options.reshard_after_forward)
+    elif options.zero and not shards_evenly(options.optimizer):
         # Whole tensors owned (an optimizer that reads whole tensors; an elementwise one is built over every
         # tensor and steps even slices, pipetrain.allreduce.slices), balanced over each position's virtual
         # stages together, as its reducer's buckets hold them.
@@ -117,7 +122,10 @@ def build_steppers(stages: dict[int, StageRuntime], topology: Topology, connecti
     # (replicas hold the same averaged ones) unless ZeRO gives each replica a shard of its own.
     duplicates = frozenset(id(stages[v].module.get_parameter(name)) for copies in tied for v, name in copies[1:]
                            if v in stages)
-    counted = bool(options.zero) or engine.world is None or engine.world.replica == 0
+    if options.zero == 3:
+        counted = counts_in_norm(engine.world.hierarchy)
+    else:
+        counted = bool(options.zero) or engine.world is None or engine.world.replica == 0
     norm = GradientNorm(float(options.norm_type), options.max_grad_norm, counted, duplicates)
     return {d: OptimizerStep([stages[v] for v in topology.stages_at(d)], connections.tied,
                              DynamicLossScaler() if options.precision == "fp16" else None,

@@ -15,6 +15,7 @@ from pipetrain.checkpoint.layout import checkpoint_dir, latest
 from pipetrain.checkpoint.manifest import manifest_digest, plan_layout, read_manifest, read_stage_file
 from pipetrain.checkpoint.optimizer_state import check_optimizer, load_optimizer_state, param_names
 from pipetrain.checkpoint.view import PipelineView, StageState
+from pipetrain.runtime.local_shards import reshard, shard_like
 
 
 def load_module_state(stages: dict[int, torch.nn.Module], state: dict[str, torch.Tensor], strict: bool,
@@ -28,7 +29,8 @@ def load_module_state(stages: dict[int, torch.nn.Module], state: dict[str, torch
         if missing and strict:
             raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
                            f"needed by stage {v}; is it from the same model?")
-        module.load_state_dict({k: state[k] for k in own if k in state}, strict=strict)
+        reshard(module)
+        module.load_state_dict({k: shard_like(state[k], own[k]) for k in own if k in state}, strict=strict)
         used.update(own)
     extra = [k for k in state if k not in used]
     if extra and strict and not partial:
@@ -85,6 +87,15 @@ class _CheckedLoad:
     apply: Callable[[], None]  # copies it into the stages
 
 
+def sharded_like(optimizer_state: dict[str, dict], module: torch.nn.Module) -> dict[str, dict]:
+    """Saved optimizer state by name, each per-parameter tensor cut as its parameter is (zero=3: this rank's
+    shard), for the parameters of ``module``."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return {name: {k: shard_like(t, params[name]) if isinstance(t, torch.Tensor) and name in params
+                   and t.shape == params[name].shape else t for k, t in state.items()}
+            for name, state in optimizer_state.items()}
+
+
 def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
     source = checkpoint_dir(path)
     manifest = read_manifest(source)
@@ -120,8 +131,10 @@ def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
     def apply() -> None:
         for v, stage in stages.items():
             own = stage.module.state_dict()
-            stage.module.load_state_dict({k: module_state[k] for k in own})
-            load_optimizer_state(stage.optimizer, optimizer_state, groups, param_names(stage.module))
+            reshard(stage.module)
+            stage.module.load_state_dict({k: shard_like(module_state[k], own[k]) for k in own})
+            load_optimizer_state(stage.optimizer, sharded_like(optimizer_state, stage.module), groups,
+                                 param_names(stage.module))
             stage.policy.updates = files[v]["updates"] if same_layout else manifest["step"]
         scaler_state = next(iter(files.values()))["scaler"]
         for stage in stages.values():

@@ -16,6 +16,7 @@ from pipetrain.checkpoint.manifest import manifest_of
 from pipetrain.checkpoint.optimizer_state import optimizer_state_by_name, param_names
 from pipetrain.checkpoint.retention import prune, publish, refuse_older_step, unpublish
 from pipetrain.checkpoint.view import PipelineView, StageState
+from pipetrain.runtime.local_shards import whole_state
 
 
 def save_pipeline(pipe: PipelineView, path: str | os.PathLike) -> Path:
@@ -33,16 +34,17 @@ def save_pipeline(pipe: PipelineView, path: str | os.PathLike) -> Path:
                            "stream ends), e.g. train on an epoch, save, train on the next")
     root, step = Path(path), pipe.updates
     target = step_dir(root, step)
-    merged = {}
+    merged, modules = {}, {}
     if role.merge_optimizer is not None:  # every replica takes part, in stage order
         for v, stage in sorted(pipe.stages.items()):
             merged[v] = role.merge_optimizer(optimizer_state_by_name(stage.optimizer, param_names(stage.module)))
+            modules[v] = whole_state(stage.module)  # zero=3: gathered from every replica's shard
     what = f"save of step {step} under {root}"
     previous = latest_name(root)
     kept = (f"Nothing was published: {root / 'latest'} still names {previous}." if previous else
             f"Nothing was published ({root} has no earlier checkpoint).")
     kept += " The pipeline is unchanged: fix the cause and save again, or keep training."
-    posted, own = attempt(lambda: _write_stages(pipe, root, target, merged), role.rank)
+    posted, own = attempt(lambda: _write_stages(pipe, root, target, merged, modules), role.rank)
     written = role.agree(what, posted, _entries_or_failures)
     if written["failures"]:
         raise_failed(what, written["failures"], own, role, kept)
@@ -61,8 +63,10 @@ def save_pipeline(pipe: PipelineView, path: str | os.PathLike) -> Path:
     return target
 
 
-def _write_stages(pipe: PipelineView, root: Path, target: Path, merged: dict[int, dict]) -> dict[str, dict]:
-    """This process's stage files of the step (none but on replica 0); their manifest entries by file name."""
+def _write_stages(pipe: PipelineView, root: Path, target: Path, merged: dict[int, dict],
+                  modules: dict[int, dict]) -> dict[str, dict]:
+    """This process's stage files of the step (none but on replica 0); their manifest entries by file name.
+    ``merged`` and ``modules``: the ZeRO stages' optimizer and module states gathered whole."""
     if root.exists():
         refuse_older_step(root, pipe.updates)  # before any write, on every rank alike
     new_root = not root.exists()
@@ -72,7 +76,7 @@ def _write_stages(pipe: PipelineView, root: Path, target: Path, merged: dict[int
     entries = {}
     if pipe.role.writes_stages:
         for v, stage in pipe.stages.items():
-            payload = _stage_payload(stage)
+            payload = _stage_payload(stage, modules.get(v))
             if v in merged:
                 payload["optimizer"] = merged[v]
             entries[f"stage{v}.pt"] = {"file": atomic_save(payload, target / f"stage{v}.pt"),
@@ -93,8 +97,8 @@ def _entries_or_failures(outcomes: list[dict]) -> dict:
     return {"entries": entries, "failures": failures_of(outcomes)}
 
 
-def _stage_payload(stage: StageState) -> dict:
-    return {"module": stage.module.state_dict(),
+def _stage_payload(stage: StageState, module_state: dict | None = None) -> dict:
+    return {"module": stage.module.state_dict() if module_state is None else module_state,
             "optimizer": optimizer_state_by_name(stage.optimizer, param_names(stage.module)),
             "updates": stage.policy.updates, "scaler": stage.scaler.state_dict() if stage.scaler is not None else {},
             "scheduler": stage.schedulers[0].state_dict() if stage.schedulers else None,

@@ -30,6 +30,7 @@ from pipetrain.comm.failures import FailureBoard
 from pipetrain.comm.replica_start import start_replicas_equal
 from pipetrain.comm.overflow_agreement import DistributedOverflowAgreement, LocalOverflowAgreement
 from pipetrain.comm.peers import peers_answer
+from pipetrain.comm.fully_sharded import FullyShardedReducer
 from pipetrain.comm.replicas import ReductionSettings, StageReducer, replica_shard, shard_weight
 from pipetrain.comm.reporting import Reporter
 from pipetrain.comm.tied import DistributedTiedSync, LocalTiedSync
@@ -72,7 +73,7 @@ class Connections:
     tied: TiedSync
     agreement: OverflowAgreement
     reporter: Reporter
-    reducers: dict[int, StageReducer]  # hybrid mode: pipeline position -> its gradient reducer
+    reducers: dict[int, StageReducer | FullyShardedReducer]  # hybrid mode: position -> its gradient reducer
     counter: CommCounter
 
     def abandon(self) -> None:
@@ -229,8 +230,11 @@ class DistributedEngine:
         reducers = {}
         if self.reduction is not None:
             held = [stages[v] for v in topology.stages_at(world.position)]
-            reducers[world.position] = StageReducer(held, world.data_parallel_group, world.hierarchy,
-                                                    self.reduction, counter, tied)
+            if self.options.zero == 3:
+                reducers[world.position] = FullyShardedReducer(held, counter, self.options.reshard_after_forward)
+            else:
+                reducers[world.position] = StageReducer(held, world.data_parallel_group, world.hierarchy,
+                                                        self.reduction, counter, tied)
         return Connections(transport, tied_sync, agreement, reporter, reducers, counter)
 
     def explain_failure(self, error: BaseException) -> BaseException:

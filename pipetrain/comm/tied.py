@@ -11,9 +11,11 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pipetrain.comm import recording
 from pipetrain.comm.peers import peers_answer
+from pipetrain.runtime.local_shards import local as local_shard
 from pipetrain.runtime.progress import BLOCKED
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.stage import StageRuntime
@@ -86,7 +88,9 @@ class DistributedTiedSync:
             if not local:
                 continue
             params = [self.runtimes[s].module.get_parameter(n) for s, n in local]
-            total = functools.reduce(operator.add, [_grad(p) for p in params]).clone()
+            # zero=3: every copy is sharded alike over its stage's replicas, so the group of this replica's ranks
+            # sums the same shard of each.
+            total = functools.reduce(operator.add, [local_shard(_grad(p)) for p in params]).clone()
             if i in self.groups:
                 if self.recorder is not None:
                     self.recorder.collective(("tied", i), dist.get_process_group_ranks(self.groups[i]), dist.get_rank())
@@ -94,5 +98,9 @@ class DistributedTiedSync:
                     dist.all_reduce(total, group=self.groups[i])
                 self.counter.add("tied_grads", local[0][0], total.numel() * total.element_size())
             for p in params:
-                p.grad = total.clone()
+                if isinstance(p, DTensor):
+                    p.grad = _grad(p)
+                    local_shard(p.grad).copy_(total)
+                else:
+                    p.grad = total.clone()
         return iter(())

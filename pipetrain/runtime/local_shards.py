@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -25,3 +27,54 @@ def local_bytes(t: torch.Tensor) -> int:
     """Bytes this process holds of ``t`` (its shard for a DTensor)."""
     t = local(t)
     return t.numel() * t.element_size()
+
+
+def gathered_bytes(module: nn.Module) -> int:
+    """Under FSDP2, the bytes of ``module``'s all-gathered (unsharded) parameters present now and of the
+    gradients accumulated on them (0 for a module FSDP2 does not shard): what a zero=3 stage holds besides its
+    shards while a step runs."""
+    if not isinstance(module, FSDPModule):
+        return 0
+    total = 0
+    for state in fully_shard.state(module)._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                unsharded = getattr(param, "_unsharded_param", None)  # made at the first all-gather
+                if unsharded is not None:
+                    total += unsharded.untyped_storage().nbytes()  # 0 while freed
+                    if unsharded.grad is not None:
+                        total += unsharded.grad.nbytes
+    return total
+
+
+def live_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters autograd sees in ``module``'s forward: under FSDP2 the all-gathered ones
+    (gathered now if they are not), else the module's own."""
+    if isinstance(module, FSDPModule):
+        module.unshard()
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a DTensor all-gathered (collective over its mesh: every replica calls it), else ``t``."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def whole_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with sharded entries made whole (collective under zero=3)."""
+    return {name: whole(t) for name, t in module.state_dict().items()}
+
+
+def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor (from a checkpoint) cut as ``like`` is: this rank's shard of it when ``like`` is a DTensor
+    (no communication: every replica holds the whole value and keeps its own part), else ``value``."""
+    if not isinstance(like, DTensor):
+        return value
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def reshard(module: nn.Module) -> None:
+    """Under FSDP2, free ``module``'s all-gathered parameters (a copy of the shards: writing the shards, as a
+    load does, would leave them stale); the next forward gathers them again. Nothing otherwise."""
+    if isinstance(module, FSDPModule):
+        module.reshard()

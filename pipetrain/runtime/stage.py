@@ -7,12 +7,14 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
 from pipetrain.runtime.graph_backward import GraphBackward, GraphFlight
 from pipetrain.runtime.graph_split import GraphSplit
 from pipetrain.runtime.live_casts import LiveCasts
+from pipetrain.runtime.local_shards import gathered_bytes, live_parameters
 from pipetrain.runtime.loss_checks import compute_loss
 from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.metrics import StageReport
@@ -96,6 +98,8 @@ class StageRuntime:
         self.is_last = self.index == self.num_stages - 1
         self._split_ok: bool | None = None  # whether this stage's graph splits into B and W (checked once)
         self.params = list(self.module.parameters())  # walked on every action and step: listed once
+        # zero=3: the parameters above are the shards the optimizer steps; autograd sees all-gathered ones.
+        self.fully_sharded = isinstance(self.module, FSDPModule)
         self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value) at step start
         self._resident: tuple[tuple[int, int], int] | None = None  # (what it was counted for, resident bytes)
         self._swap: WeightSwap | None = None  # runs the module on a staleness policy's weight set
@@ -164,7 +168,7 @@ class StageRuntime:
 
     def _note_peak(self, activations: int) -> None:
         self.peak_activation_bytes = max(self.peak_activation_bytes, activations)
-        self.peak_working_bytes = max(self.peak_working_bytes, activations + grad_bytes(self.params))
+        self.peak_working_bytes = max(self.peak_working_bytes, activations + self._gradient_bytes())
 
     def _traced(self, inputs: tuple, weights: dict | None, target: Any, weight: float, seed: int):
         """The forward with autograd recording: outputs, loss, what to differentiate, the input leaves
@@ -188,6 +192,8 @@ class StageRuntime:
                  and not self.policy.keeps_forward_weights else None)
         counter: Any = casts.hooks() if casts is not None else contextlib.nullcontext()
         if counted is None:
+            if self.fully_sharded:
+                live_parameters(self.module)  # gathered: the weights autograd saves are these
             param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
             if weights is not None:
                 param_ptrs |= {w.untyped_storage().data_ptr() for w in weights.values()}
@@ -365,7 +371,13 @@ class StageRuntime:
         return None if self.graph_backward is None else self.graph_backward.fallback
 
     def _weights(self) -> list[nn.Parameter]:
+        if self.fully_sharded:  # the all-gathered parameters, gathered again where they were freed
+            return live_parameters(self.module)
         return [p for p in self.params if p.requires_grad]  # per B and W: not a walk of every submodule
+
+    def _gradient_bytes(self) -> int:
+        """Bytes of the gradients present, and under zero=3 of the parameters gathered for the step."""
+        return grad_bytes(self.params) + (gathered_bytes(self.module) if self.fully_sharded else 0)
 
     def _splits(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
         # The graph has the same shape for every micro-batch, so one check serves them all.
@@ -390,7 +402,7 @@ class StageRuntime:
         """Measured peak bytes since the last call: the allocator's on CUDA, else the stage's tensors (see
         pipetrain.runtime.tensor_bytes); starts the next period."""
         working = self.peak_working_bytes
-        self.peak_working_bytes = self.activation_bytes() + grad_bytes(self.params)
+        self.peak_working_bytes = self.activation_bytes() + self._gradient_bytes()
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return self._resident_bytes() + working

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.live_casts import LiveCasts
+from pipetrain.runtime.local_shards import local
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -22,7 +23,9 @@ def storage_key(t: torch.Tensor) -> int:
 
 def _count(seen: dict[int, int], t: torch.Tensor) -> None:
     # A micro-batch is a view of its mini-batch's storage, which the caller holds anyway: count the
-    # bytes the tensor spans, once per storage (the largest of the tensors seen on it).
+    # bytes the tensor spans, once per storage (the largest of the tensors seen on it). A sharded tensor
+    # (ZeRO-3) counts its local shard.
+    t = local(t)
     key = storage_key(t)
     seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
 
@@ -63,7 +66,7 @@ def grad_bytes(params: list[nn.Parameter]) -> int:
     """Bytes of the gradients present. Takes the parameter list, not the module: this runs after every
     forward and backward, and walking module.parameters() (a generator through every submodule) costs
     several times the sum itself."""
-    return sum(g.nbytes for g in [p.grad for p in params] if g is not None)
+    return sum(local(g).nbytes for g in [p.grad for p in params] if g is not None)
 
 
 def resident_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, weight_versions: int) -> int:

@@ -1,0 +1,184 @@
+"""ZeRO-3 on torch's FSDP2 in hybrid mode: parameters, gradients and optimizer state sharded over a stage's
+replicas, training exactly like the unsplit model.
+
+The reference is the unsplit model trained in this process on the same global mini-batches, accumulated over
+the same sample groups (2 replicas x 2 micro-batches of 13 samples: 4, 3, 3, 3; `reference_training` with 4
+micro-batches). A gloo reduce-scatter that summed instead of averaging would double every update, far
+outside the tolerance: 1e-5 covers the float32 rounding of sums taken in another order (weights of order 1,
+three steps). bf16 and fp16 compare with zero=0 on the same world, whose own exactness test_hybrid checks.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipetrain
+from dist_harness import run_world
+from helpers import batches, wrap_unprofiled
+from runtime_models import data, loss_fn, make, reference_training, sgd
+
+pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
+
+SIZE = 13
+TOL = 1e-5
+MAX_NORM = 0.05  # below the first steps' gradient norms (~0.3): every step clips
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+CASES = {  # name -> (model, wrap options); every case: 2 stages x 2 replicas, zero=3, SGD with momentum (Adam,
+    # nearly invariant to the gradient's scale, would hide a reduction that sums instead of averaging)
+    "1f1b": ("mlp", dict(schedule="1f1b")),
+    "1f1b-adam": ("mlp", dict(schedule="1f1b", optimizer=adam)),
+    "interleaved-1f1b": ("mlp", dict(schedule="interleaved-1f1b")),
+    "zb-h1": ("mlp", dict(schedule="zb-h1")),
+    "1f1b-reshard-after-forward": ("mlp", dict(schedule="1f1b", reshard_after_forward=True)),
+    "zb-h1-reshard-after-forward-recompute": ("mlp", dict(schedule="zb-h1", reshard_after_forward=True,
+                                                          recompute="always")),
+    "gpipe-clipped": ("mlp", dict(schedule="gpipe", max_grad_norm=MAX_NORM)),
+    "1f1b-tied": ("tied", dict(schedule="1f1b")),
+}
+LOW_PRECISION = ("bf16", "fp16")
+
+
+def wrap(model: str, world_replicas: int = 2, stages: int = 2, **kw) -> pipetrain.Pipeline:
+    options = dict(stages=stages, micro_batches=2, data_parallel=world_replicas, optimizer=sgd, partitioner="uniform",
+                   engine="distributed", loss_fn=loss_fn(model), zero=3)
+    options.update(kw)
+    return wrap_unprofiled(make(model), data(model, 2)[0], **options)
+
+
+def held_bytes(pipe: pipetrain.Pipeline, steps) -> dict:
+    """Bytes this rank holds of its stage's parameters, gradients (when the optimizer steps) and optimizer state,
+    against the whole stage's."""
+    seen: dict[str, int] = {}
+
+    def at_step(optimizer, args, kwargs) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen["gradients"] = seen.get("gradients", 0) + sum(g.to_local().nbytes for g in grads)
+        seen["whole gradients"] = seen.get("whole gradients", 0) + sum(g.nbytes for g in grads)
+
+    stages = list(pipe.held_stages.values())
+    for rt in stages:
+        rt.optimizer.register_step_pre_hook(at_step)
+    for x, y in steps:
+        seen.clear()
+        pipe.step(x, y)
+    params = [p for rt in stages for p in rt.params]
+    states = [t for rt in stages for s in rt.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    return {"parameters": sum(p.to_local().nbytes for p in params), "whole parameters": sum(p.nbytes for p in params),
+            "optimizer": sum(t.to_local().nbytes for t in states), "whole optimizer": sum(t.nbytes for t in states),
+            **seen}
+
+
+def zero3_scenarios(rank: int, world: int, root: str) -> dict:
+    out = {}
+    steps = batches("mlp", size=SIZE)
+    for case, (model, kw) in CASES.items():
+        pipe = wrap(model, **kw)
+        out[case] = [r.loss for r in pipe.train(batches(model, size=SIZE))], pipe.state_dict()
+    for precision in LOW_PRECISION:
+        for zero in (0, 3):
+            pipe = wrap("mlp", precision=precision, zero=zero)
+            out[(precision, zero)] = [r.loss for r in pipe.train(steps)], pipe.state_dict()
+    # Memory: 2 stages x 2 replicas, and 1 stage x 4 replicas.
+    out["bytes", 2] = held_bytes(wrap("mlp", optimizer=adam), steps)
+    out["bytes", 4] = held_bytes(wrap("mlp", world_replicas=4, stages=1, optimizer=adam), steps)
+    # A checkpoint saved at 2 stages x 2 replicas resumes at 1 stage x 4 replicas.
+    pipe = wrap("mlp", optimizer=adam)
+    list(pipe.train(steps[:2]))
+    pipe.save(Path(root) / "ckpt")
+    resumed = wrap("mlp", world_replicas=4, stages=1, optimizer=adam)
+    resumed.load(Path(root) / "ckpt")
+    list(resumed.train(steps[2:]))
+    out["resumed"] = resumed.state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    root = tmp_path_factory.mktemp("zero3")
+    return run_world(4, "test_zero3", "zero3_scenarios", root, str(root))
+
+
+def merged(ranks: list[dict], key) -> dict[str, torch.Tensor]:
+    """Replica 0's state, both stages (ranks 0 and 1), after checking every replica holds the same."""
+    for stage in (0, 1):
+        for name, value in ranks[stage][key][1].items():
+            assert torch.equal(value, ranks[2 + stage][key][1][name]), (key, name)
+    return {**ranks[0][key][1], **ranks[1][key][1]}
+
+
+def reference(model: str, kw: dict) -> torch.nn.Module:
+    optimizer = kw.get("optimizer", sgd)
+    if "max_grad_norm" not in kw:
+        return reference_training(model, batches(model, size=SIZE), 4, optimizer)
+    ref = make(model)
+    opt = optimizer(ref.parameters())
+    for x, y in batches(model, size=SIZE):
+        opt.zero_grad()
+        for xb, yb in zip(x.tensor_split(4), y.tensor_split(4)):
+            (loss_fn(model)(ref(xb), yb) * (len(xb) / len(x))).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), kw["max_grad_norm"])
+        opt.step()
+    return ref
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero3_trains_like_the_unsplit_model(ranks: list[dict], case: str) -> None:
+    model, kw = CASES[case]
+    state = merged(ranks, case)
+    ref = reference(model, kw).state_dict()
+    assert state.keys() >= ref.keys()
+    for name, value in ref.items():
+        torch.testing.assert_close(state[name], value, atol=TOL, rtol=0, msg=f"{case} {name}")
+    before = make(model).state_dict()
+    assert all((state[n] - before[n]).abs().max() > 10 * TOL for n in before)  # every tensor trained, beyond TOL
+
+
+@pytest.mark.parametrize("precision", LOW_PRECISION)
+def test_zero3_in_low_precision_trains_like_zero0(ranks: list[dict], precision: str) -> None:
+    state, reference_state = merged(ranks, (precision, 3)), merged(ranks, (precision, 0))
+    for name, value in reference_state.items():
+        # The same autocast computation on the same weights; only the reduction's summation order differs.
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=0, msg=name)
+    assert ranks[0][(precision, 3)][0] == pytest.approx(ranks[0][(precision, 0)][0], rel=1e-6)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_each_replica_holds_a_quarter_or_half_of_its_stage(ranks: list[dict], replicas: int) -> None:
+    for rank, r in enumerate(ranks):
+        held = r["bytes", replicas]
+        mine = held["parameters"] + held["gradients"] + held["optimizer"]
+        whole = held["whole parameters"] + held["whole gradients"] + held["whole optimizer"]
+        assert held["whole optimizer"] == 2 * held["whole parameters"] > 0  # Adam's two moments of every tensor
+        assert held["whole gradients"] == held["whole parameters"]  # every tensor has its gradient at the step
+        assert mine <= (1 / replicas + 0.05) * whole, (rank, held)
+        assert held["optimizer"] <= (1 / replicas + 0.05) * held["whole optimizer"], (rank, held)
+
+
+def test_a_zero3_checkpoint_resumes_at_another_stage_and_replica_count(ranks: list[dict]) -> None:
+    state = {**ranks[0]["resumed"]}
+    for r in ranks[1:]:
+        for name, value in r["resumed"].items():
+            assert torch.equal(value, state[name]), name
+    for name, value in reference_training("mlp", batches("mlp", size=SIZE), 4, adam).state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=TOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(schedule="async-1f1b", staleness="stash"), "zero=3 with schedule='async-1f1b'"),
+    (dict(compile=True), "zero=3 with compile"),
+])
+def test_what_zero3_does_not_run_is_refused_with_the_fix(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, data_parallel=2, zero=3, **options)
+
+
+def test_reshard_after_forward_needs_zero3() -> None:
+    with pytest.raises(ValueError, match="use zero=3"):
+        pipetrain.wrap(make("mlp"), data("mlp", 2)[0], stages=2, data_parallel=2, zero=1, reshard_after_forward=True)
