@@ -88,6 +88,10 @@ def zero3_scenarios(rank: int, world: int, root: str) -> dict:
     # Memory: 2 stages x 2 replicas, and 1 stage x 4 replicas.
     out["bytes", 2] = held_bytes(wrap("mlp", optimizer=adam), steps)
     out["bytes", 4] = held_bytes(wrap("mlp", world_replicas=4, stages=1, optimizer=adam), steps)
+    # HSDP: 4 replicas on 2 nodes of 2 (sharded inside a node, replicated across), clipped by the global norm.
+    pipe = wrap("mlp", world_replicas=4, stages=1, hierarchy=(2, 2), max_grad_norm=MAX_NORM)
+    out["hsdp"] = [r.loss for r in pipe.train(steps)], pipe.state_dict(), [
+        tuple(p.to_local().shape) for rt in pipe.held_stages.values() for p in rt.params]
     # A checkpoint saved at 2 stages x 2 replicas resumes at 1 stage x 4 replicas.
     pipe = wrap("mlp", optimizer=adam)
     list(pipe.train(steps[:2]))
@@ -159,6 +163,17 @@ def test_each_replica_holds_a_quarter_or_half_of_its_stage(ranks: list[dict], re
         assert held["whole gradients"] == held["whole parameters"]  # every tensor has its gradient at the step
         assert mine <= (1 / replicas + 0.05) * whole, (rank, held)
         assert held["optimizer"] <= (1 / replicas + 0.05) * held["whole optimizer"], (rank, held)
+
+
+def test_hsdp_shards_inside_a_node_and_trains_like_the_unsplit_model(ranks: list[dict]) -> None:
+    ref = reference("mlp", dict(max_grad_norm=MAX_NORM))
+    for rank, r in enumerate(ranks):
+        losses, state, shards = r["hsdp"]
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(state[name], value, atol=TOL, rtol=0, msg=f"rank {rank} {name}")
+        # Each tensor cut in 2 (the replicas of a node), not 4: the other node holds the same shards.
+        whole = [tuple(p.shape) for p in make("mlp").parameters()]
+        assert shards == [((n + 1) // 2, *rest) if rank % 2 == 0 else (n // 2, *rest) for n, *rest in whole], rank
 
 
 def test_a_zero3_checkpoint_resumes_at_another_stage_and_replica_count(ranks: list[dict]) -> None:
