@@ -14,6 +14,8 @@ from dist_harness import run_checks, run_world
 from pipetrain.allreduce.reducer import GradientReducer
 from pipetrain.allreduce.buckets import assign_buckets
 from pipetrain.allreduce.hierarchy import build_hierarchy_groups
+from pipetrain.allreduce.sharded import ShardedReducer
+from pipetrain.allreduce.slices import source_of
 from pipetrain.comm.reporting import SumExchange
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
@@ -200,6 +202,8 @@ def checks_on_rank(rank, world):
         "missing_grad_contributes_zeros": lambda: _check_missing_grad(rank),
         "report_sums_in_flight": lambda: _check_report_sums(rank, report_groups),
         "report_with_maximised_part": lambda: _check_maximised_part(rank, report_groups),
+        "even_shards_flat": lambda: _check_even_shards(rank, "flat"),
+        "even_shards_hierarchical_2x2": lambda: _check_even_shards(rank, "hierarchical", hierarchy=world_h),
     }
     return run_checks(checks)
 
@@ -230,6 +234,41 @@ def _check_maximised_part(rank, groups):
     assert torch.equal(total, expected), (total, expected)
 
 
+def _check_even_shards(rank, algorithm, **kw):
+    """ZeRO-2 even ranges (cutting tensors, mixed dtypes, one tensor alone in its bucket): every rank's slices
+    hold the mean gradient of their range and together cover each tensor once; after the step the all-gather
+    gives every rank each owner's values."""
+    params = _params(rank)
+    expected = _reference(params, None)
+    alone = params[3]
+    reducer = ShardedReducer(params, None, bucket_bytes=96, first_bucket_bytes=24, algorithm=algorithm,
+                             alone=[alone], free_unowned=True, **kw)
+    assert [len(b.params) for b in reducer.buckets if any(q is alone for q in b.params)] == [1]
+    reducer.reduce_now()
+    assert all(p.grad is None for p in params if p is not alone) and alone.grad is not None
+    covered, stepped = torch.zeros(len(params)), reducer.stepped()
+    for t, p in stepped:
+        k = next(i for i, q in enumerate(params) if q is p)
+        source, start = source_of(t)
+        assert source is p and t.dim() == 1
+        tol = TOL[p.dtype]
+        torch.testing.assert_close(t.grad.float(), expected[k].reshape(-1)[start:start + t.numel()].float(),
+                                   rtol=tol, atol=tol)
+        covered[k] += t.numel()
+        t.fill_(rank + 1)  # this replica's step
+    dist.all_reduce(covered)
+    assert covered.tolist() == [p.numel() for p in params], covered
+    assert reducer.padding_bytes() < sum(WORLD * b.dtype.itemsize for b in reducer.buckets)
+    reducer.gather()
+    assert all(bool((t == rank + 1).all()) for t, _ in stepped)  # this rank's range came back as it stepped it
+    for p in params:
+        values = p.detach().float().reshape(-1)
+        assert set(values.tolist()) <= {1.0, 2.0, 3.0, 4.0}, values  # each element its owner's
+        same = values.clone()
+        dist.all_reduce(same, op=dist.ReduceOp.MAX)
+        assert torch.equal(same, values)
+
+
 def _check_hybrid(rank, hierarchy):
     reducer = _check_reduce_now(rank, "hybrid", hierarchy=hierarchy, choose_hierarchical=lambda n: n >= 90)
     kinds = {len(b.steps) for b in reducer.buckets}
@@ -241,7 +280,8 @@ CHECKS = [
     "fused_flat_w2_subgroups", "hierarchical_w2_subgroups", "overlap_flat_prepare", "overlap_hybrid_no_sync",
     "overlap_hierarchical", "overlap_per_tensor", "double_final_backward_raises", "uneven_weights_reduce_now",
     "uneven_weights_overlap_hierarchical", "compress_bf16_flat", "compress_fp16_hierarchical",
-    "missing_grad_contributes_zeros", "report_sums_in_flight", "report_with_maximised_part",
+    "missing_grad_contributes_zeros", "report_sums_in_flight", "report_with_maximised_part", "even_shards_flat",
+    "even_shards_hierarchical_2x2",
 ]
 
 
@@ -264,6 +304,8 @@ def test_buckets_reverse_order_per_dtype_and_first_bucket_cap():
     assert [s.dtype for s in specs] == [torch.float32, torch.float32, torch.float64, torch.float32]
     assert [s.numel for s in specs] == [3, 12, 4, 4]
     assert [s.indices for s in assign_buckets(params, 0, 0)] == [(4,), (3,), (2,), (1,), (0,)]
+    # A tensor alone (a tied copy under ZeRO's even ranges) takes a bucket of its own, in its place in the order.
+    assert [s.indices for s in assign_buckets(params, 48, 8, alone={3})] == [(4,), (3,), (2, 0), (1,)]
 
 
 def test_hierarchy_layout_errors_name_the_fix():

@@ -1,9 +1,10 @@
 """ZeRO-1 and ZeRO-2 in hybrid mode: sharded optimizer state (and gradients) train exactly like zero=0.
 
 The reference of every case is the same pipeline with zero=0 on the same gloo world, which
-test_hybrid checks against one process on the global batch. Sharding moves whole tensors between
-replicas and sums each gradient over the same replicas, so the parameters agree to float rounding
-of a differently ordered sum (1e-6 is ~10 ulps of weights of order 1).
+test_hybrid checks against one process on the global batch. An elementwise optimizer steps even slices
+of the replicas' ranges (LARS whole tensors), each element with the same arithmetic as unsharded, and
+each gradient is summed over the same replicas, so the parameters agree to float rounding of a differently
+ordered sum (1e-6 is ~10 ulps of weights of order 1; most cases agree bit for bit).
 """
 from __future__ import annotations
 
@@ -35,7 +36,20 @@ def lars(params):
     return LARS(params, lr=0.1, weight_decay=1e-4)
 
 
-OPTIMIZERS = {"sgd": sgd, "adam": adam, "adamw": adamw, "lars": lars}
+def adagrad(params):
+    return torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.1)  # state made at construction
+
+
+def grouped(params):
+    """Two groups with their own lr and weight decay, chosen by shape (a slice is flat: the groups must be the
+    factory's, not re-chosen on slices)."""
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() <= 1], "lr": 0.03, "weight_decay": 0.0}],
+                             lr=0.01)
+
+
+OPTIMIZERS = {"sgd": sgd, "adam": adam, "adamw": adamw, "lars": lars, "adagrad": adagrad}
+EVEN = ("sgd", "adam", "adamw", "adagrad", "grouped")  # elementwise: even slices (LARS: whole tensors)
 
 
 ASYNC = {"stash": sgd, "2bw": sgd, "vanilla": sgd, "spectrain": adam, "nesterov": sgd}
@@ -71,6 +85,7 @@ def measured(pipe, steps) -> dict:
                 p.numel() * p.element_size() for rt in pipe.held_stages.values() for p in rt.module.parameters()),
             "largest": max(p.numel() * p.element_size() for rt in pipe.held_stages.values()
                            for p in rt.module.parameters()),
+            "padding": reducer.padding_bytes() if hasattr(reducer, "padding_bytes") else 0,
             "predicted": list(pipe.plan.stage_memory), "param_bytes": list(pipe.plan.param_bytes)}
 
 
@@ -83,7 +98,26 @@ def training_cases(world) -> dict[str, dict]:
                                                                                precision="bf16")})
     cases["adam-hierarchical"] = dict(allreduce="hierarchical", hierarchy=(world // 4, 2) if world >= 4 else None)
     cases["adamw-compressed-no-overlap"] = dict(optimizer=adamw, compress="bf16", overlap=False)
+    # Per-group lr and weight decay survive the slicing; the global norm counts every element once.
+    cases["grouped-clipped"] = dict(optimizer=grouped, max_grad_norm=0.05)
     return cases
+
+
+def transformer(rank, world, zero):
+    """bench_zero's Transformer classifier, small: 3 steps of 13 samples; parameters and counted bytes."""
+    from pipetrain.apps.models import TransformerClassifier
+
+    torch.manual_seed(0)
+    model = TransformerClassifier(num_classes=10, in_features=4, width=64, depth=2, heads=2, max_len=8)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(39, 8, 4, generator=g), torch.randint(0, 10, (39,), generator=g)
+    # Adam's eps well above rounding noise: the key bias of attention has a gradient of exactly 0 in real
+    # arithmetic (softmax ignores it), which eps=1e-8 would divide by its own rounding noise, stepping it by
+    # +-lr on the order of a 4-replica sum; eps=1e-3 keeps each update within ~lr * noise / eps.
+    pipe = wrap_unprofiled(model, x[:2], stages=2, micro_batches=2, data_parallel=world // 2,
+                           optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01, eps=1e-3), partitioner="params",
+                           engine="distributed", zero=zero)
+    return measured(pipe, [(x[13 * i:13 * (i + 1)], y[13 * i:13 * (i + 1)]) for i in range(3)])
 
 
 def levels(case: str) -> tuple[int, ...]:
@@ -98,6 +132,8 @@ def zero_scenarios(rank, world, checkpoint_dir):
     for case, kw in training_cases(world).items():
         for zero in (0, *levels(case)):
             out[(case, zero)] = measured(wrap(world, zero, **kw), batches("mlp", size=SIZE))
+    for zero in (0, 1, 2):
+        out[("transformer", zero)] = transformer(rank, world, zero)
     # A learning-rate schedule on each stage's optimizer (what a replica owns) follows zero=0's.
     for zero in (0, 2):
         pipe = wrap(world, zero)
@@ -192,6 +228,7 @@ def four_replicas(rank, world, root):
     for zero in (0, 1):
         pipe = wrap(world, zero, allreduce="hierarchical", hierarchy=(2, 2))
         out[("hierarchical", zero)] = measured(pipe, batches("mlp", size=SIZE))
+        out[("transformer", zero)] = transformer(rank, world, zero)
     return out
 
 
@@ -233,28 +270,59 @@ def test_zero_moves_the_parameters(two_replicas):
         assert all((state[k] - initial[k]).abs().max() > 1e-3 for k in state)
 
 
+def within_even_share(mine: dict, full: dict, D: int) -> bool:
+    """An elementwise optimizer's state on one replica is its even range's: at most 1/D of the stage's
+    (payload plus the buckets' padding, under one element per replica and bucket), at the stage's state per
+    parameter byte (Adam: 2)."""
+    return 0 < mine["optimizer_bytes"] <= full["optimizer_bytes"] / full["payload"] * (mine["payload"]
+                                                                                     + mine["padding"]) / D
+
+
 def test_optimizer_state_and_gradients_are_sharded(two_replicas):
     D = 2
     for rank, out in enumerate(two_replicas):
         full = out[("adam-1f1b", 0)]
         for zero in (1, 2):
-            mine = out[("adam-1f1b", zero)]
-            # Whole tensors are owned: a share is at most 1/D of the state plus one tensor's state (Adam: 2x).
-            assert 0 < mine["optimizer_bytes"] <= full["optimizer_bytes"] / D + 2 * mine["largest"], (rank, zero)
+            assert within_even_share(out[("adam-1f1b", zero)], full, D), (rank, zero)
         assert full["grad_bytes"] == full["payload"]
         assert out[("adam-1f1b", 1)]["grad_bytes"] == full["payload"]  # ZeRO-1 keeps the (unreduced) rest
-        assert 0 < out[("adam-1f1b", 2)]["grad_bytes"] <= full["payload"] / D + out[("adam-1f1b", 2)]["largest"]
-    # Every schedule, interleaved-1f1b's two chunks per device included (balanced together), and bf16.
-    for case in ("adam-gpipe", "adam-interleaved-1f1b", "adam-zb-h1", "adam-bf16"):
+        sharded = out[("adam-1f1b", 2)]
+        assert 0 < sharded["grad_bytes"] <= (full["payload"] + sharded["padding"]) / D
+    # Every elementwise optimizer and schedule, interleaved-1f1b's two chunks per device included, and bf16.
+    cases = [c for c in training_cases(4) if c.split("-")[0] in EVEN and c != "adam-1f1b"]
+    for case in cases:
         for rank, out in enumerate(two_replicas):
-            mine, full = out[(case, levels(case)[0])], out[(case, 0)]
-            assert 0 < mine["optimizer_bytes"] <= full["optimizer_bytes"] / D + 2 * mine["largest"], (case, rank)
-    # The replicas of a stage own disjoint tensors that cover the stage: their shares add up to zero=0's.
+            assert within_even_share(out[(case, levels(case)[0])], out[(case, 0)], D), (case, rank)
+    # LARS reads whole tensors: a replica owns whole ones, balanced to within one tensor's state (2x: momentum).
+    for rank, out in enumerate(two_replicas):
+        mine, full = out[("lars-1f1b", levels("lars-1f1b")[0])], out[("lars-1f1b", 0)]
+        assert 0 < mine["optimizer_bytes"] <= full["optimizer_bytes"] / D + 2 * mine["largest"], rank
+    # The replicas of a stage own disjoint ranges that cover the stage: their shares add up to zero=0's.
     for stage_rank in (0, 1):
-        shares = [two_replicas[stage_rank + 2 * r][("adam-1f1b", 1)]["optimizer_bytes"] for r in range(D)]
-        assert sum(shares) == two_replicas[stage_rank][("adam-1f1b", 0)]["optimizer_bytes"]
+        for case in ("adam-1f1b", "lars-1f1b"):
+            shares = [two_replicas[stage_rank + 2 * r][(case, levels(case)[0])]["optimizer_bytes"] for r in range(D)]
+            assert sum(shares) == two_replicas[stage_rank][(case, 0)]["optimizer_bytes"], case
         grads = [two_replicas[stage_rank + 2 * r][("adam-1f1b", 2)]["grad_bytes"] for r in range(D)]
         assert sum(grads) == two_replicas[stage_rank][("adam-1f1b", 0)]["payload"]
+
+
+def test_transformer_stage_keeps_a_dth_of_the_optimizer_state(two_replicas, four):
+    # bench_zero's Transformer (small): Adam's state counted on each replica is at most (1/D + 5%) of its
+    # stage's at D = 2 and 4, and training is zero=0's; ZeRO-2 keeps as little of the reduced gradients.
+    for D, world in ((2, two_replicas), (4, four)):
+        for rank, out in enumerate(world):
+            full = out[("transformer", 0)]
+            for zero in ((1, 2) if D == 2 else (1,)):
+                mine = out[("transformer", zero)]
+                assert_same(mine["state"], full["state"], what=f"D={D} rank {rank} zero={zero}")
+                assert 0 < mine["optimizer_bytes"] <= (1 / D + 0.05) * full["optimizer_bytes"], (D, rank, zero)
+                assert within_even_share(mine, full, D), (D, rank, zero)
+        for stage_rank in (0, 1):
+            shares = [world[stage_rank + 2 * r][("transformer", 1)]["optimizer_bytes"] for r in range(D)]
+            assert sum(shares) == world[stage_rank][("transformer", 0)]["optimizer_bytes"]
+    for rank, out in enumerate(two_replicas):
+        sharded = out[("transformer", 2)]
+        assert 0 < sharded["grad_bytes"] <= (1 / 2 + 0.05) * out[("transformer", 0)]["grad_bytes"], rank
 
 
 def test_planned_stage_memory_counts_the_optimizer_shard(two_replicas):
@@ -272,7 +340,8 @@ def test_bytes_on_the_wire_equal_a_ring_all_reduce(two_replicas):
         for case in ("adam-1f1b", "adam-hierarchical"):
             for zero in levels(case):
                 sent = sum(two_replicas[stage_rank + 2 * r][(case, zero)]["sent"] for r in range(D))
-                assert sent == steps * 2 * (D - 1) * two_replicas[stage_rank][(case, 0)]["payload"], (case, zero)
+                padded = two_replicas[stage_rank][(case, 0)]["payload"] + two_replicas[stage_rank][(case, zero)]["padding"]
+                assert sent == steps * 2 * (D - 1) * padded, (case, zero)
 
 
 @pytest.mark.parametrize("staleness", list(ASYNC))
@@ -352,16 +421,17 @@ def test_two_level_hierarchy_with_four_replicas(two_replicas, four):
         sharded, full = out[("hierarchical", 1)], out[("hierarchical", 0)]
         assert_same(sharded["state"], full["state"], what=f"rank {rank}")
         assert_same(full["state"], two_replicas[rank % 2][("adam-1f1b", 0)]["state"], what=f"rank {rank}")
-        assert sharded["optimizer_bytes"] <= full["optimizer_bytes"] / 4 + 2 * sharded["largest"]
+        assert within_even_share(sharded, full, 4)
     for stage_rank in (0, 1):
         sent = sum(four[stage_rank + 2 * r][("hierarchical", 1)]["sent"] for r in range(4))
-        assert sent == 3 * 2 * (4 - 1) * four[stage_rank][("hierarchical", 0)]["payload"]
+        padded = four[stage_rank][("hierarchical", 0)]["payload"] + four[stage_rank][("hierarchical", 1)]["padding"]
+        assert sent == 3 * 2 * (4 - 1) * padded
 
 
 @pytest.mark.parametrize("options, reason", [
     (dict(engine="local", data_parallel=2), "engine='local' runs no replicas"),
     (dict(engine="local", data_parallel=1), "data_parallel=1 has none"),
-    (dict(zero=3), "zero must be 0"),
+    (dict(zero=4), "zero must be 0"),
 ])
 def test_zero_is_refused_where_there_is_nothing_to_shard(options, reason):
     options = {"zero": 1, **options}
@@ -407,3 +477,94 @@ def test_owners_are_balanced_whole_tensors_around_fixed_ones():
     assert shard_owners(tensors, 1) == [0] * 5
     with pytest.raises(ValueError, match="fixed owners"):
         shard_owners(tensors, 2, {0: 2})
+
+
+def replica_slices(params: list[torch.nn.Parameter], D: int, r: int) -> dict[int, torch.Tensor]:
+    """Replica ``r``'s slices of ``params`` laid end to end in one bucket split evenly over ``D`` (the layout of
+    pipetrain.allreduce.sharded)."""
+    from pipetrain.allreduce.slices import slice_of
+
+    total = sum(p.numel() for p in params)
+    share = -(-total // D)
+    lo, hi, out, offset = r * share, (r + 1) * share, {}, 0
+    for p in params:
+        if offset < hi and offset + p.numel() > lo:
+            out[id(p)] = slice_of(p, max(lo - offset, 0), min(hi - offset, p.numel()))
+        offset += p.numel()
+    return out
+
+
+ELEMENTWISE_FACTORIES = {
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, weight_decay=0.01),
+    "adamw-groups": grouped,
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5, centered=True),
+    "adagrad": adagrad, "adamax": lambda ps: torch.optim.Adamax(ps, lr=0.01),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=0.01), "radam": lambda ps: torch.optim.RAdam(ps, lr=0.01),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE_FACTORIES))
+def test_elementwise_optimizers_step_slices_exactly_like_whole_tensors(name):
+    # 3 replicas' even slices (cutting tensors, the groups the factory chose on whole tensors) step like the
+    # whole tensors, and their state, saved by name and merged, is the whole tensors'; loaded again it is cut
+    # back into the same slices.
+    from pipetrain.allreduce.slices import shards_evenly, source_of, step_slices
+    from pipetrain.checkpoint.optimizer_state import (load_optimizer_state, merge_optimizer_shares,
+                                                      optimizer_state_by_name)
+
+    factory, D = ELEMENTWISE_FACTORIES[name], 3
+    assert shards_evenly(factory)
+    shapes = [(5, 7), (7,), (3, 5), (3,), (11,)]
+    gen = torch.Generator().manual_seed(0)
+    initial = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+    models = [[torch.nn.Parameter(w.clone()) for w in initial] for _ in range(D + 1)]  # D replicas, the reference
+    optimizers = [factory(ps) for ps in models]
+    slices = [replica_slices(models[r], D, r) for r in range(D)]
+    for r in range(D):
+        step_slices(optimizers[r], slices[r])
+    for step in grads:
+        for ps, opt in zip(models, optimizers):
+            for p, g in zip(ps, step):
+                p.grad = g.clone()
+        for r in range(D):  # a slice's gradient is its range of the parameter's
+            for t in slices[r].values():
+                source, start = source_of(t)
+                t.grad = source.grad.view(-1)[start:start + t.numel()]
+        for opt in optimizers:
+            opt.step()
+    for r in range(D):  # each replica's own range moved as the whole tensors did
+        for t in slices[r].values():
+            source, start = source_of(t)
+            whole = models[D][[id(p) for p in models[r]].index(id(source))].detach().view(-1)
+            torch.testing.assert_close(t, whole[start:start + t.numel()], atol=0, rtol=0)
+    names = [{id(p): f"w{i}" for i, p in enumerate(ps)} for ps in models]
+    merged = merge_optimizer_shares([optimizer_state_by_name(optimizers[r], names[r]) for r in range(D)])
+    expected = optimizer_state_by_name(optimizers[D], names[D])
+    assert merged["groups"] == expected["groups"] and merged["state"].keys() == expected["state"].keys()
+    for n, state in expected["state"].items():
+        assert merged["state"][n].keys() == state.keys()
+        for k, v in state.items():
+            torch.testing.assert_close(torch.as_tensor(merged["state"][n][k]), torch.as_tensor(v), atol=0, rtol=0)
+    fresh = [torch.nn.Parameter(w.clone()) for w in initial]
+    resumed = factory(fresh)
+    step_slices(resumed, replica_slices(fresh, D, 1))
+    load_optimizer_state(resumed, merged["state"], merged["groups"], {id(p): f"w{i}" for i, p in enumerate(fresh)})
+    for group, saved in zip(resumed.param_groups, optimizers[1].param_groups):
+        for t, u in zip(group["params"], saved["params"]):
+            for k, v in optimizers[1].state[u].items():
+                torch.testing.assert_close(torch.as_tensor(resumed.state[t][k]), torch.as_tensor(v), atol=0, rtol=0)
+
+
+def test_optimizers_reading_whole_tensors_keep_whole_tensor_ownership():
+    from pipetrain.allreduce.slices import shards_evenly
+
+    class ClippedAdam(torch.optim.Adam):  # a subclass may step by another rule: not taken for elementwise
+        pass
+
+    assert shards_evenly(adam) and shards_evenly(sgd)
+    assert not shards_evenly(lars)
+    assert not shards_evenly(lambda ps: ClippedAdam(ps, lr=0.01))
+    assert not shards_evenly(lambda ps: torch.optim.LBFGS(ps))
