@@ -89,12 +89,16 @@ ONE_MICRO_BATCH_STASH = dict(schedule="async-1f1b", staleness="stash", micro_bat
 
 
 def hybrid_own_loss(rank, world):
-    """2 stages x 2 replicas, the labels inside the inputs: step, an async stream and predict."""
+    """2 stages x 2 replicas, the labels inside the inputs: step, an async stream and predict; zero 1, 2, 3."""
     sync = pipe(engine="distributed", data_parallel=2)
     losses = [sync.step(batch(s)) for s in (1, 2)]
     stream = pipe(engine="distributed", data_parallel=2, **ONE_MICRO_BATCH_STASH)
     stream_losses = [r.loss for r in stream.train(batch(s) for s in (1, 2, 3))]
-    return losses, sync.state_dict(), stream_losses, stream.state_dict(), sync.predict(batch(4))["logits"]
+    sharded = {}
+    for zero in (1, 2, 3):
+        p = pipe(engine="distributed", data_parallel=2, zero=zero)
+        sharded[zero] = [p.step(batch(s)) for s in (1, 2)], p.state_dict(), p.predict(batch(4))["logits"]
+    return losses, sync.state_dict(), stream_losses, stream.state_dict(), sync.predict(batch(4))["logits"], sharded
 
 
 @pytest.mark.slow
@@ -114,3 +118,10 @@ def test_hybrid_mode_takes_the_labels_inside_the_inputs(tmp_path, one_thread):
         assert got == pytest.approx(want, rel=1e-6)
     for rank in per_rank:
         torch.testing.assert_close(rank[4], sync.predict(batch(4))["logits"], rtol=1e-6, atol=1e-6)
+    for zero in (1, 2, 3):  # ZeRO's reductions and, at 3, FSDP2's sharded parameters take them alike
+        merged = {k: v for rank in per_rank[:2] for k, v in rank[5][zero][1].items()}
+        for name, value in sync.state_dict().items():
+            torch.testing.assert_close(merged[name], value, rtol=1e-6, atol=1e-7, msg=f"zero={zero} {name}")
+        assert per_rank[0][5][zero][0] == pytest.approx(losses, rel=1e-6)
+        for rank in per_rank:
+            torch.testing.assert_close(rank[5][zero][2], sync.predict(batch(4))["logits"], rtol=1e-6, atol=1e-6)

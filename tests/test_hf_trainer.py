@@ -115,10 +115,14 @@ def test_save_model_writes_what_from_pretrained_loads(tmp_path, reference):
     torch.testing.assert_close(loaded(input_ids=ids).logits, trainer.pipe.predict({"input_ids": ids, "labels": ids}).logits)
 
 
-def two_ranks(rank: int, world: int, out: str) -> dict:
-    """The 2-stage run on 2 gloo ranks, each holding one stage (every rank reads every batch)."""
-    trainer = PipelineTrainer(build_language_model("llama"), arguments(out),
-                              pipeline=dict(stages=world, engine="distributed", partitioner="uniform", profile=False),
+def two_ranks(rank: int, world: int, out: str, **pipeline) -> dict:
+    """The 2-stage run on 2 gloo ranks, each holding one stage (every rank reads every batch); with ``pipeline``
+    options (data_parallel) on more."""
+    replicas = pipeline.get("data_parallel", 1)
+    # Each replica takes its share of a step's samples: per device, the reference's batch over the replicas.
+    trainer = PipelineTrainer(build_language_model("llama"), arguments(out, per_device_train_batch_size=2 // replicas),
+                              pipeline=dict(stages=2, engine="distributed", partitioner="uniform", profile=False,
+                                            **pipeline),
                               train_dataset=samples(16, 1), eval_dataset=samples(5, 2),
                               data_collator=default_data_collator)
     trainer.train()
@@ -136,6 +140,22 @@ def test_two_ranks_train_as_the_trainer_trains_the_model(tmp_path, reference):
     expected = reference.model.state_dict()
     assert got.keys() == expected.keys()
     for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def four_ranks(rank: int, world: int, out: str) -> dict:
+    """2 stages x 2 replicas with zero=3: the labels ride inside the inputs to each replica's share."""
+    return two_ranks(rank, world, out, data_parallel=2, zero=3)
+
+
+@pytest.mark.slow
+def test_two_replicas_with_zero3_train_as_the_trainer_trains_the_model(tmp_path, reference):
+    ranks = run_world(4, "test_hf_trainer", "four_ranks", tmp_path, str(tmp_path))
+    for rank in ranks:
+        for key, values in rank["history"].items():
+            close(values, history(reference, key))
+    got = {**ranks[0]["state"], **ranks[1]["state"]}
+    for name, value in reference.model.state_dict().items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
