@@ -1,8 +1,8 @@
 """ZeRO in hybrid mode on this machine: a small Transformer with Adam, 2 stages x D replicas (D = 1, 2, 4) on
 gloo ranks, zero = 0, 1, 2 side by side in one run.
 
-Per rank it measures the peak resident memory (``ru_maxrss``), the optimizer-state bytes, the gradient bytes
-held when the optimizer steps, the time per step and the bytes the process writes to its sockets per step
+Per rank it measures the peak resident memory (``ru_maxrss``), the optimizer-state bytes (Adam's even slices
+under zero: the largest share is printed against 1/D), the gradient bytes held when the optimizer steps, the time per step and the bytes the process writes to its sockets per step
 (``wchar`` of /proc/self/io: gloo sends with write/writev, so this is what goes on the wire, pipeline
 activations included, which are the same at every zero level). Each figure is printed per rank and as the
 ratio to zero=0 at the same D.
@@ -106,6 +106,9 @@ def report(replicas: int, results: dict[int, list[dict]]) -> None:
                   f"{r['wire_bytes'] / b['wire_bytes']:>5.3f}")
         total = sum(r["wire_bytes"] for r in ranks) / sum(b["wire_bytes"] for b in base)
         print(f"{'':>4} all ranks' wire bytes per step: {total:.4f} x zero=0's")
+        if zero:
+            share = max(r["optimizer_bytes"] / b["optimizer_bytes"] for r, b in zip(ranks, base))
+            print(f"{'':>4} largest optimizer-state share of a rank: {share:.4f} of its stage's (1/D = {1 / replicas:.4f})")
 
 
 def main() -> None:
