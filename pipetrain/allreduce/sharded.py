@@ -252,8 +252,10 @@ class ShardedReducer(GradientReducer):
         """Copy every owner's (updated) range into every replica: the all-gather after the step, one bucket
         after the other (each waits for the last, not overlapped with the next forward)."""
         for b, full in self._gathered(lambda t: t.detach()):
+            whole = {k for k, lo, hi in b.mine if hi - lo == b.params[k].numel()}  # stepped in place already
             for k, p in enumerate(b.params):
-                p.copy_(full[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p))
+                if k not in whole:
+                    p.copy_(full[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p))
 
     @torch.no_grad()
     def gather_values(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
