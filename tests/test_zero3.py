@@ -9,15 +9,25 @@ three steps). bf16 and fp16 compare with zero=0 on the same world, whose own exa
 """
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import pipetrain
 from dist_harness import run_world
 from helpers import batches, wrap_unprofiled
+import third_party_models
 from runtime_models import data, loss_fn, make, reference_training, sgd
+from pipetrain.runtime.local_shards import local_bytes
+from test_meta_models import on_meta, save_checkpoint, trained_reference
+from test_third_party_models import MICRO, assert_same_state
+from test_third_party_models import sgd as meta_sgd
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
@@ -43,6 +53,31 @@ CASES = {  # name -> (model, wrap options); every case: 2 stages x 2 replicas, z
     "1f1b-tied": ("tied", dict(schedule="1f1b")),
 }
 LOW_PRECISION = ("bf16", "fp16")
+
+
+class PeakBytes(TorchDispatchMode):
+    """The largest number of bytes that storages of floating tensors made under this mode held at once (a storage's
+    Python object lives exactly as long as the storage, so a weak reference to it sees it freed). A DTensor's
+    local shard is counted, not its global size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, DTensor):  # a wrapper: its local shard holds the bytes (made out of this mode's sight)
+                t = t.to_local()
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta:
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    weakref.finalize(storage, self.live.pop, key, None)
+                    self.peak = max(self.peak, sum(self.live.values()))
+        return out
 
 
 def wrap(model: str, world_replicas: int = 2, stages: int = 2, **kw) -> pipetrain.Pipeline:
@@ -75,7 +110,7 @@ def held_bytes(pipe: pipetrain.Pipeline, steps) -> dict:
             **seen}
 
 
-def zero3_scenarios(rank: int, world: int, root: str) -> dict:
+def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dict:
     out = {}
     steps = batches("mlp", size=SIZE)
     for case, (model, kw) in CASES.items():
@@ -92,6 +127,20 @@ def zero3_scenarios(rank: int, world: int, root: str) -> dict:
     pipe = wrap("mlp", world_replicas=4, stages=1, hierarchy=(2, 2), max_grad_norm=MAX_NORM)
     out["hsdp"] = [r.loss for r in pipe.train(steps)], pipe.state_dict(), [
         tuple(p.to_local().shape) for rt in pipe.held_stages.values() for p in rt.params]
+    # A Llama on the meta device read from a checkpoint, 1 stage x 4 replicas: each rank makes its own shards only.
+    case = third_party_models.CASES["llama"]
+    with PeakBytes() as counter:
+        pipe = pipetrain.wrap(on_meta("llama"), case.batch(2, 0)[0], stages=1, micro_batches=MICRO, data_parallel=4,
+                              loss_fn=case.loss_fn, optimizer=meta_sgd, engine="distributed", zero=3,
+                              weights=llama_weights)
+    (stage,) = pipe.held_stages.values()
+    tensors = [*stage.params, *stage.module.buffers()]
+    made = {"peak": counter.peak, "own": sum(local_bytes(t) for t in tensors),
+            "largest": max(t.numel() * t.element_size() for t in tensors),
+            "whole": sum(t.numel() * t.element_size() for t in tensors)}
+    for seed in (1, 2):
+        pipe.step(*case.batch(8, seed))
+    out["meta"] = made, pipe.state_dict()
     # A checkpoint saved at 2 stages x 2 replicas resumes at 1 stage x 4 replicas.
     pipe = wrap("mlp", optimizer=adam)
     list(pipe.train(steps[:2]))
@@ -106,7 +155,8 @@ def zero3_scenarios(rank: int, world: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("zero3")
-    return run_world(4, "test_zero3", "zero3_scenarios", root, str(root))
+    llama_weights = save_checkpoint("llama", "sharded", root / "llama")
+    return run_world(4, "test_zero3", "zero3_scenarios", root, str(root), str(llama_weights))
 
 
 def merged(ranks: list[dict], key) -> dict[str, torch.Tensor]:
@@ -174,6 +224,16 @@ def test_hsdp_shards_inside_a_node_and_trains_like_the_unsplit_model(ranks: list
         # Each tensor cut in 2 (the replicas of a node), not 4: the other node holds the same shards.
         whole = [tuple(p.shape) for p in make("mlp").parameters()]
         assert shards == [((n + 1) // 2, *rest) if rank % 2 == 0 else (n // 2, *rest) for n, *rest in whole], rank
+
+
+def test_a_meta_model_makes_only_each_ranks_shards_and_trains_like_the_unsplit_model(ranks: list[dict]) -> None:
+    for rank, r in enumerate(ranks):
+        made, state = r["meta"]
+        # Its shards and buffers, twice while FSDP2 pads them in to_empty, plus one whole tensor being cut and
+        # small temporaries: at 4 replicas that is about half the whole stage, which the old path held at once.
+        bound = 2 * made["own"] + made["largest"] + 1024
+        assert made["own"] <= made["peak"] <= bound < made["whole"], (rank, made)
+        assert_same_state(state, trained_reference("llama"), exact=False)
 
 
 def test_a_zero3_checkpoint_resumes_at_another_stage_and_replica_count(ranks: list[dict]) -> None:

@@ -1,6 +1,7 @@
 """Stage modules -> stage runtimes of this process's pipeline positions, and the STEP of each position."""
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -66,16 +67,23 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     compiling = compile_arguments(options.compile)
     # Compiled split schedules compile each stage's derived F, B and W graphs, not its module.
     graph_split = compiling is not None and options.splits_backward
-    modules = {v: tensors.materialise(plan.build_stage(v), engine.torch_device(topology.position_of(v)))
-               for v in range(V) if topology.position_of(v) in held}
-    # Before any optimizer, policy or compiled graph sees the tensors: they start as replica 0's.
-    engine.start_replicas_equal(modules, same_source=tensors.without_data or options.weights is not None)
-    owners: dict[int, list[int]] = {}
+    devices = {v: engine.torch_device(topology.position_of(v)) for v in range(V) if topology.position_of(v) in held}
+    shard = None
     if options.zero == 3:  # FSDP2 shards every tensor evenly over the stage's replicas; no owners
         mesh = replica_mesh(engine.world.data_parallel_group, engine.world.hierarchy, engine.world.device)
-        for module in modules.values():
-            shard_module(module, mesh, options.reshard_after_forward)
-    elif options.zero and not shards_evenly(options.optimizer):
+        shard = functools.partial(shard_module, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
+    if shard is not None and tensors.without_data:  # each rank makes its shards only, never a whole stage
+        modules = {v: plan.build_stage(v) for v in devices}
+        engine.check_replicas_read_alike({v: tensors.materialise_shards(m, devices[v], shard)
+                                          for v, m in modules.items()})
+    else:
+        modules = {v: tensors.materialise(plan.build_stage(v), device) for v, device in devices.items()}
+        # Before any optimizer, policy or compiled graph sees the tensors: they start as replica 0's.
+        engine.start_replicas_equal(modules, same_source=tensors.without_data or options.weights is not None)
+        for module in modules.values() if shard is not None else ():
+            shard(module)
+    owners: dict[int, list[int]] = {}
+    if options.zero and not shards_evenly(options.optimizer):
         # Whole tensors owned (an optimizer that reads whole tensors; an elementwise one is built over every
         # tensor and steps even slices, pipetrain.allreduce.slices), balanced over each position's virtual
         # stages together, as its reducer's buckets hold them.

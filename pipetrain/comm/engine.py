@@ -27,7 +27,7 @@ from torch import nn
 import partitioners
 from pipetrain.comm.consensus import Consensus, default_store
 from pipetrain.comm.failures import FailureBoard
-from pipetrain.comm.replica_start import start_replicas_equal
+from pipetrain.comm.replica_start import check_replicas_read_alike, start_replicas_equal
 from pipetrain.comm.overflow_agreement import DistributedOverflowAgreement, LocalOverflowAgreement
 from pipetrain.comm.peers import peers_answer
 from pipetrain.comm.fully_sharded import FullyShardedReducer
@@ -116,6 +116,9 @@ class LocalEngine:
     def start_replicas_equal(self, modules: dict[int, nn.Module], same_source: bool) -> None:
         """One process holds no replicas."""
 
+    def check_replicas_read_alike(self, digests: dict[int, str]) -> None:
+        """One process holds no replicas."""
+
     def connect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
         counter = CommCounter(topology.num_stages)
         stage_devices = [self.devices[topology.position_of(v)] for v in range(topology.num_stages)]
@@ -197,6 +200,11 @@ class DistributedEngine:
         """The replicas of each stage start from replica 0's tensors (see comm.replica_start)."""
         if self.data_parallel > 1:
             start_replicas_equal(modules, self.world.data_parallel_group, same_source)
+
+    def check_replicas_read_alike(self, digests: dict[int, str]) -> None:
+        """zero=3 built each replica's shards from the source: the whole tensors they saw must be the same."""
+        if self.data_parallel > 1:
+            check_replicas_read_alike(digests, self.world.data_parallel_group)
 
     def positions(self) -> list[int]:
         return [self.world.position]

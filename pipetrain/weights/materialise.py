@@ -13,15 +13,19 @@ checkpoint that does not fit raises the same error everywhere and nothing trains
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from partitioners.stage_builder import retarget_devices
 from partitioners.state_names import StateNames
 from pipetrain.adapters import AdapterLayout
+from pipetrain.runtime.local_shards import shard_like
 from pipetrain.weights.initialise import initial_tensors
 from pipetrain.weights.sources import WeightSource, copy_into, match_names, open_weights
 
@@ -81,6 +85,35 @@ class StageTensors:
             copy_into(self.source, {n: fresh[n] for names in read for n in names if n in self.keys}, self.keys)
         return stage
 
+    def materialise_shards(self, stage: nn.Module, device: torch.device, shard: Callable[[nn.Module], None]) -> str:
+        """zero=3 on a model without data: ``shard`` (FSDP2's ``fully_shard``) cuts ``stage``'s meta parameters,
+        then only this rank's shard of each is made on ``device`` and filled, from the checkpoint or the
+        initialiser, one whole tensor in host memory at a time. Returns a digest of the whole tensors (names,
+        values), which every replica of the stage computes alike when they read the same source."""
+        retarget_devices(stage, device)
+        shard(stage)
+        stage.to_empty(device=device)  # FSDP2 makes each parameter's local shard; the buffers whole
+        targets: dict[str, Any] = {}
+        made: dict[int, Any] = {}
+        for name, t in _state(stage).items():
+            if id(t) not in made:
+                made[id(t)] = _ShardTarget(t) if isinstance(t, DTensor) else _WholeTarget(t)
+            targets[name] = made[id(t)]
+        groups: dict[int, list[str]] = {}
+        for name, target in targets.items():
+            groups.setdefault(id(target), []).append(name)
+        read = [names for names in groups.values() if any(n in self.keys for n in names)]
+        with torch.no_grad():
+            for names in groups.values():
+                if names not in read:  # one tensor at a time: initial_tensors keeps every tensor it makes
+                    targets[names[0]].copy_(initial_tensors(self.model, names[:1], self.seed)[names[0]])
+            if read:
+                copy_into(self.source, {n: targets[n] for names in read for n in names if n in self.keys}, self.keys)
+        digest = hashlib.sha256()
+        for names in sorted(groups.values()):
+            digest.update(f"{names[0]} {targets[names[0]].digest};".encode())
+        return digest.hexdigest()
+
     def close(self) -> None:
         """Release the checkpoint once every stage is made (its memory-mapped pages count until then)."""
         if self.source is not None:
@@ -121,3 +154,31 @@ def _replace(stage: nn.Module, state: dict[str, torch.Tensor], made: dict[str, t
         table = owner._parameters if isinstance(old, nn.Parameter) else owner._buffers
         table[leaf] = out[name]
     return out
+
+
+class _ShardTarget:
+    """Where a whole tensor goes when only this rank's shard of it is kept (``copy_into`` writes it)."""
+
+    def __init__(self, param: DTensor) -> None:
+        self.param, self.shape, self.digest = param, param.shape, ""
+
+    def copy_(self, whole: torch.Tensor) -> None:
+        self.digest = _tensor_digest(whole)
+        self.param.to_local().copy_(shard_like(whole.to(self.param.dtype), self.param).to_local())
+
+
+class _WholeTarget:
+    """A tensor kept whole (a buffer: FSDP2 shards parameters only)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.shape, self.digest = tensor, tensor.shape, ""
+
+    def copy_(self, whole: torch.Tensor) -> None:
+        self.digest = _tensor_digest(whole)
+        self.tensor.copy_(whole)
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    return hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                          ).hexdigest()
