@@ -46,6 +46,7 @@ CASES = {  # name -> (model, wrap options); every case: 2 stages x 2 replicas, z
     "1f1b-adam": ("mlp", dict(schedule="1f1b", optimizer=adam)),
     "interleaved-1f1b": ("mlp", dict(schedule="interleaved-1f1b")),
     "zb-h1": ("mlp", dict(schedule="zb-h1")),
+    **{s: ("mlp", dict(schedule=s)) for s in ("zbv", "dualpipev", "interleaved-zb")},  # split backward, 2 chunks
     "1f1b-reshard-after-forward": ("mlp", dict(schedule="1f1b", reshard_after_forward=True)),
     "zb-h1-reshard-after-forward-recompute": ("mlp", dict(schedule="zb-h1", reshard_after_forward=True,
                                                           recompute="always")),
