@@ -160,7 +160,8 @@ class Pipeline:
     @property
     def gradient_reducer(self) -> Any:
         """Hybrid mode: this rank's GradientReducer (its buckets and algorithm choices, ``gradient_bytes`` held
-        after the last reduction; with ``zero`` a ShardedReducer, also ``owned`` and ``sent_bytes``); None otherwise."""
+        after the last reduction; with ``zero`` 1 or 2 a ShardedReducer, also ``stepped()`` and ``sent_bytes``);
+        None otherwise (also under zero=3, where FSDP2 reduces)."""
         reducers = [r.reducer for r in self._parts.connections.reducers.values()]
         return reducers[0] if reducers else None
 

@@ -90,10 +90,6 @@ class FullyShardedReducer:
         if self.modules:
             self.counter.add("data_parallel", self.stage, self.payload)
 
-    def owns(self, param: torch.Tensor) -> bool:
-        """Every replica steps its own shard of every parameter."""
-        return True
-
     def stepped(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, itself) for each parameter with a gradient: every replica steps its own shard of each
         (OptimizerStep's Shards protocol)."""
