@@ -53,6 +53,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     import schedules.cluster
+    from partitioners.planners.stage_state import OPTIMIZER_STATE, RECOMPUTE
 
     p = sub.add_parser("plan", help="rank pipeline x data-parallel layouts of a model on a cluster")
     p.add_argument("model", help="a torchvision model name (resnet50, vgg16, ...), a pipetrain.apps.models name, "
@@ -70,17 +71,25 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "and a hierarchical all-reduce")
     p.add_argument("--no-overlap", action="store_true", help="reduce only after the backward")
     p.add_argument("--max-stages", type=int, help="largest pipeline depth to consider")
-    p.add_argument("--zero", choices=("0", "1", "auto"), default="0",
-                   help="ZeRO: 1 shards the optimizer state over each stage's replicas; auto ranks both "
-                        "(zero=0 first where equally fast, so sharding is chosen where it makes a layout fit)")
+    p.add_argument("--zero", choices=("0", "1", "2", "auto"), default="0",
+                   help="ZeRO: 1 shards the optimizer state over each stage's replicas, 2 the gradients too (after "
+                        "the last backward: no lower peak); auto tries 0, 1, 2 per layout and takes the least "
+                        "sharding that fits")
+    p.add_argument("--recompute", choices=(*RECOMPUTE, "auto"), default="auto",
+                   help="activation recomputation of every stage, as wrap(recompute=...); auto (default) tries none, "
+                        "except-last, always per layout and takes the fastest that fits")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE), default="adam",
+                   help="the optimizer whose state is priced: fp32 copies per parameter sgd 0, sgd-momentum 1, "
+                        "lars 1, adam and adamw 2 (default adam: 16 bytes per parameter with weights and gradients)")
     p.add_argument("--profile", action="store_true",
                    help="time each node here instead of estimating (not for a model on the meta device)")
     p.add_argument("--seq-len", type=int,
                    help="tokens per sample of a Hugging Face language model (default 2048, or its "
                         "max_position_embeddings when shorter)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
-                   help="dtype a Hugging Face language model's parameters, gradients and optimizer state are "
-                        "sized in (default fp32, as pipetrain trains under every precision); activations follow it")
+                   help="dtype a Hugging Face language model's activations are sized in (wrap's precision; default "
+                        "fp32); parameters, gradients and optimizer state are fp32 under every precision, as "
+                        "pipetrain keeps them")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
     return p
 
@@ -130,8 +139,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     import partitioners
     from partitioners.errors import TraceError
     from partitioners.meta import holds_meta_tensors
-    from partitioners.planners.layout import (describe_no_fit, format_bytes, format_ranking, format_stage_memory,
-                                              search_layouts)
+    from partitioners.planners.layout import (describe_no_fit, explain_choice, format_bytes, format_ranking,
+                                              format_stage_memory, search_layouts)
+    from partitioners.planners.stage_state import FP32, RECOMPUTE
     from schedules.cluster import load_cluster
     from schedules.cluster.reductions import Reduction
 
@@ -154,22 +164,30 @@ def _run_plan(args: argparse.Namespace) -> int:
                           hierarchical={"hybrid": None, "flat": False, "hierarchical": True}[args.allreduce],
                           overlap=not args.no_overlap)
     layouts = search_layouts(graph, cluster, batch_size=args.batch_size, profiled_batch=x.shape[0],
-                             reduction=reduction, max_stages=args.max_stages,
-                             zeros={"0": (0,), "1": (1,), "auto": (0, 1)}[args.zero])
+                             reduction=reduction, max_stages=args.max_stages, optimizer=args.optimizer,
+                             param_scale=FP32 / params[0].element_size(),  # fp32 under every precision
+                             zeros=(0, 1, 2) if args.zero == "auto" else (int(args.zero),),
+                             recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,))
     how = "measured here" if args.profile else "estimated (profile=False)"
     print(f"global batch {args.batch_size}, costs {how}; cluster {cluster.name}: "
           f"{cluster.nodes} x {cluster.devices_per_node} devices, speed {cluster.speed:g}; "
-          f"reduction {reduction.label()}; best of {len(layouts)} shapes (stages x replicas x micro-batches x schedule)")
+          f"reduction {reduction.label()}; optimizer {args.optimizer}, zero {args.zero}, recompute {args.recompute}; "
+          f"best of {len(layouts)} shapes (stages x replicas x micro-batches x schedule)")
     if not layouts[0].fits:  # fitting layouts rank first: none fits
         fixes = ["more devices (--nodes)", "a smaller --batch-size"]
+        if args.recompute != "auto":
+            fixes.append("--recompute auto")
+        if args.zero != "auto":
+            fixes.append("--zero auto")
         if meta:  # a language model from its config
             fixes += ["a shorter --seq-len"] + (["--dtype bf16"] if args.dtype in (None, "fp32") else [])
         raise SystemExit(f"pipetrain plan: {describe_no_fit(layouts, cluster)}; fix: {', '.join(fixes[:-1])} "
                          f"or {fixes[-1]}")
     print(format_ranking(layouts, args.top))
+    print(explain_choice(layouts, cluster))
     best = layouts[0]
     print(f"\nbest layout (stages {best.stages}, replicas {best.replicas}, micro-batches {best.micro_batches}, "
-          f"{best.schedule}): predicted memory per device of each stage")
+          f"{best.schedule}, zero={best.zero}, recompute={best.recompute}): predicted memory per device of each stage")
     print(format_stage_memory(best, cluster))
     return 0
 

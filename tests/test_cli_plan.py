@@ -122,22 +122,23 @@ def test_llama_default_config_plans_on_meta_in_little_memory():
     assert 6.6e9 < count < 6.8e9
     printed = int(re.search(r"on the meta device, ([\d,]+) parameters", out).group(1).replace(",", ""))
     assert printed == count
-    assert sum(s["weights"] for s in _stages(out)) == pytest.approx(2 * count, rel=PRINTED)  # bf16
+    # fp32 weights under --dtype bf16 (autocast), as pipetrain keeps them
+    assert sum(s["weights"] for s in _stages(out)) == pytest.approx(4 * count, rel=PRINTED)
 
 
 def test_cluster_too_small_names_the_stage_and_its_peak(tmp_path, capsys):
     folder = str(_tiny_config(tmp_path))
     with pytest.raises(SystemExit) as refused:
-        main(_plan_tiny(folder, _cluster(tmp_path, 40e3)))
+        main(_plan_tiny(folder, _cluster(tmp_path, 20e3)))
     message = str(refused.value)
-    got = re.search(rf"no layout fits cluster 'tiny4' \(40 kB per device\): the closest, (\d+) stages? x \d+ "
+    got = re.search(rf"no layout fits cluster 'tiny4' \(20 kB per device\): the closest, (\d+) stages? x \d+ "
                     rf"replicas? .* puts a predicted peak of ({SIZE}) = [\d.e+]+ bytes on stage (\d+), ({SIZE}) over "
                     rf"\(weights ({SIZE}), gradients ({SIZE}), optimizer ({SIZE}), activations ({SIZE}) "
                     rf"\(\d+ micro-batch(?:es)? in flight\)\); fix: ", message)
     assert got, message
     stages, peak, stage, over = int(got[1]), _bytes(got[2]), int(got[3]), _bytes(got[4])
-    assert stage < stages and peak > 40e3
-    assert over == pytest.approx(peak - 40e3, rel=2 * PRINTED, abs=1.0)
+    assert stage < stages and peak > 20e3
+    assert over == pytest.approx(peak - 20e3, rel=2 * PRINTED, abs=1.0)
     assert sum(map(_bytes, got.groups()[4:])) == pytest.approx(peak, rel=2 * PRINTED)
     # The closest layout's peak is the least any layout needs: with that much memory a plan exists.
     capsys.readouterr()
@@ -173,14 +174,14 @@ def test_stage_memory_adds_up_the_predicted_peak_by_hand():
     cluster = Cluster(nodes=1, devices_per_node=2, intra_bandwidth=1e9, intra_latency=0.0, inter_bandwidth=1e9,
                       inter_latency=0.0)
     lay = evaluate_layout(g, cluster, [0, 1, 2], replicas=1, micro_batches=2, schedule="gpipe", batch_size=8,
-                          profiled_batch=2, param_memory_factor=3.0)
-    # factor 3: weights, gradients and one optimizer copy; gpipe holds both micro-batches, each of 2 x the
+                          profiled_batch=2, optimizer="sgd-momentum")
+    # SGD with momentum: weights, gradients and one optimizer copy; gpipe holds both micro-batches, each of 2 x the
     # profiled size (stage 0 keeps its output, 5 bytes; stage 1 what it receives and its output, 5 + 7)
     first, second = lay.stage_memory
     assert (first.weights, first.gradients, first.optimizer, first.in_flight, first.activations) == (10, 10, 10, 2, 20)
     assert (second.weights, second.gradients, second.optimizer, second.in_flight, second.activations) == (
         20, 20, 20, 2, 48)
     assert [first.total, second.total] == lay.result.memory
-    with pytest.raises(ValueError, match="param_memory_factor"):
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'; choose one of sgd, sgd-momentum"):
         evaluate_layout(g, cluster, [0, 2], replicas=1, micro_batches=1, schedule="gpipe", batch_size=2,
-                        profiled_batch=2, param_memory_factor=1.0)
+                        profiled_batch=2, optimizer="rmsprop")

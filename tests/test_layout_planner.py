@@ -77,7 +77,7 @@ def test_stage_work_by_hand():
     g.add_node("b", fwd_time=3.0, bwd_time=4.0, param_bytes=20.0, act_bytes=7.0)
     g.add_edge("a", "b", bytes=5.0)
     lay = evaluate_layout(g, CLUSTER, [0, 1, 2], replicas=1, micro_batches=2, schedule="gpipe",
-                          batch_size=8, profiled_batch=2, param_memory_factor=3.0)
+                          batch_size=8, profiled_batch=2, optimizer="sgd-momentum")
     sim = lay.result.sim
     # micro-batches of 4 samples = 2 x the profiled size: forward 2 and 6, backward 4 and 8
     assert sim.costs.forward == [2.0, 6.0] and sim.costs.backward == [4.0, 8.0]

@@ -6,22 +6,23 @@ gradient all-reduce across replicas). Cuts: every split of the cuttable position
 there are at most `exhaustive_limit` of them for that S, otherwise the "graph"
 partitioner's optimal split (slowest stage minimised). Compute and activation bytes of a
 micro-batch scale linearly with its size (the graph was profiled at `profiled_batch`
-samples). A layout fits when every stage's memory is within cluster.memory: its parameter
-bytes x param_memory_factor (one copy for the weights, one for the gradients, the rest for the
-optimizer state: 4 for Adam's two moments; with ZeRO (`zero` >= 1, replicas > 1) each replica keeps
-1/replicas of that state) plus what its in-flight micro-batches keep for the backward
-(StageMemory). Only each shape's best cuts are kept; `zeros` adds the ZeRO level as one more choice
-(equal step times rank zero=0 first: the model charges sharding nothing, so it is chosen where it
-makes a layout fit).
+samples). A layout fits when every stage's predicted peak is within cluster.memory
+(stage_state.py: fp32 weights, gradients and the optimizer's state copies as pipetrain keeps them,
+split by the ZeRO level, plus the activations the schedule's action lists hold at each moment, whole
+or, when recomputed, as boundary inputs). `zeros` and `recomputes` are choices per shape: each shape
+takes the fastest (recomputation costs a forward per recomputed micro-batch) and then least sharded
+option that fits; ZeRO is charged no time (the bytes on the wire are zero=0's).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import networkx as nx
+import numpy as np
 
 from schedules.cluster import Cluster
 from schedules.cluster.reductions import Reduction
@@ -30,31 +31,21 @@ from schedules.cluster.step import CLUSTER_SCHEDULES, ClusterStepResult, StageWo
 from ..chain import Chain
 from ..errors import PartitionError
 from ..graph import CostGraph
-from ..partition import partition
+from ..algorithms import optimal_cuts
+from .stage_state import (FP32, OPTIMIZER_STATE, RECOMPUTE, StageMemory, format_bytes, recomputed_share,
+                          schedule_moments, stage_peak)
 
-MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# beyond 32, at most this many micro-batches per stage: more only shrink the micro-batch further
+MICRO_BATCHES_PER_STAGE = 4
+# on graphs with more cut positions than CHEAP_CUTS_ABOVE, deep pipelines' cuts are searched only where at most
+# CROSSING_SLACK times the bytes of the cheapest cuts enough for them cross (between a transformer's blocks)
+CROSSING_SLACK = 2.0
+CHEAP_CUTS_ABOVE = 1024
+# ZeRO levels the search may choose: those wrap() runs. stage_state.stage_peak prices zero=3 already; it joins
+# here when the runtime has it.
+SEARCHED_ZERO = (0, 1, 2)
 DEFAULT_REDUCTION = Reduction(bucket_bytes=25e6, hierarchical=True, overlap=True)
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    """Predicted bytes one device of a stage holds at its peak, by what holds them."""
-
-    weights: float
-    gradients: float
-    optimizer: float
-    activations: float  # what autograd keeps for the backward, of all in-flight micro-batches
-    in_flight: int      # micro-batches the schedule has in flight at the stage's peak
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
-
-    def describe(self) -> str:
-        """'weights 27 GB, gradients 27 GB, optimizer 54 GB, activations 2.1 GB (4 micro-batches in flight)'."""
-        return (f"weights {format_bytes(self.weights)}, gradients {format_bytes(self.gradients)}, "
-                f"optimizer {format_bytes(self.optimizer)}, activations {format_bytes(self.activations)} "
-                f"({_count(self.in_flight, 'micro-batch')} in flight)")
 
 
 @dataclass
@@ -69,7 +60,9 @@ class Layout:
     result: ClusterStepResult
     fits: bool
     stage_memory: list[StageMemory]  # what result.memory adds up, per stage
-    zero: int = 0                    # ZeRO level: 1 and 2 keep 1/replicas of the optimizer state per replica
+    zero: int = 0                    # ZeRO level (stage_state.py)
+    recompute: str = "none"          # the runtime's recomputation setting, for every stage
+    needs: str = ""                  # why cheaper options were not taken: 'zero=0 recompute=none: 35.2 GB'
 
     @property
     def stages(self) -> int:
@@ -86,8 +79,13 @@ class Layout:
 
     def key(self) -> tuple:
         """Ranking key: fitting layouts first, then faster, then fewer devices and stages."""
-        return (not self.fits, self.step_time, self.zero, self.result.devices, self.stages, self.micro_batches,
-                self.schedule, self.cuts)
+        return (not self.fits, self.step_time, self.zero, RECOMPUTE.index(self.recompute), self.result.devices,
+                self.stages, self.micro_batches, self.schedule, self.cuts)
+
+    def label(self) -> str:
+        """'8x8 1f1b m=32 zero=1 recompute=always': stages x replicas, schedule, micro-batches, options."""
+        return (f"{self.stages}x{self.replicas} {self.schedule} m={self.micro_batches} zero={self.zero} "
+                f"recompute={self.recompute}")
 
 
 class _Model:
@@ -100,14 +98,43 @@ class _Model:
         self.fwd = [float(a.get("fwd_time", 0.0)) for a in nodes]
         self.bwd = [float(a.get("bwd_time", 0.0)) for a in nodes]
         self.tensors = _grad_tensors(graph, self.chain.names, nodes)
+        self._segments: dict[tuple[int, int], dict[str, float]] = {}
+        self._cheap: tuple[int, Chain] | None = None
 
     def params(self, i: int, j: int) -> float:
         """Parameter bytes of positions [i, j) (a shared parameter at its first user)."""
         return float(self.chain.params[i:j].sum())
 
-    def work(self, i: int, j: int, scale: float, param_memory_factor: float) -> StageWork:
-        """StageWork of positions [i, j) for micro-batches `scale` x the profiled size."""
-        seg = self.chain.segment(i, j)
+    def cheap_chain(self, cuts: int) -> Chain:
+        """The chain with cuts only where at most CROSSING_SLACK x the bytes of the `cuts`-th cheapest cut
+        cross (a transformer's boundaries between blocks): the cut search of deep pipelines runs on these."""
+        c = self.chain
+        if self._cheap is None or self._cheap[0] != cuts:
+            delta = np.zeros(c.n + 2)
+            for v in range(c.n):  # value v crosses every cut in (v, last user]
+                if c.last[v] > v:
+                    delta[v + 1] += c.out_bytes[v]
+                    delta[c.last[v] + 1] -= c.out_bytes[v]
+            crossing = np.cumsum(delta)[: c.n + 1]
+            inner = c.cuttable.copy()
+            inner[0] = inner[c.n] = False
+            ranked = np.sort(crossing[inner])
+            enough = ranked[min(cuts, len(ranked)) - 1] if len(ranked) else 0.0
+            keep = c.cuttable & (crossing <= CROSSING_SLACK * enough)
+            keep[0] = keep[c.n] = True
+            self._cheap = (cuts, dataclasses.replace(c, cuttable=keep))
+        return self._cheap[1]
+
+    def segment(self, i: int, j: int) -> dict[str, float]:
+        """chain.segment of positions [i, j), computed once per segment."""
+        if (i, j) not in self._segments:
+            self._segments[i, j] = self.chain.segment(i, j)
+        return self._segments[i, j]
+
+    def work(self, i: int, j: int, scale: float, recomputed: float = 0.0) -> StageWork:
+        """StageWork of positions [i, j) for micro-batches `scale` x the profiled size; `recomputed`: the share
+        of micro-batches whose forward runs again before their backward."""
+        seg = self.segment(i, j)
         grads, ready = [], []
         total_bwd = sum(self.bwd[i:j])
         done = 0.0
@@ -116,11 +143,10 @@ class _Model:
             for size in self.tensors[v]:
                 grads.append(size)
                 ready.append(done / total_bwd if total_bwd > 0 else 1.0)
-        return StageWork(forward=sum(self.fwd[i:j]) * scale, backward=total_bwd * scale,
-                         grad_bytes=tuple(grads), ready_fraction=tuple(ready),
-                         send_bytes=seg["sent"] * scale, memory=seg["params"] * param_memory_factor,
-                         # what autograd keeps of one micro-batch (memory_model.py's model), held per micro-batch in flight
-                         activation_memory=seg["activations"] * scale,
+        forward = sum(self.fwd[i:j])
+        # memory is priced by stage_state.py (evaluate_layout), not by the simulator
+        return StageWork(forward=forward * scale, backward=(total_bwd + recomputed * forward) * scale,
+                         grad_bytes=tuple(grads), ready_fraction=tuple(ready), send_bytes=seg["sent"] * scale,
                          # the runtime's first stage has no input gradient to split off (zb-h1)
                          weight_fraction=0.0 if i == 0 else 0.5)
 
@@ -149,76 +175,135 @@ def _grad_tensors(graph: CostGraph | nx.DiGraph, names: list[str], nodes: list[d
 
 def evaluate_layout(model: _Model | CostGraph | nx.DiGraph, cluster: Cluster, cuts: Sequence[int], *,
                     replicas: int, micro_batches: int, schedule: str, batch_size: int,
-                    profiled_batch: int, reduction: Reduction = DEFAULT_REDUCTION,
-                    param_memory_factor: float = 4.0, zero: int = 0) -> Layout:
+                    profiled_batch: int, reduction: Reduction = DEFAULT_REDUCTION, optimizer: str | float = "adam",
+                    param_scale: float = 1.0, zero: int = 0, recompute: str = "none") -> Layout:
     """Predict one layout: global batch_size split over replicas x micro_batches.
-    param_memory_factor: bytes a stage keeps per parameter byte (weights 1 + gradients 1 + optimizer
-    state: 4 with Adam's two moments, 3 with SGD's momentum). zero >= 1: each replica keeps
-    1/replicas of the optimizer state (ZeRO-2's gradient shard does not lower the peak: gradients
-    accumulate whole over the micro-batches); the bytes on the wire, and so the time, are zero=0's."""
-    if not param_memory_factor >= 2:
-        raise ValueError(f"param_memory_factor {param_memory_factor!r} counts less than the weights and their "
-                         "gradients; fix: 2 + the optimizer's state copies (4 for Adam)")
+    optimizer: a name of stage_state.OPTIMIZER_STATE or the fp32 state copies it keeps per parameter;
+    param_scale: fp32 bytes per parameter byte of the graph (2 for a model built in bf16)."""
     m = model if isinstance(model, _Model) else _Model(model)
+    scale = _micro_scale(batch_size, replicas, micro_batches, profiled_batch)
+    copies = _state_copies(optimizer)
+    memory = _price(m, cuts, replicas, micro_batches, schedule, scale, copies, param_scale, zero, recompute)
+    return _simulate(m, cluster, cuts, replicas, micro_batches, schedule, batch_size, scale, reduction, memory,
+                     zero, recompute)
+
+
+def _micro_scale(batch_size: int, replicas: int, micro_batches: int, profiled_batch: int) -> float:
     per_micro = batch_size / (replicas * micro_batches)
     if per_micro != int(per_micro) or per_micro < 1:
         raise ValueError(f"batch_size {batch_size} does not split into {replicas} replicas x "
                          f"{micro_batches} micro-batches; fix: pick counts that divide it")
-    scale = per_micro / profiled_batch
-    state_factor = (param_memory_factor - 2) / (replicas if zero else 1)
-    work = [m.work(cuts[k], cuts[k + 1], scale, 2 + state_factor) for k in range(len(cuts) - 1)]
+    return per_micro / profiled_batch
+
+
+def _state_copies(optimizer: str | float) -> float:
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZER_STATE:
+            raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATE)} or give "
+                             "the fp32 state copies it keeps per parameter (Adam 2)")
+        return float(OPTIMIZER_STATE[optimizer])
+    if not optimizer >= 0:
+        raise ValueError(f"optimizer state copies must be >= 0, got {optimizer!r}")
+    return float(optimizer)
+
+
+def _price(m: _Model, cuts: Sequence[int], replicas: int, micro_batches: int, schedule: str, scale: float,
+           copies: float, param_scale: float, zero: int, recompute: str) -> list[StageMemory]:
+    """Each stage's predicted peak (stage_state.stage_peak) at the moments its action list holds."""
+    moments = schedule_moments(schedule, len(cuts) - 1, micro_batches, recompute)
+    out = []
+    for k in range(len(cuts) - 1):
+        seg = m.segment(cuts[k], cuts[k + 1])
+        out.append(stage_peak(moments[k], seg["params"] * param_scale, seg["activations"] * scale,
+                              seg["boundary"] * scale, replicas=replicas, zero=zero, state_copies=copies))
+    return out
+
+
+def _simulate(m: _Model, cluster: Cluster, cuts: Sequence[int], replicas: int, micro_batches: int, schedule: str,
+              batch_size: int, scale: float, reduction: Reduction, memory: list[StageMemory], zero: int,
+              recompute: str) -> Layout:
+    share = recomputed_share(schedule, len(cuts) - 1, micro_batches, recompute)
+    work = [m.work(cuts[k], cuts[k + 1], scale, share[k]) for k in range(len(cuts) - 1)]
     result = simulate_cluster_step(work, cluster, replicas=replicas, micro_batches=micro_batches,
-                             schedule=schedule, reduction=reduction)
+                                   schedule=schedule, reduction=reduction)
+    result.memory = [mem.total for mem in memory]
     fits = cluster.memory is None or max(result.memory) <= cluster.memory
-    memory = []
-    for k, (w, in_flight) in enumerate(zip(work, result.sim.peak_in_flight)):
-        params = m.params(cuts[k], cuts[k + 1])  # the terms of simulate_cluster_step's memory, apart
-        memory.append(StageMemory(weights=params, gradients=params, optimizer=params * state_factor,
-                                  activations=in_flight * w.activation_memory, in_flight=in_flight))
-    return Layout(list(cuts), replicas, micro_batches, schedule, batch_size, result, fits, memory, zero)
+    return Layout(list(cuts), replicas, micro_batches, schedule, batch_size, result, fits, memory, zero, recompute)
 
 
 def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_size: int,
                    profiled_batch: int, schedules: Sequence[str] = CLUSTER_SCHEDULES,
                    micro_batches: Sequence[int] = MICRO_BATCHES, max_stages: int | None = None,
-                   reduction: Reduction = DEFAULT_REDUCTION, param_memory_factor: float = 4.0,
-                   exhaustive_limit: int = 64, zeros: Sequence[int] = (0,)) -> list[Layout]:
-    """The best layout of every shape (stages, replicas, micro-batches, schedule), best first
-    (see the module docstring for the search space)."""
+                   reduction: Reduction = DEFAULT_REDUCTION, optimizer: str | float = "adam",
+                   param_scale: float = 1.0, exhaustive_limit: int = 64, zeros: Sequence[int] = (0,),
+                   recomputes: Sequence[str] = ("none",)) -> list[Layout]:
+    """The best layout of every shape (stages, replicas, micro-batches, schedule), best first, each with
+    the fastest, then least sharded, ZeRO level and recomputation setting that fits (see the module
+    docstring for the search space)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if not profiled_batch > 0:
         raise ValueError(f"profiled_batch must be > 0 samples, got {profiled_batch!r}")
-    if not zeros or any(z not in (0, 1, 2) for z in zeros):
-        raise ValueError(f"zeros must list ZeRO levels among 0, 1, 2, got {list(zeros)}")
+    if not zeros or any(z not in SEARCHED_ZERO for z in zeros):
+        raise ValueError(f"zeros must list ZeRO levels among {', '.join(map(str, SEARCHED_ZERO))}, got {list(zeros)}")
+    if not recomputes or any(r not in RECOMPUTE for r in recomputes):
+        raise ValueError(f"recomputes must list settings among {', '.join(RECOMPUTE)}, got {list(recomputes)}")
     bad = [k for k in schedules if k not in CLUSTER_SCHEDULES]
     if bad:
         raise ValueError(f"schedules {bad} cannot be planned; choose from {CLUSTER_SCHEDULES}")
+    copies = _state_copies(optimizer)
+    # time grows with recomputation and not with sharding: the first fitting option is the fastest
+    options = [(r, z) for r in sorted(set(recomputes), key=RECOMPUTE.index) for z in sorted(set(zeros))]
     model = _Model(graph)
     positions = [c for c in range(1, model.chain.n) if model.chain.cuttable[c]]
     top = min(cluster.devices, len(positions) + 1, max_stages or cluster.devices)
     best: dict[tuple, Layout] = {}  # per shape (stages, replicas, micro-batches, schedule)
     for stages in range(1, top + 1):
-        for cuts in _cut_candidates(graph, model, positions, stages, cluster, exhaustive_limit):
+        for cuts in _cut_candidates(model, positions, stages, top, cluster, exhaustive_limit):
             for replicas in _replica_counts(cluster.devices // stages):
                 if batch_size % replicas:
                     continue
                 for m in micro_batches:
-                    if (batch_size // replicas) % m:
+                    if (batch_size // replicas) % m or m > max(32, MICRO_BATCHES_PER_STAGE * stages):
                         continue
-                    for kind, zero in itertools.product(schedules, zeros if replicas > 1 else (0,)):
-                        # every schedule even with one stage: they differ in memory
-                        lay = evaluate_layout(
-                            model, cluster, cuts, replicas=replicas, micro_batches=m, schedule=kind,
-                            batch_size=batch_size, profiled_batch=profiled_batch,
-                            reduction=reduction, param_memory_factor=param_memory_factor, zero=zero)
-                        shape = (stages, replicas, m, kind, zero)
+                    scale = _micro_scale(batch_size, replicas, m, profiled_batch)
+                    for kind in schedules:  # every schedule even with one stage: they differ in memory
+                        recompute, zero, memory, needs = _cheapest_option(
+                            model, cuts, replicas, m, kind, scale, copies, param_scale, options, cluster.memory)
+                        lay = _simulate(model, cluster, cuts, replicas, m, kind, batch_size, scale, reduction,
+                                        memory, zero, recompute)
+                        lay.needs = needs
+                        shape = (stages, replicas, m, kind)
                         if shape not in best or lay.key() < best[shape].key():
                             best[shape] = lay
     if not best:
         raise ValueError(f"no layout splits batch_size={batch_size} over the allowed replicas and "
                          f"micro-batches {list(micro_batches)}; fix: use a batch size with small factors")
     return sorted(best.values(), key=Layout.key)
+
+
+def _cheapest_option(m: _Model, cuts: Sequence[int], replicas: int, micro_batches: int, kind: str, scale: float,
+                     copies: float, param_scale: float, options: list[tuple[str, int]],
+                     limit: float | None) -> tuple[str, int, list[StageMemory], str]:
+    """The first (recompute, zero) option of a shape whose stages all fit `limit`, the one needing least
+    memory when none does, and what the first option tried needs when it was not taken. Sharding needs
+    replicas: with one, only zero=0 is tried."""
+    priced = []
+    for recompute, zero in options:
+        if zero and replicas == 1:
+            continue
+        memory = _price(m, cuts, replicas, micro_batches, kind, scale, copies, param_scale, zero, recompute)
+        peak = max(mem.total for mem in memory)
+        needs = f"zero={priced[0][2]} recompute={priced[0][1]} needs {format_bytes(priced[0][0])}" if priced else ""
+        if limit is None or peak <= limit:
+            return recompute, zero, memory, needs
+        priced.append((peak, recompute, zero, memory))
+    if not priced:  # only zero >= 1 was asked for and there is one replica
+        recompute = options[0][0]
+        memory = _price(m, cuts, replicas, micro_batches, kind, scale, copies, param_scale, 0, recompute)
+        return recompute, 0, memory, ""
+    peak, recompute, zero, memory = min(priced, key=lambda p: p[0])
+    return recompute, zero, memory, ""
 
 
 def plan_layout(graph: CostGraph | nx.DiGraph, cluster: Cluster, **options: object) -> Layout:
@@ -253,28 +338,42 @@ def _replica_counts(most: int) -> list[int]:
     return sorted(counts)
 
 
-def _cut_candidates(graph: CostGraph | nx.DiGraph, model: _Model, positions: list[int], stages: int,
-                    cluster: Cluster, limit: int) -> list[list[int]]:
+def _cut_candidates(model: _Model, positions: list[int], stages: int, top: int, cluster: Cluster,
+                    limit: int) -> list[list[int]]:
+    """Every split into `stages` when there are at most `limit`, else the "graph" partitioner's (top: the
+    most stages searched, for which enough cheap boundaries are kept)."""
     n = model.chain.n
     if math.comb(len(positions), stages - 1) <= limit:
         return [[0, *inner, n] for inner in itertools.combinations(positions, stages - 1)]
-    try:
-        plan = partition(graph, stages, method="graph", bandwidth=cluster.intra_bandwidth)
-    except PartitionError:
+    chain = model.cheap_chain(top - 1) if len(positions) > CHEAP_CUTS_ABOVE else model.chain
+    try:  # the "graph" partitioner's optimal cuts, without building stage modules
+        return [optimal_cuts(chain, stages, bandwidth=cluster.intra_bandwidth, replicas=[1] * stages)]
+    except PartitionError:  # fewer (cheap) boundaries than stages
         return []
-    return [list(plan.cuts)]
+
+
+def explain_choice(layouts: Sequence[Layout], cluster: Cluster) -> str:
+    """Why the first of ranked `layouts` beats the next: its step time against the next fitting one, or the
+    next's peak over the device memory; and what its cheaper options would have needed."""
+    best = layouts[0]
+    why = f"chosen {best.label()}"
+    if len(layouts) > 1:
+        nxt = layouts[1]
+        if not nxt.fits:
+            k = max(range(nxt.stages), key=nxt.result.memory.__getitem__)
+            why += (f": the only layout that fits; the next, {nxt.label()}, puts {format_bytes(nxt.result.memory[k])} "
+                    f"on stage {k} of {format_bytes(cluster.memory)}")
+        elif nxt.step_time > best.step_time:
+            why += f": {100 * (nxt.step_time / best.step_time - 1):.1f}% faster step than the next, {nxt.label()}"
+        else:
+            why += f": as fast as the next, {nxt.label()}, with less sharding, recomputation or fewer devices"
+    if best.needs:
+        why += f"; at this shape {best.needs} (over {format_bytes(cluster.memory)})"
+    return why
 
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('h') else 's'}"
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in decimal units with 4 significant digits ('26.95 GB', '13.47 kB'), as devices are sold."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{n:.4g} B"
 
 
 def format_stage_memory(layout: Layout, cluster: Cluster) -> str:
@@ -293,13 +392,15 @@ def format_stage_memory(layout: Layout, cluster: Cluster) -> str:
 
 def format_ranking(layouts: Sequence[Layout], top: int = 10) -> str:
     """Table of the best `top` layouts: shape, predicted step time, throughput, efficiency, memory."""
-    lines = [f"{'rank':>4} {'stages':>6} {'replicas':>8} {'devices':>7} {'micro':>5} {'schedule':>8} "
+    lines = [f"{'rank':>4} {'stages':>6} {'replicas':>8} {'devices':>7} {'micro':>5} {'schedule':>20} "
              f"{'step ms':>10} {'samples/s':>10} {'efficiency':>10} {'reduce ms':>9} {'mem GB':>7} fits"]
     for i, lay in enumerate(layouts[:top], 1):
         r = lay.result
-        schedule = lay.schedule + (f"/zero{lay.zero}" if lay.zero else "")  # one cell: the columns stay as they were
+        # one cell: the columns stay as they were
+        schedule = (lay.schedule + (f"/zero{lay.zero}" if lay.zero else "")
+                    + (f"/{lay.recompute}" if lay.recompute != "none" else ""))
         lines.append(f"{i:>4} {lay.stages:>6} {lay.replicas:>8} {r.devices:>7} {lay.micro_batches:>5} "
-                     f"{schedule:>8} {1e3 * lay.step_time:>10.3f} {lay.throughput:>10.1f} "
+                     f"{schedule:>20} {1e3 * lay.step_time:>10.3f} {lay.throughput:>10.1f} "
                      f"{100 * r.scaling_efficiency:>9.1f}% {1e3 * max(r.reduction_exposed):>9.3f} "
                      f"{max(r.memory) / 1e9:>7.2f} {'yes' if lay.fits else 'NO'}")
     return "\n".join(lines)

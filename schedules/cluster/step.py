@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 from schedules.actions import ActionKind
@@ -46,6 +47,7 @@ from schedules.cluster.reductions import (Group, Reduction, allreduce_time, buck
 from schedules.costs import Costs
 from schedules.cluster.overheads import contention
 from schedules.cluster.shared_cores import simulate_shared
+from schedules.schedule import Schedule
 from schedules.simulate import SimResult, simulate
 
 CLUSTER_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -136,6 +138,13 @@ def _check(stages: int, replicas: int, micro_batches: int, kind: str, cluster: C
                          f"cluster {cluster.name!r} has {cluster.devices}; fix: fewer stages or replicas")
 
 
+@lru_cache(maxsize=1024)
+def built_schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
+    """build()'s action lists, built once: a planner simulates thousands of layouts on a few hundred
+    schedules. Shared between callers: do not modify it."""
+    return build(kind, stages, micro_batches)
+
+
 def action_costs(work: Sequence[StageWork], cluster: Cluster, split: bool = False) -> Costs:
     """Seconds of each stage's F, B (and, split, W) on the cluster's devices, runtime overhead included,
     and of each message between neighbouring stages over the link it crosses (stage k is rank k)."""
@@ -165,11 +174,11 @@ def simulate_cluster_step(work: Sequence[StageWork], cluster: Cluster, *, replic
     costs = action_costs(work, cluster, split)
     # with shared cores the reduction's CPU is simulated as a REDUCE action of each stage
     reduce_on_cores = cluster.cores is not None and replicas > 1
-    plan = build(schedule, p, micro_batches)
+    plan = built_schedule(schedule, p, micro_batches)
     if reduce_on_cores:
         plan = with_reductions(plan)
     if cluster.cores is None:
-        sims = [simulate(plan, costs)]  # replicas are identical: one pipeline stands for all
+        sims = [simulate(plan, costs, validate=False)]  # replicas are identical: one pipeline stands for all
         tail = 1.0
     else:
         placement = [[cluster.node_of(r * p + k) for k in range(p)] for r in range(replicas)]
