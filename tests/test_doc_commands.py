@@ -70,7 +70,9 @@ COMMANDS: dict[str, Run | Covered | Within] = {
     "pipetrain simulate --schedule zb-h1 --stages 4 --micro-batches 8 --png out.png": Run("bubble"),
     # api.md, hybrid-and-zero.md, options.md: a command named with a flag; its --help lists the flag
     "pipetrain export --hf": Run("--hf", append="--help"),
-    "pipetrain plan --zero auto": Run("--zero {0,1,auto}", append="--help"),
+    "pipetrain plan --zero auto": Run("--zero {0,1,2,auto}", append="--help"),
+    "pipetrain plan --optimizer adamw": Run("--optimizer {sgd,sgd-momentum,adam,adamw,lars}", append="--help"),
+    "pipetrain plan --recompute auto": Run("--recompute {none,except-last,always,auto}", append="--help"),
     "pipetrain plan --cluster": Run("--cluster CLUSTER", substitute=(("--cluster", "--cluster {cluster}"),),
                                     append="--help"),
     # checkpoints.md (its commands change with the preemption rework; it carries no markers of its own)
@@ -131,6 +133,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
                            append=TINY_TRAINING + " --seeds 1 --lr-grid 0.05 --logdir {tmp}/runs", slow=True)
        for model, epochs, grid in (("vgg", 3, "0.01,0.02,0.05,0.1"), ("resnet", 4, "0.01,0.02,0.05"),
                                    ("transformer", 4, "0.01,0.03,0.1"), ("lstm", 5, "0.03,0.1,0.3"))},
+    "python examples/benchmarks/bench_plan_memory.py": Covered(
+        "tests/test_plan_memory.py::test_predicted_peak_is_within_ten_percent_of_the_measured_one_per_rank"),
     "python examples/benchmarks/bench_memory.py": Covered(
         "tests/test_benchmarks.py::test_memory_benchmark_predicts_every_stage_within_ten_percent"),
     "python examples/benchmarks/bench_delay.py": Run(

@@ -12,6 +12,7 @@ import pytest
 from partitioners.planners.stage_state import OPTIMIZER_STATE, schedule_moments, stage_peak
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "examples" / "benchmarks" / "bench_plan_memory.py"
 P, A, B = 1000.0, 300.0, 10.0  # fp32 parameter bytes, one micro-batch's activations, its boundary inputs
 
 
@@ -44,7 +45,7 @@ def test_recomputation_keeps_boundaries_from_the_action_lists():
 
 @pytest.mark.slow
 def test_predicted_peak_is_within_ten_percent_of_the_measured_one_per_rank():
-    done = subprocess.run([sys.executable, str(ROOT / "examples/benchmarks/bench_plan_memory.py"), "--width", "128",
+    done = subprocess.run([sys.executable, str(BENCH), "--width", "128",
                            "--depth", "4", "--batch", "1024"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = re.findall(r"^\s*(\d)\s+(none|always)\s+(\d)\s+(\d)\s+(\d+)\s+(\d+)\s+[\d.]+$", done.stdout, re.M)
