@@ -8,7 +8,8 @@ import networkx as nx
 import pytest
 
 from partitioners.errors import PartitionError
-from partitioners.planners.layout import MICRO_BATCHES, evaluate_layout, format_ranking, plan_layout, search_layouts
+from partitioners.planners.layout import (MICRO_BATCHES, evaluate_layout, explain_choice, format_bytes,
+                                          format_ranking, plan_layout, search_layouts)
 from schedules.cluster import Cluster
 from schedules.cluster.reductions import Reduction
 from schedules.cluster.step import CLUSTER_SCHEDULES
@@ -95,3 +96,24 @@ def test_ranking_and_bad_input():
         search_layouts(g, CLUSTER, batch_size=0, profiled_batch=4)
     with pytest.raises(ValueError, match="cannot be planned"):
         search_layouts(g, CLUSTER, batch_size=16, profiled_batch=4, schedules=["async-1f1b"])
+
+
+def test_the_choice_is_explained_against_the_next_layout():
+    g = chain_graph(5, 7)
+    layouts = search_layouts(g, CLUSTER, batch_size=32, profiled_batch=4, schedules=["1f1b"])  # gpipe would tie
+    best, nxt = layouts[:2]
+    assert nxt.step_time > best.step_time
+    pct = 100 * (nxt.step_time / best.step_time - 1)
+    assert explain_choice(layouts, CLUSTER) == f"chosen {best.label()}: {pct:.1f}% faster step than the next, {nxt.label()}"
+    # GPipe with 4 micro-batches on one device holds all four; recomputed, their inputs and one whole.
+    shape = dict(replicas=1, micro_batches=4, schedule="gpipe", batch_size=32, profiled_batch=4)
+    plain = evaluate_layout(g, CLUSTER, [0, 5], **shape)
+    again = evaluate_layout(g, CLUSTER, [0, 5], recompute="always", **shape)
+    assert max(again.result.memory) < max(plain.result.memory) and again.step_time > plain.step_time
+    # Memory between the two: that shape fits only recomputing, and says what the cheaper option needs.
+    tight = Cluster(**{**CLUSTER.__dict__, "memory": (max(again.result.memory) + max(plain.result.memory)) / 2})
+    found = search_layouts(g, tight, batch_size=32, profiled_batch=4, recomputes=("none", "always"), max_stages=1,
+                           micro_batches=[4], schedules=["gpipe"])
+    same = [lay for lay in found if lay.replicas == 1]
+    assert same[0].fits and same[0].recompute == "always" and same[0].step_time == again.step_time
+    assert same[0].needs == f"zero=0 recompute=none needs {format_bytes(max(plain.result.memory))}"

@@ -32,7 +32,7 @@ from ..chain import Chain
 from ..errors import PartitionError
 from ..graph import CostGraph
 from ..algorithms import optimal_cuts
-from .stage_state import (FP32, OPTIMIZER_STATE, RECOMPUTE, StageMemory, format_bytes, recomputed_share,
+from .stage_state import (OPTIMIZER_STATE, RECOMPUTE, StageMemory, format_bytes, recomputed_share,
                           schedule_moments, stage_peak)
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
