@@ -1,7 +1,8 @@
 """ZeRO in hybrid mode on this machine: a small Transformer with Adam, 2 stages x D replicas (D = 1, 2, 4) on
-gloo ranks, zero = 0, 1, 2 side by side in one run.
+gloo ranks, zero = 0, 1, 2, 3 side by side in one run.
 
-Per rank it measures the peak resident memory (``ru_maxrss``), the optimizer-state bytes (Adam's even slices
+Per rank it measures the peak resident memory (``ru_maxrss``), the parameter bytes held between steps (1/D
+under zero=3), the optimizer-state bytes (Adam's even slices
 under zero: the largest share is printed against 1/D), the gradient bytes held when the optimizer steps, the time per step and the bytes the process writes to its sockets per step
 (``wchar`` of /proc/self/io: gloo sends with write/writev, so this is what goes on the wire, pipeline
 activations included, which are the same at every zero level). Each figure is printed per rank and as the
@@ -22,6 +23,8 @@ import time
 
 import torch
 
+from pipetrain.runtime.local_shards import local_bytes
+
 MIB = 2 ** 20
 
 
@@ -32,9 +35,25 @@ def written_bytes() -> int:
 
 
 def optimizer_bytes(pipe) -> int:
-    return sum(t.numel() * t.element_size() for rt in pipe.held_stages.values() if rt.optimizer is not None
+    """Bytes of this rank's optimizer state (its local shards under zero=3)."""
+    return sum(local_bytes(t) for rt in pipe.held_stages.values() if rt.optimizer is not None
                for state in rt.optimizer.state.values() for t in state.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def gradients_at_step(pipe) -> dict:
+    """zero=3: records the bytes of the gradient shards this rank's optimizers step on (FSDP2 has no reducer of
+    pipetrain's to ask)."""
+    seen = {"bytes": 0}
+
+    def record(optimizer, args, kwargs) -> None:
+        seen["bytes"] = sum(local_bytes(p.grad) for g in optimizer.param_groups for p in g["params"]
+                            if p.grad is not None)
+
+    for rt in pipe.held_stages.values():
+        if rt.optimizer is not None:
+            rt.optimizer.register_step_pre_hook(record)
+    return seen
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -60,6 +79,7 @@ def worker(args: argparse.Namespace) -> None:
     pipe = pipetrain.wrap(model, x[:2], stages=2, micro_batches=args.micro_batches, data_parallel=replicas,
                           optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), partitioner="params", profile=False,
                           engine="distributed", zero=args.zero, allreduce="flat", timeout=300)
+    at_step = gradients_at_step(pipe)
     pipe.step(x, y)  # warm-up: Adam's state is made at the first step
     dist.barrier()
     written, start = written_bytes(), time.perf_counter()
@@ -68,10 +88,10 @@ def worker(args: argparse.Namespace) -> None:
     seconds = (time.perf_counter() - start) / args.steps
     wire = (written_bytes() - written) / args.steps
     reducer = pipe.gradient_reducer
-    params = sum(p.numel() * p.element_size() for rt in pipe.held_stages.values() for p in rt.module.parameters())
+    params = sum(local_bytes(p) for rt in pipe.held_stages.values() for p in rt.params)  # held between steps
     mine = {"rank": dist.get_rank(), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "param_bytes": params, "optimizer_bytes": optimizer_bytes(pipe),
-            "grad_bytes": reducer.gradient_bytes if reducer is not None else params,
+            "grad_bytes": reducer.gradient_bytes if reducer is not None else at_step["bytes"],
             "step_s": seconds, "wire_bytes": wire}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -95,13 +115,15 @@ def run(args: argparse.Namespace, replicas: int, zero: int) -> list[dict]:
 def report(replicas: int, results: dict[int, list[dict]]) -> None:
     base = results[0]
     print(f"\nD = {replicas} replicas per stage ({2 * replicas} ranks); per rank, zero=k / zero=0")
-    print(f"{'zero':>4} {'rank':>4} {'peak RSS MiB':>12} {'optimizer':>10} {'gradients':>10} {'step s':>8} "
-          f"{'wire B/step':>11} | {'RSS':>5} {'optim':>5} {'grads':>5} {'time':>5} {'wire':>5}")
+    print(f"{'zero':>4} {'rank':>4} {'peak RSS MiB':>12} {'params':>10} {'optimizer':>10} {'gradients':>10} "
+          f"{'step s':>8} {'wire B/step':>11} | {'RSS':>5} {'param':>5} {'optim':>5} {'grads':>5} {'time':>5} {'wire':>5}")
     for zero, ranks in sorted(results.items()):
         for r, b in zip(ranks, base):
-            print(f"{zero:>4} {r['rank']:>4} {r['peak_rss_mib']:>12.0f} {r['optimizer_bytes'] / MIB:>9.2f}M "
+            print(f"{zero:>4} {r['rank']:>4} {r['peak_rss_mib']:>12.0f} {r['param_bytes'] / MIB:>9.2f}M "
+                  f"{r['optimizer_bytes'] / MIB:>9.2f}M "
                   f"{r['grad_bytes'] / MIB:>9.2f}M {r['step_s']:>8.3f} {r['wire_bytes']:>11.0f} | "
-                  f"{r['peak_rss_mib'] / b['peak_rss_mib']:>5.2f} {r['optimizer_bytes'] / b['optimizer_bytes']:>5.2f} "
+                  f"{r['peak_rss_mib'] / b['peak_rss_mib']:>5.2f} {r['param_bytes'] / b['param_bytes']:>5.2f} "
+                  f"{r['optimizer_bytes'] / b['optimizer_bytes']:>5.2f} "
                   f"{r['grad_bytes'] / b['grad_bytes']:>5.2f} {r['step_s'] / b['step_s']:>5.2f} "
                   f"{r['wire_bytes'] / b['wire_bytes']:>5.3f}")
         total = sum(r["wire_bytes"] for r in ranks) / sum(b["wire_bytes"] for b in base)
@@ -109,6 +131,11 @@ def report(replicas: int, results: dict[int, list[dict]]) -> None:
         if zero:
             share = max(r["optimizer_bytes"] / b["optimizer_bytes"] for r, b in zip(ranks, base))
             print(f"{'':>4} largest optimizer-state share of a rank: {share:.4f} of its stage's (1/D = {1 / replicas:.4f})")
+        if zero == 3:
+            held = max((r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"])
+                       / (b["param_bytes"] + b["grad_bytes"] + b["optimizer_bytes"]) for r, b in zip(ranks, base))
+            print(f"{'':>4} largest parameters + gradients + optimizer share of a rank: {held:.4f} (1/D = "
+                  f"{1 / replicas:.4f})")
 
 
 def main() -> None:
@@ -127,7 +154,7 @@ def main() -> None:
         worker(args)
         return
     for replicas in args.replicas:
-        levels = (0,) if replicas == 1 else (0, 1, 2)  # zero needs replicas to shard over
+        levels = (0,) if replicas == 1 else (0, 1, 2, 3)  # zero needs replicas to shard over
         report(replicas, {zero: run(args, replicas, zero) for zero in levels})
 
 
