@@ -121,6 +121,19 @@ def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dic
         for zero in (0, 3):
             pipe = wrap("mlp", precision=precision, zero=zero)
             out[(precision, zero)] = [r.loss for r in pipe.train(steps)], pipe.state_dict()
+    # A NaN in one sample of replica 1's half of mini-batch 1: every rank raises (or skips) that step, then trains on.
+    bad = steps[1][0].clone(), steps[1][1]
+    bad[0][SIZE - 2] = float("nan")
+    for mode in ("raise", "skip"):
+        pipe = wrap("mlp", nonfinite=mode)
+        pipe.step(*steps[0])
+        try:
+            pipe.step(*bad)
+            outcome = "skipped" if pipe.last_result.skipped else "stepped"
+        except pipetrain.NonFiniteError:
+            outcome = "raised"
+        pipe.step(*steps[2])
+        out["nonfinite", mode] = outcome, pipe.state_dict()
     # Memory: 2 stages x 2 replicas, and 1 stage x 4 replicas.
     out["bytes", 2] = held_bytes(wrap("mlp", optimizer=adam), steps)
     out["bytes", 4] = held_bytes(wrap("mlp", world_replicas=4, stages=1, optimizer=adam), steps)
@@ -202,6 +215,18 @@ def test_zero3_in_low_precision_trains_like_zero0(ranks: list[dict], precision: 
         # The same autocast computation on the same weights; only the reduction's summation order differs.
         torch.testing.assert_close(state[name], value, atol=1e-6, rtol=0, msg=name)
     assert ranks[0][(precision, 3)][0] == pytest.approx(ranks[0][(precision, 0)][0], rel=1e-6)
+
+
+@pytest.mark.parametrize("mode, outcome", [("raise", "raised"), ("skip", "skipped")])
+def test_a_nan_on_one_replica_stops_the_step_everywhere_and_training_goes_on(ranks: list[dict], mode: str,
+                                                                             outcome: str) -> None:
+    steps = batches("mlp", size=SIZE)
+    ref = reference_training("mlp", [steps[0], steps[2]], 4, sgd).state_dict()  # the bad step never happened
+    for rank in (0, 1):
+        assert ranks[rank]["nonfinite", mode][0] == ranks[rank + 2]["nonfinite", mode][0] == outcome, rank
+    state = {**ranks[0]["nonfinite", mode][1], **ranks[1]["nonfinite", mode][1]}
+    for name, value in ref.items():
+        torch.testing.assert_close(state[name], value, atol=TOL, rtol=0, msg=f"{mode} {name}")
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
