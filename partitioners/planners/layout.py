@@ -42,6 +42,7 @@ MICRO_BATCHES_PER_STAGE = 4
 # CROSSING_SLACK times the bytes of the cheapest cuts enough for them cross (between a transformer's blocks)
 CROSSING_SLACK = 2.0
 CHEAP_CUTS_ABOVE = 1024
+CHEAP_CUTS_AT_LEAST = 32  # the threshold's rank even for shallow searches: past the few cuts before the first layer
 # ZeRO levels the search may choose: those wrap() runs. stage_state.stage_peak prices zero=3 already; it joins
 # here when the runtime has it.
 SEARCHED_ZERO = (0, 1, 2)
@@ -119,7 +120,7 @@ class _Model:
             inner = c.cuttable.copy()
             inner[0] = inner[c.n] = False
             ranked = np.sort(crossing[inner])
-            enough = ranked[min(cuts, len(ranked)) - 1] if len(ranked) else 0.0
+            enough = ranked[min(max(cuts, CHEAP_CUTS_AT_LEAST), len(ranked)) - 1] if len(ranked) else 0.0
             keep = c.cuttable & (crossing <= CROSSING_SLACK * enough)
             keep[0] = keep[c.n] = True
             self._cheap = (cuts, dataclasses.replace(c, cuttable=keep))
