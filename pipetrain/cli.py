@@ -71,10 +71,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "and a hierarchical all-reduce")
     p.add_argument("--no-overlap", action="store_true", help="reduce only after the backward")
     p.add_argument("--max-stages", type=int, help="largest pipeline depth to consider")
-    p.add_argument("--zero", choices=("0", "1", "2", "auto"), default="0",
+    p.add_argument("--zero", choices=("0", "1", "2", "3", "auto"), default="0",
                    help="ZeRO: 1 shards the optimizer state over each stage's replicas, 2 the gradients too (after "
-                        "the last backward: no lower peak); auto tries 0, 1, 2 per layout and takes the least "
-                        "sharding that fits")
+                        "the last backward: no lower peak), 3 the parameters too (FSDP2: gathered whole during the "
+                        "step); auto tries 0-3 per layout and takes the least sharding that fits")
     p.add_argument("--recompute", choices=(*RECOMPUTE, "auto"), default="auto",
                    help="activation recomputation of every stage, as wrap(recompute=...); auto (default) tries none, "
                         "except-last, always per layout and takes the fastest that fits")
@@ -139,7 +139,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     import partitioners
     from partitioners.errors import TraceError
     from partitioners.meta import holds_meta_tensors
-    from partitioners.planners.layout import (describe_no_fit, explain_choice, format_bytes, format_ranking,
+    from partitioners.planners.layout import (SEARCHED_ZERO, describe_no_fit, explain_choice, format_bytes, format_ranking,
                                               format_stage_memory, search_layouts)
     from partitioners.planners.stage_state import FP32, RECOMPUTE
     from schedules.cluster import load_cluster
@@ -166,7 +166,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     layouts = search_layouts(graph, cluster, batch_size=args.batch_size, profiled_batch=x.shape[0],
                              reduction=reduction, max_stages=args.max_stages, optimizer=args.optimizer,
                              param_scale=FP32 / params[0].element_size(),  # fp32 under every precision
-                             zeros=(0, 1, 2) if args.zero == "auto" else (int(args.zero),),
+                             zeros=SEARCHED_ZERO if args.zero == "auto" else (int(args.zero),),
                              recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,))
     how = "measured here" if args.profile else "estimated (profile=False)"
     print(f"global batch {args.batch_size}, costs {how}; cluster {cluster.name}: "

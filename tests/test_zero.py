@@ -463,7 +463,7 @@ def test_layout_planner_takes_zero_where_it_makes_a_layout_fit():
     assert unsharded and not unsharded[0].fits
     assert [lay.zero for lay in both] == [1]
     with pytest.raises(ValueError, match="ZeRO levels"):
-        search_layouts(g, CLUSTER, batch_size=32, profiled_batch=4, zeros=(3,))
+        search_layouts(g, CLUSTER, batch_size=32, profiled_batch=4, zeros=(4,))
 
 
 def test_owners_are_balanced_whole_tensors_around_fixed_ones():

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-LEVELS: dict[int, dict] = {0: {}, 1: {"zero": 1}, 2: {"zero": 2}}  # zero level -> wrap options
+LEVELS: dict[int, dict] = {0: {}, 1: {"zero": 1}, 2: {"zero": 2}, 3: {"zero": 3}}  # zero level -> wrap options
 RECOMPUTE = ("none", "always")
 STAGES, REPLICAS = 2, 2
 

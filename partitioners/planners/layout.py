@@ -45,7 +45,7 @@ CHEAP_CUTS_ABOVE = 1024
 CHEAP_CUTS_AT_LEAST = 32  # the threshold's rank even for shallow searches: past the few cuts before the first layer
 # ZeRO levels the search may choose: those wrap() runs. stage_state.stage_peak prices zero=3 already; it joins
 # here when the runtime has it.
-SEARCHED_ZERO = (0, 1, 2)
+SEARCHED_ZERO = (0, 1, 2, 3)
 DEFAULT_REDUCTION = Reduction(bucket_bytes=25e6, hierarchical=True, overlap=True)
 
 
