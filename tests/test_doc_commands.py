@@ -70,7 +70,7 @@ COMMANDS: dict[str, Run | Covered | Within] = {
     "pipetrain simulate --schedule zb-h1 --stages 4 --micro-batches 8 --png out.png": Run("bubble"),
     # api.md, hybrid-and-zero.md, options.md: a command named with a flag; its --help lists the flag
     "pipetrain export --hf": Run("--hf", append="--help"),
-    "pipetrain plan --zero auto": Run("--zero {0,1,2,auto}", append="--help"),
+    "pipetrain plan --zero auto": Run("--zero {0,1,2,3,auto}", append="--help"),
     "pipetrain plan --optimizer adamw": Run("--optimizer {sgd,sgd-momentum,adam,adamw,lars}", append="--help"),
     "pipetrain plan --recompute auto": Run("--recompute {none,except-last,always,auto}", append="--help"),
     "pipetrain plan --cluster": Run("--cluster CLUSTER", substitute=(("--cluster", "--cluster {cluster}"),),
