@@ -68,17 +68,19 @@ class SimResult:
 
 
 @gc_paused()
-def simulate(schedule: Schedule, costs: Costs, *, validate: bool = True) -> SimResult:
+def simulate(schedule: Schedule, costs: Costs, *, validate: bool = True,
+             held: tuple[list[int], list[list[tuple[int, int]]]] | None = None) -> SimResult:
     """Validate `schedule` (raises ScheduleError), then simulate it under `costs`. validate=False: the
     schedule is build()'s own, whose every kind tests/test_schedules_builders.py validates (a planner
-    simulates thousands of them); a deadlock is still raised."""
+    simulates thousands of them); a deadlock is still raised. held: memory_and_lags(schedule), which a
+    caller simulating one unchanging schedule under many costs may compute once."""
     if validate:
         check_structure(schedule)
     p = schedule.stages
     split = is_split(schedule)
     per_device = compute_per_device(schedule, costs, split)
     timeline = execute(schedule, per_device, costs.latency(p, wraps=schedule.chunks > 1 and schedule.placement == "loop"))
-    return result_of_timeline(schedule, costs, timeline, split)
+    return result_of_timeline(schedule, costs, timeline, split, held)
 
 
 def is_split(schedule: Schedule) -> bool:
@@ -95,17 +97,30 @@ def compute_per_device(schedule: Schedule, costs: Costs, split: bool) -> list[di
             for d in range(schedule.stages)]
 
 
-def result_of_timeline(schedule: Schedule, costs: Costs, timeline: Timeline, split: bool) -> SimResult:
-    """The SimResult of an executed timeline (raises ScheduleError if it deadlocked)."""
+def result_of_timeline(schedule: Schedule, costs: Costs, timeline: Timeline, split: bool,
+                       held: tuple[list[int], list[list[tuple[int, int]]]] | None = None) -> SimResult:
+    """The SimResult of an executed timeline (raises ScheduleError if it deadlocked); held: memory_and_lags
+    of the schedule when the caller has it."""
     p = schedule.stages
     raise_if_deadlocked(schedule, timeline)
     makespan = max((ends[-1] for ends in timeline.end if ends), default=0.0)
     busy = timeline.busy
     utilisation = [b / makespan if makespan else 0.0 for b in busy]
     bubble = 1.0 - sum(busy) / (p * makespan) if makespan else 0.0
-    peaks, lags = zip(*(_memory_and_lag(actions, split) for actions in schedule.actions))
+    if held is None:
+        peaks, lags = zip(*(_memory_and_lag(actions, split) for actions in schedule.actions))
+    else:  # copied: a result's lists are its own, whoever shares `held`
+        peaks, lags = held[0], [list(lag) for lag in held[1]]
     return SimResult(schedule, costs, makespan, bubble, utilisation, list(peaks), list(lags),
                      timeline.start, timeline.end)
+
+
+def memory_and_lags(schedule: Schedule) -> tuple[list[int], list[list[tuple[int, int]]]]:
+    """Per stage, what a SimResult reports that depends on the action lists alone: peak_in_flight and
+    version_lag."""
+    split = is_split(schedule)
+    peaks, lags = zip(*(_memory_and_lag(actions, split) for actions in schedule.actions))
+    return list(peaks), list(lags)
 
 
 def _memory_and_lag(actions, split: bool) -> tuple[int, list[tuple[int, int]]]:

@@ -27,6 +27,7 @@ import numpy as np
 from schedules.cluster import Cluster
 from schedules.cluster.reductions import Reduction
 from schedules.cluster.step import CLUSTER_SCHEDULES, ClusterStepResult, StageWork, simulate_cluster_step
+from schedules.gc_pause import gc_paused
 
 from ..chain import Chain
 from ..errors import PartitionError
@@ -100,6 +101,7 @@ class _Model:
         self.bwd = [float(a.get("bwd_time", 0.0)) for a in nodes]
         self.tensors = _grad_tensors(graph, self.chain.names, nodes)
         self._segments: dict[tuple[int, int], dict[str, float]] = {}
+        self._works: dict[tuple[int, int], tuple] = {}
         self._cheap: tuple[int, Chain] | None = None
 
     def params(self, i: int, j: int) -> float:
@@ -135,21 +137,28 @@ class _Model:
     def work(self, i: int, j: int, scale: float, recomputed: float = 0.0) -> StageWork:
         """StageWork of positions [i, j) for micro-batches `scale` x the profiled size; `recomputed`: the share
         of micro-batches whose forward runs again before their backward."""
-        seg = self.segment(i, j)
-        grads, ready = [], []
-        total_bwd = sum(self.bwd[i:j])
-        done = 0.0
-        for v in range(j - 1, i - 1, -1):  # the backward visits the stage back to front
-            done += self.bwd[v]
-            for size in self.tensors[v]:
-                grads.append(size)
-                ready.append(done / total_bwd if total_bwd > 0 else 1.0)
-        forward = sum(self.fwd[i:j])
+        forward, backward, grads, ready, sent = self._work(i, j)
         # memory is priced by stage_state.py (evaluate_layout), not by the simulator
-        return StageWork(forward=forward * scale, backward=(total_bwd + recomputed * forward) * scale,
-                         grad_bytes=tuple(grads), ready_fraction=tuple(ready), send_bytes=seg["sent"] * scale,
+        return StageWork(forward=forward * scale, backward=(backward + recomputed * forward) * scale,
+                         grad_bytes=grads, ready_fraction=ready, send_bytes=sent * scale,
                          # the runtime's first stage has no input gradient to split off (zb-h1)
                          weight_fraction=0.0 if i == 0 else 0.5)
+
+    def _work(self, i: int, j: int) -> tuple[float, float, tuple[float, ...], tuple[float, ...], float]:
+        """What work() reads of positions [i, j), computed once per segment (thousands of layouts share a
+        few hundred): forward and backward seconds, gradient tensor sizes, when each is final, bytes sent."""
+        if (i, j) not in self._works:
+            grads, ready = [], []
+            total_bwd = sum(self.bwd[i:j])
+            done = 0.0
+            for v in range(j - 1, i - 1, -1):  # the backward visits the stage back to front
+                done += self.bwd[v]
+                for size in self.tensors[v]:
+                    grads.append(size)
+                    ready.append(done / total_bwd if total_bwd > 0 else 1.0)
+            self._works[i, j] = (sum(self.fwd[i:j]), total_bwd, tuple(grads), tuple(ready),
+                                 self.segment(i, j)["sent"])
+        return self._works[i, j]
 
 
 def _grad_tensors(graph: CostGraph | nx.DiGraph, names: list[str], nodes: list[dict]) -> list[list[float]]:
@@ -259,24 +268,27 @@ def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_siz
     positions = [c for c in range(1, model.chain.n) if model.chain.cuttable[c]]
     top = min(cluster.devices, len(positions) + 1, max_stages or cluster.devices)
     best: dict[tuple, Layout] = {}  # per shape (stages, replicas, micro-batches, schedule)
-    for stages in range(1, top + 1):
-        for cuts in _cut_candidates(model, positions, stages, top, cluster, exhaustive_limit):
-            for replicas in _replica_counts(cluster.devices // stages):
-                if batch_size % replicas:
-                    continue
-                for m in micro_batches:
-                    if (batch_size // replicas) % m or m > max(32, MICRO_BATCHES_PER_STAGE * stages):
+    # the search keeps thousands of schedules' actions alive and makes no reference cycles: the collector would
+    # walk them again after every schedule built and simulated (gc_paused there re-enables it)
+    with gc_paused():
+        for stages in range(1, top + 1):
+            for cuts in _cut_candidates(model, positions, stages, top, cluster, exhaustive_limit):
+                for replicas in _replica_counts(cluster.devices // stages):
+                    if batch_size % replicas:
                         continue
-                    scale = _micro_scale(batch_size, replicas, m, profiled_batch)
-                    for kind in schedules:  # every schedule even with one stage: they differ in memory
-                        recompute, zero, memory, needs = _cheapest_option(
-                            model, cuts, replicas, m, kind, scale, copies, param_scale, options, cluster.memory)
-                        lay = _simulate(model, cluster, cuts, replicas, m, kind, batch_size, scale, reduction,
-                                        memory, zero, recompute)
-                        lay.needs = needs
-                        shape = (stages, replicas, m, kind)
-                        if shape not in best or lay.key() < best[shape].key():
-                            best[shape] = lay
+                    for m in micro_batches:
+                        if (batch_size // replicas) % m or m > max(32, MICRO_BATCHES_PER_STAGE * stages):
+                            continue
+                        scale = _micro_scale(batch_size, replicas, m, profiled_batch)
+                        for kind in schedules:  # every schedule even with one stage: they differ in memory
+                            recompute, zero, memory, needs = _cheapest_option(
+                                model, cuts, replicas, m, kind, scale, copies, param_scale, options, cluster.memory)
+                            lay = _simulate(model, cluster, cuts, replicas, m, kind, batch_size, scale, reduction,
+                                            memory, zero, recompute)
+                            lay.needs = needs
+                            shape = (stages, replicas, m, kind)
+                            if shape not in best or lay.key() < best[shape].key():
+                                best[shape] = lay
     if not best:
         raise ValueError(f"no layout splits batch_size={batch_size} over the allowed replicas and "
                          f"micro-batches {list(micro_batches)}; fix: use a batch size with small factors")

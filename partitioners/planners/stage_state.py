@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 
-from schedules.actions import ActionKind
+from schedules.actions import Action, ActionKind
 from schedules.cluster.step import built_schedule
 from schedules.held_activations import RECOMPUTE, held_activations, recomputed
 
@@ -73,21 +74,54 @@ def schedule_moments(kind: str, stages: int, micro_batches: int, recompute: str)
     its W actions do nothing and its B frees the micro-batch, as the runtime runs it."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute setting {recompute!r}; choose one of {', '.join(RECOMPUTE)}")
-    out = []
-    for k, actions in enumerate(built_schedule(kind, stages, micro_batches).actions):
-        drop = {ActionKind.WEIGHT} if k == 0 else set()  # and the messages: they hold nothing
-        out.append(_held(tuple(a for a in actions if a.kind in _COMPUTE and a.kind not in drop), recompute))
-    return tuple(out)
+    return tuple(_held(compute, recompute) for compute in _stage_compute(kind, stages, micro_batches))
 
 
 _COMPUTE = {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP}
+# what held_activations and recomputed read of an action; its position (the stage) is left out
+_READ = attrgetter("kind._value_", "micro_batch", "chunk")
+
+
+class _Compute:
+    """One stage's compute actions, equal to another stage's when they read the same apart from the stage:
+    1F1B's stage k of S stages runs what stage 0 of S - k stages does, so the search prices each distinct
+    list once. Hashed once, on creation (a list is looked up once per recomputation setting)."""
+
+    __slots__ = ("actions", "_key", "_hash")
+
+    def __init__(self, actions: tuple[Action, ...]):
+        self.actions = actions
+        self._key = tuple(map(_READ, actions))
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Compute) and self._hash == other._hash and self._key == other._key
+
+
+@lru_cache(maxsize=4096)
+def _stage_compute(kind: str, stages: int, micro_batches: int) -> tuple[_Compute, ...]:
+    """Per stage, its compute actions (stage 0 without its W: see schedule_moments), each list that equals
+    one seen before replaced by that one (_distinct), so that the lists kept in memory are few."""
+    out = []
+    for k, actions in enumerate(built_schedule(kind, stages, micro_batches).actions):
+        drop = {ActionKind.WEIGHT} if k == 0 else set()  # and the messages: they hold nothing
+        out.append(_distinct(_Compute(tuple(a for a in actions if a.kind in _COMPUTE and a.kind not in drop))))
+    return tuple(out)
 
 
 @lru_cache(maxsize=65536)
-def _held(actions: tuple, recompute: str) -> tuple[Moment, ...]:
-    """held_activations of one stage's compute actions, once per distinct list (1F1B's stage k of S stages
-    runs what stage 0 of S - k stages does)."""
-    return _frontier(held_activations(list(actions), recompute).get(0, set()))
+def _distinct(compute: _Compute) -> _Compute:
+    """The first _Compute equal to `compute` (the cache returns it)."""
+    return compute
+
+
+@lru_cache(maxsize=65536)
+def _held(compute: _Compute, recompute: str) -> tuple[Moment, ...]:
+    """held_activations of one stage's compute actions, once per distinct list."""
+    return _frontier(held_activations(list(compute.actions), recompute).get(0, set()))
 
 
 def _frontier(moments: set[Moment]) -> tuple[Moment, ...]:
@@ -107,14 +141,14 @@ def _frontier(moments: set[Moment]) -> tuple[Moment, ...]:
 @lru_cache(maxsize=4096)
 def recomputed_share(kind: str, stages: int, micro_batches: int, recompute: str) -> tuple[float, ...]:
     """Per stage, the share of its micro-batches whose forward runs again before their backward."""
-    plan = built_schedule(kind, stages, micro_batches)
-    return tuple(_recomputed(tuple(a for a in actions if a.kind in _COMPUTE), recompute) / micro_batches
-                 for actions in plan.actions)
+    # recomputed() reads only F and B: stage 0's list without W gives the same
+    return tuple(_recomputed(compute, recompute) / micro_batches
+                 for compute in _stage_compute(kind, stages, micro_batches))
 
 
 @lru_cache(maxsize=65536)
-def _recomputed(actions: tuple, recompute: str) -> int:
-    return len(recomputed(actions, recompute))
+def _recomputed(compute: _Compute, recompute: str) -> int:
+    return len(recomputed(compute.actions, recompute))
 
 
 def stage_peak(moments: tuple[Moment, ...], params: float, activations: float, boundary: float, *,

@@ -48,7 +48,7 @@ from schedules.costs import Costs
 from schedules.cluster.overheads import contention
 from schedules.cluster.shared_cores import simulate_shared
 from schedules.schedule import Schedule
-from schedules.simulate import SimResult, simulate
+from schedules.simulate import SimResult, memory_and_lags, simulate
 
 CLUSTER_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 GRADIENT_KINDS = (ActionKind.BACKWARD, ActionKind.WEIGHT)
@@ -145,6 +145,20 @@ def built_schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
     return build(kind, stages, micro_batches)
 
 
+@lru_cache(maxsize=1024)
+def _step_plan(kind: str, stages: int, micro_batches: int,
+               reduce_on_cores: bool) -> tuple[Schedule, tuple[int, ...], tuple[list[int], list[list]]]:
+    """The schedule a step simulates (built_schedule, with REDUCE actions where the reduction's CPU is
+    simulated), the index of each stage's last backward and its memory_and_lags: a planner simulates each
+    a few times, under other costs. Shared between callers: do not modify them."""
+    plan = built_schedule(kind, stages, micro_batches)
+    if reduce_on_cores:
+        plan = with_reductions(plan)
+    # gradients are final during the last backward (after the last W with zb-h1)
+    last = tuple(max(i for i, a in enumerate(actions) if a.kind in GRADIENT_KINDS) for actions in plan.actions)
+    return plan, last, memory_and_lags(plan)
+
+
 def action_costs(work: Sequence[StageWork], cluster: Cluster, split: bool = False) -> Costs:
     """Seconds of each stage's F, B (and, split, W) on the cluster's devices, runtime overhead included,
     and of each message between neighbouring stages over the link it crosses (stage k is rank k)."""
@@ -174,11 +188,10 @@ def simulate_cluster_step(work: Sequence[StageWork], cluster: Cluster, *, replic
     costs = action_costs(work, cluster, split)
     # with shared cores the reduction's CPU is simulated as a REDUCE action of each stage
     reduce_on_cores = cluster.cores is not None and replicas > 1
-    plan = built_schedule(schedule, p, micro_batches)
-    if reduce_on_cores:
-        plan = with_reductions(plan)
+    plan, last_gradient, held = _step_plan(schedule, p, micro_batches, reduce_on_cores)
     if cluster.cores is None:
-        sims = [simulate(plan, costs, validate=False)]  # replicas are identical: one pipeline stands for all
+        # replicas are identical: one pipeline stands for all
+        sims = [simulate(plan, costs, validate=False, held=held)]
         tail = 1.0
     else:
         placement = [[cluster.node_of(r * p + k) for k in range(p)] for r in range(replicas)]
@@ -197,8 +210,7 @@ def simulate_cluster_step(work: Sequence[StageWork], cluster: Cluster, *, replic
     sim = max(sims, key=lambda s: s.makespan)
     exposed, ends = [], []
     for k, w in enumerate(work):
-        # gradients are final during the last backward (after the last W with zb-h1)
-        last_b = max(i for i, a in enumerate(plan.actions[k]) if a.kind in GRADIENT_KINDS)
+        last_b = last_gradient[k]
         # the reduction waits for the replica whose last backward ends last
         latest = max(sims, key=lambda s: s.end[k][last_b])
         b_start, b_end = latest.start[k][last_b], latest.end[k][last_b]
