@@ -209,11 +209,11 @@ def main(argv: list[str] | None = None) -> None:
         val_log.close()
     if args.save_pretrained and not stopped:  # the trained model, once training has finished
         pipe.save_pretrained(args.save_pretrained)
-    pipe.close()
     if is_rank_zero() and accuracies:
         print(f"{type(model).__name__ if args.weights else c.model} ({width} wide, {depth} layers) on text, {c.describe()}, {epochs} epochs ({pipe.updates} "
               f"steps): min train loss {min(train_losses):.4f}, min val loss {min(val_losses):.4f}, max val accuracy "
               f"{100 * max(accuracies):.2f}%, {time.perf_counter() - start:.1f} s", flush=True)
+    pipe.close()
 
 
 if __name__ == "__main__":

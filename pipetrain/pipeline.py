@@ -1,18 +1,20 @@
 """The Pipeline object ``wrap`` returns: the face over an assembled pipeline and its runner."""
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
 import partitioners
 from pipetrain import checkpoint as ckpt
-from pipetrain.assembly import assemble
+from pipetrain.assembly import Parts, assemble
 from pipetrain.checkpoint.parts_view import pipeline_view
+from pipetrain.comm import group_lifetime
 from pipetrain.comm.world import World
 from pipetrain.options import PipelineOptions
 from pipetrain.pretrained import write_pretrained
@@ -22,35 +24,61 @@ from pipetrain.runtime.metrics import StepResult
 from pipetrain.runtime.stage import StageRuntime
 
 
+class _Ended(NamedTuple):
+    """What a closed pipeline still answers."""
+
+    options: PipelineOptions
+    plan: partitioners.Plan
+    updates: int
+    skipped_steps: int
+    last_result: StepResult | None
+
+
 class Pipeline:
     """A model split into pipeline stages, trained by a schedule on the local or distributed engine."""
 
     def __init__(self, model: nn.Module, example_inputs: Any, options: PipelineOptions):
-        self._parts = assemble(model, example_inputs, options)
-        self._runner = Runner(self._parts)
+        parts = assemble(model, example_inputs, options)
+        self._live: tuple[Parts, Runner] | None = (parts, Runner(parts))
+        self._ended: _Ended | None = None  # what a closed pipeline still answers
+        if parts.engine.distributed:
+            group_lifetime.close_at_exit(self)
+
+    @property
+    def _parts(self) -> Parts:
+        return self._open()[0]
+
+    @property
+    def _runner(self) -> Runner:
+        return self._open()[1]
+
+    def _open(self) -> tuple[Parts, Runner]:
+        if self._live is None:
+            raise RuntimeError("this pipeline was closed (Pipeline.close()); wrap the model again to go on")
+        return self._live
 
     @property
     def options(self) -> PipelineOptions:
-        return self._parts.options
+        return self._ended.options if self._ended else self._parts.options
 
     @property
     def plan(self) -> partitioners.Plan:
         """The partition plan; ``print(pipe.plan)`` shows a per-stage table."""
-        return self._parts.plan
+        return self._ended.plan if self._ended else self._parts.plan
 
     @property
     def updates(self) -> int:
         """Mini-batches trained so far (restored by ``load``)."""
-        return self._runner.updates
+        return self._ended.updates if self._ended else self._runner.updates
 
     @property
     def skipped_steps(self) -> int:
         """Mini-batches whose update was skipped on every stage (non-finite values, fp16 overflow)."""
-        return self._runner.skipped_steps
+        return self._ended.skipped_steps if self._ended else self._runner.skipped_steps
 
     @property
     def last_result(self) -> StepResult | None:
-        return self._runner.last_result
+        return self._ended.last_result if self._ended else self._runner.last_result
 
     # ----- training and prediction ----------------------------------------------------------
     def step(self, x: Any, y: Any = None) -> float:
@@ -142,8 +170,22 @@ class Pipeline:
         return pipeline_view(self._parts, self._runner.updates, streaming=self._runner.in_stream)
 
     def close(self) -> None:
-        """Close the TensorBoard log."""
-        self._runner.close()
+        """End the pipeline: close its TensorBoard log and, under torchrun, destroy the process groups it made
+        (every rank calls it), so that their threads end before the process does. Pipelines still open are
+        closed when the process exits. Afterwards the pipeline still answers ``options``, ``plan``, ``updates``,
+        ``skipped_steps`` and ``last_result``, and raises on every other use; closing it again does nothing."""
+        if self._live is None:
+            return
+        parts, runner = self._live
+        self._ended = _Ended(parts.options, parts.plan, runner.updates, runner.skipped_steps, runner.last_result)
+        self._live = None
+        group_lifetime.forget(self)
+        runner.close()
+        parts.connections.close()
+        parts.engine.close()
+        if parts.engine.distributed:
+            del parts, runner
+            gc.collect()  # the groups' last holders may sit in reference cycles: free them (join their threads) now
 
     # ----- what this process holds ------------------------------------------------------------
     @property

@@ -115,6 +115,9 @@ def test_step_result_reports_per_stage_numbers(tmp_path):
     assert all(a > 0 for a in r.activation_bytes)
     pipe.close()
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    pipe.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.step(*bs[0])
 
 
 @pytest.mark.parametrize("schedule,expected", [("gpipe", [4, 4, 4]), ("1f1b", [3, 2, 1])])

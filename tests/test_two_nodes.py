@@ -4,6 +4,7 @@ replicas (two per machine: both levels of the hierarchy), equal to one process; 
 ZeRO-2 (reduce-scatter within the node then across, all-gather back)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,3 +71,18 @@ def test_two_agents_two_stages_equal_one_process(launched, allreduce, replicas, 
                 continue  # batch statistics are per replica, as in DDP
             torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=0, msg=f"replica {replica} {name}")
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("allreduce, replicas", list(LAUNCHES))
+def test_process_groups_end_before_the_interpreter(launched, allreduce, replicas):
+    """A gloo worker thread still alive when the interpreter's teardown begins may abort the process after a
+    run that succeeded (it releases a tensor under a GIL that is gone). ``close()`` ends the groups its pipeline
+    made; at exit pipetrain closes the pipelines still open and the default group it started."""
+    out = launched(allreduce, replicas)
+    for rank in range(2 * replicas):
+        threads = json.loads((out / f"threads-rank{rank}.json").read_text())
+        assert threads["last_open"] > threads["before_last_wrap"], threads  # the pipeline's groups run workers
+        if len(LAUNCHES[allreduce, replicas]) > 1:  # before the first pipeline there is no default group yet
+            assert threads["last_closed"] == threads["before_last_wrap"], threads
+        assert threads["at_exit"] == 0, threads

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -252,7 +253,22 @@ class GradientReducer:
         """Install post-accumulate-grad hooks that launch buckets during the final backward."""
         if self._hooks:
             return
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        # The hooks hold the reducer weakly: a reducer dropped unclosed would otherwise live on (with its process
+        # groups and their threads) through the model's parameters, in a cycle the collector cannot see.
+        on_grad = weakref.WeakMethod(self._on_grad)
+
+        def hook(param: torch.Tensor) -> None:
+            reducer_on_grad = on_grad()
+            if reducer_on_grad is not None:
+                reducer_on_grad(param)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+
+    def close(self) -> None:
+        """Remove the hooks from the parameters (they outlive the pipeline: they are the model's)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._final:

@@ -84,6 +84,11 @@ class Connections:
         for reducer in self.reducers.values():
             reducer.abandon()
 
+    def close(self) -> None:
+        """The pipeline ends: the reducers take their hooks off the model's parameters."""
+        for reducer in self.reducers.values():
+            reducer.close()
+
 
 class LocalEngine:
     """Every stage in this process; ``devices`` gives each pipeline position its torch device."""
@@ -138,6 +143,9 @@ class LocalEngine:
     def share_prediction(self, output: Any, topology: Topology) -> Any:
         return output
 
+    def close(self) -> None:
+        """One process made no process groups."""
+
 
 class DistributedEngine:
     """One pipeline position of one replica per rank of the torch.distributed world."""
@@ -186,6 +194,10 @@ class DistributedEngine:
                               None, lambda _: None, wait=3 * self.timeout)
         self.world = self._new_world()
         return self.connect(topology, stages, tied)
+
+    def close(self) -> None:
+        """Destroy this pipeline's process groups (every rank closes its pipeline)."""
+        self.world.close()
 
     @property
     def is_rank_zero(self) -> bool:

@@ -101,6 +101,9 @@ class FullyShardedReducer:
     def share_updates(self) -> None:
         """Nothing: zero=3 runs no predicting staleness policy (async-1f1b is refused)."""
 
+    def close(self) -> None:
+        """FSDP2's hooks live on the stage modules, which end with the pipeline."""
+
     def abandon(self) -> None:
         """A step raised: drop the unsharded parameters and the gradients accumulated for it (all replicas
         abandon the same step; the stage runtime clears the sharded gradients)."""

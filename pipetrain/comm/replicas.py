@@ -193,3 +193,8 @@ class StageReducer:
         """A step raised: forget the buckets filled for it (all ranks abandon the same step)."""
         if self.reducer is not None:
             self.reducer.abandon()
+
+    def close(self) -> None:
+        """The pipeline ends: take the reducer's hooks off the parameters."""
+        if self.reducer is not None:
+            self.reducer.close()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.allreduce.hierarchy import build_hierarchy_groups
+from pipetrain.comm.group_lifetime import destroy_groups, own_default_group
 from pipetrain.comm.peers import peers_answer
 from pipetrain.runtime.topology import ACT, GRAD, Topology
 from schedules.nccl_order import link_comm
@@ -60,6 +61,7 @@ def ensure_process_group(timeout_seconds: float) -> None:
                       "listens there, or raise wrap(..., timeout=...) if the ranks start far apart"):
         store = _within(timeout_seconds, address, lambda: _rendezvous_store(rank, size, timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, device_id=device)
+    own_default_group()
 
 
 def _rendezvous_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
@@ -110,6 +112,7 @@ class World:
                 "or change stages/data_parallel")
         self.replica, self.position = divmod(self.rank, stages)
         self.timeout = timedelta(seconds=timeout)
+        self._made: list = []  # every group this rank made, in the order every rank made them (close)
         if torch.cuda.is_available() and dist.get_backend() == "nccl":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self.device)
@@ -133,10 +136,18 @@ class World:
                 found = build_hierarchy_groups(ranks, nodes, per_node, self.timeout)
                 if d == self.position:
                     self.hierarchy = found
+                    self._made += [found.intra_reduce, found.intra_gather, found.inter]
 
     def _group(self, ranks: list[int]):
         # Collectives on our groups give up after the same bound as point-to-point waits.
-        return dist.new_group(ranks, timeout=self.timeout)
+        group = dist.new_group(ranks, timeout=self.timeout)
+        self._made.append(group)
+        return group
+
+    def close(self) -> None:
+        """Destroy the process groups made for this world (every rank calls it, as for their creation)."""
+        destroy_groups(self._made)
+        self._made.clear()
 
     def rank_of(self, position: int, replica: int | None = None) -> int:
         """The rank running pipeline position ``position`` of ``replica`` (default: this rank's)."""
