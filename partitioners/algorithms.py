@@ -100,13 +100,15 @@ class SegmentCosts:
 
 def optimal_cuts(chain: Chain, stages: int, *, bandwidth: float, replicas: list[int],
                  allreduce_bandwidth: float | None = None,
-                 memory_limit: float | None = None, memory: MemoryModel | None = None) -> list[int]:
+                 memory_limit: float | None = None, memory: MemoryModel | None = None,
+                 rows: SegmentCosts | None = None) -> list[int]:
     """Cuts minimising the slowest stage's time (chain.py's cost model), exactly.
 
     With ``memory``, a stage fits memory_limit when its predicted peak (memory_model.py) does; without,
-    when its parameters, output activations and received bytes do.
+    when its parameters, output activations and received bytes do. ``rows``: SegmentCosts(chain), for a
+    caller that splits one chain into several stage counts (made here when not given).
     Raises PartitionError when no split satisfies memory_limit."""
-    rows = SegmentCosts(chain)
+    rows = SegmentCosts(chain) if rows is None else rows
     total = rows.compute[-1]
     lower = max(total / stages, float(chain.time.max(initial=0.0))) / max(replicas)
     # A known split's bottleneck bounds every stage of the optimum: start the window there.

@@ -15,6 +15,7 @@ from typing import Iterable
 from schedules.actions import Action, ActionKind
 
 RECOMPUTE = ("none", "except-last", "always")
+F, B, W, STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP
 
 
 def recomputed(actions: Iterable[Action], mode: str) -> set[tuple[int, int]]:
@@ -28,16 +29,18 @@ def recomputed(actions: Iterable[Action], mode: str) -> set[tuple[int, int]]:
         raise ValueError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE)}")
     if mode == "none":
         return set()
-    open_: dict[tuple[int, int], bool] = {}  # in flight -> another forward ran since its own
+    # in flight -> forwards run up to and including its own: another ran since when the count has grown
+    # (a count, not a flag per micro-batch in flight, keeps a list of m micro-batches O(m), not O(m^2))
+    open_: dict[tuple[int, int], int] = {}
+    forwards = 0
     chosen = set()
     for a in actions:
         key = (a.chunk, a.micro_batch)
-        if a.kind is ActionKind.FORWARD:
-            for other in open_:
-                open_[other] = True
-            open_[key] = False
-        elif a.kind is ActionKind.BACKWARD and key in open_:
-            others_ran = open_.pop(key)
+        if a.kind is F:
+            forwards += 1
+            open_[key] = forwards
+        elif a.kind is B and key in open_:
+            others_ran = open_.pop(key) < forwards
             if mode == "always" or others_ran:
                 chosen.add(key)
     return chosen
@@ -51,38 +54,38 @@ def held_activations(actions: list[Action], mode: str) -> dict[int, set[tuple[in
     again = recomputed(actions, mode)
     # chunks whose backward is split (B keeps the graph for W); a chunk without W runs its backward whole
     split_chunks = {a.chunk for a in actions if a.kind is ActionKind.WEIGHT}
-    whole: dict[int, int] = {}
-    boundary: dict[int, int] = {}
-    grads: dict[int, int] = {}
     moments: dict[int, set[tuple[int, int, int]]] = {}
-    for a in actions:
-        if a.kind is ActionKind.STEP:
-            grads = dict.fromkeys(grads, 0)
-            continue
-        c, key = a.chunk, (a.chunk, a.micro_batch)
-        whole.setdefault(c, 0)
-        boundary.setdefault(c, 0)
-        grads.setdefault(c, 0)
-        at = moments.setdefault(c, set())
-        if a.kind is ActionKind.FORWARD:
-            if key in again:
-                boundary[c] += 1
-            else:
-                whole[c] += 1
-            at.add((whole[c], boundary[c], grads[c]))
-        elif a.kind is ActionKind.BACKWARD:
-            split = c in split_chunks
-            if key in again:  # the recomputed forward brings its activations back for the backward
-                boundary[c] -= 1
-                whole[c] += 1
-            if not split:
-                grads[c] = 1
-            at.add((whole[c], boundary[c], grads[c]))
-            whole[c] -= not split
-        elif a.kind is ActionKind.WEIGHT:
-            grads[c] = 1
-            at.add((whole[c], boundary[c], grads[c]))
-            whole[c] -= 1
+    # one pass per chunk with plain counters (a planner reads thousands of lists); a STEP clears the gradients
+    # of every chunk
+    for c in dict.fromkeys(a.chunk for a in actions if a.kind is not STEP):
+        split = c in split_chunks
+        whole = boundary = grads = 0
+        at = moments[c] = set()
+        for a in actions:
+            kind = a.kind
+            if kind is STEP:
+                grads = 0
+            elif a.chunk != c:
+                continue
+            elif kind is F:
+                if (c, a.micro_batch) in again:
+                    boundary += 1
+                else:
+                    whole += 1
+                at.add((whole, boundary, grads))
+            elif kind is B:
+                # the recomputed forward brings its activations back for the backward
+                if (c, a.micro_batch) in again:
+                    boundary -= 1
+                    whole += 1
+                if not split:
+                    grads = 1
+                at.add((whole, boundary, grads))
+                whole -= not split
+            elif kind is W:
+                grads = 1
+                at.add((whole, boundary, grads))
+                whole -= 1
     return {c: at for c, at in moments.items() if at}
 
 

@@ -32,7 +32,7 @@ from schedules.gc_pause import gc_paused
 from ..chain import Chain
 from ..errors import PartitionError
 from ..graph import CostGraph
-from ..algorithms import optimal_cuts
+from ..algorithms import SegmentCosts, optimal_cuts
 from .stage_state import (OPTIMIZER_STATE, RECOMPUTE, StageMemory, format_bytes, recomputed_share,
                           schedule_moments, stage_peak)
 
@@ -103,6 +103,7 @@ class _Model:
         self._segments: dict[tuple[int, int], dict[str, float]] = {}
         self._works: dict[tuple[int, int], tuple] = {}
         self._cheap: tuple[int, Chain] | None = None
+        self._rows: tuple[Chain, SegmentCosts] | None = None
 
     def params(self, i: int, j: int) -> float:
         """Parameter bytes of positions [i, j) (a shared parameter at its first user)."""
@@ -127,6 +128,12 @@ class _Model:
             keep[0] = keep[c.n] = True
             self._cheap = (cuts, dataclasses.replace(c, cuttable=keep))
         return self._cheap[1]
+
+    def rows(self, chain: Chain) -> SegmentCosts:
+        """SegmentCosts of `chain` (the model's or its cheap_chain), made once for the cut search of every depth."""
+        if self._rows is None or self._rows[0] is not chain:
+            self._rows = (chain, SegmentCosts(chain))
+        return self._rows[1]
 
     def segment(self, i: int, j: int) -> dict[str, float]:
         """chain.segment of positions [i, j), computed once per segment."""
@@ -360,7 +367,8 @@ def _cut_candidates(model: _Model, positions: list[int], stages: int, top: int, 
         return [[0, *inner, n] for inner in itertools.combinations(positions, stages - 1)]
     chain = model.cheap_chain(top - 1) if len(positions) > CHEAP_CUTS_ABOVE else model.chain
     try:  # the "graph" partitioner's optimal cuts, without building stage modules
-        return [optimal_cuts(chain, stages, bandwidth=cluster.intra_bandwidth, replicas=[1] * stages)]
+        return [optimal_cuts(chain, stages, bandwidth=cluster.intra_bandwidth, replicas=[1] * stages,
+                             rows=model.rows(chain))]
     except PartitionError:  # fewer (cheap) boundaries than stages
         return []
 
