@@ -11,6 +11,8 @@ gradients of interleaved schedules).
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from functools import lru_cache
+from typing import Callable
 
 from schedules.actions import Action, ActionKind
 from schedules.placement import location_of, virtual_stage_of
@@ -60,16 +62,28 @@ def attach_comms(compute: list[list[Action]], stages: int, chunks: int,
             if kind is F or kind is B:
                 upstream, downstream = remote[a.chunk]
                 receives, sends = (upstream, downstream) if kind is F else (downstream, upstream)
-                recv, send = (RECV_ACT, SEND_ACT) if kind is F else (RECV_GRAD, SEND_GRAD)
+                recv, send = (_recv_act, _send_act) if kind is F else (_recv_grad, _send_grad)
                 if receives:
-                    out.append(Action(device, recv, a.micro_batch, a.chunk))
+                    out.append(recv(device, a.micro_batch, a.chunk))
                 out.append(a)
                 if sends:
-                    out.append(Action(device, send, a.micro_batch, a.chunk))
+                    out.append(send(device, a.micro_batch, a.chunk))
             else:
                 out.append(a)
         result.append(out)
     return result
+
+
+def _messages(kind: ActionKind) -> Callable[[int, int, int], Action]:
+    """Action(device, kind, micro_batch, chunk) from (device, micro_batch, chunk), one instance per distinct
+    message (actions are immutable): a planner builds thousands of schedules that send the same messages."""
+    @lru_cache(maxsize=1 << 16)
+    def message(device: int, micro_batch: int, chunk: int) -> Action:
+        return Action(device, kind, micro_batch, chunk)
+    return message
+
+
+_recv_act, _send_act, _recv_grad, _send_grad = map(_messages, (RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD))
 
 
 def receives_in_send_order(lists: list[list[Action]], stages: int, placement: str = "loop") -> list[list[Action]]:
