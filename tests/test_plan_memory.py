@@ -13,7 +13,10 @@ import torch
 import pipetrain
 from pipetrain.optim import LARS
 from pipetrain.runtime.stage_memory import optimizer_state_factor
-from partitioners.planners.stage_state import OPTIMIZER_STATE, schedule_moments, stage_peak
+from partitioners.planners.stage_state import OPTIMIZER_STATE, RECOMPUTE, recomputed_share, schedule_moments, stage_peak
+from schedules.actions import COMPUTE_KINDS, ActionKind
+from schedules.cluster.step import built_schedule
+from schedules.held_activations import held_activations, recomputed
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "examples" / "benchmarks" / "bench_plan_memory.py"
@@ -45,6 +48,25 @@ def test_recomputation_keeps_boundaries_from_the_action_lists():
     always = schedule_moments("gpipe", 2, 4, "always")[0]
     assert stage_peak(none, P, A, B, replicas=1, zero=0, state_copies=0).activations == 4 * A
     assert stage_peak(always, P, A, B, replicas=1, zero=0, state_copies=0).activations == A + 3 * B
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
+def test_each_stage_gets_its_own_lists_moments_though_equal_lists_are_priced_once(kind):
+    # The search prices a list once for every stage and depth that runs it (1F1B's stage k of S stages runs what
+    # stage 0 of S - k does); each stage's moments still hold the peak of its own list, read directly here.
+    for stages, micro_batches in [(1, 1), (2, 4), (3, 2), (4, 8), (5, 3)]:
+        plan = built_schedule(kind, stages, micro_batches)
+        for recompute in RECOMPUTE:
+            moments = schedule_moments(kind, stages, micro_batches, recompute)
+            share = recomputed_share(kind, stages, micro_batches, recompute)
+            for k, actions in enumerate(plan.actions):
+                # stage 0's W does nothing: its backward never splits
+                own = [a for a in actions if a.kind in COMPUTE_KINDS | {ActionKind.STEP}
+                       and not (k == 0 and a.kind is ActionKind.WEIGHT)]
+                held = held_activations(own, recompute).get(0, set())
+                assert set(moments[k]) <= held
+                assert all(any(w >= a and b >= c and g >= d for w, b, g in moments[k]) for a, c, d in held)
+                assert share[k] == len(recomputed(own, recompute)) / micro_batches
 
 
 FACTORIES = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),
