@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from schedules.cluster.spec import Cluster
@@ -174,12 +175,24 @@ def reduction_finish(tensor_bytes: Sequence[float], ready: Sequence[float], grou
     if group.ranks <= 1:
         return done
     clock = -math.inf
-    for members in buckets(tensor_bytes, reduction.bucket_bytes):
+    for members, transfer, overhead in _bucket_times(tuple(tensor_bytes), group, cluster, reduction):
         start = max(ready[i] for i in members) if reduction.overlap else done
-        size = sum(tensor_bytes[i] for i in members)
-        clock = max(clock, start) + allreduce_time(size, group, cluster, reduction.hierarchical) + bucket_overhead(
-            size, cluster)
+        clock = max(clock, start) + transfer + overhead
     return clock
+
+
+@lru_cache(maxsize=4096)
+def _bucket_times(tensor_bytes: tuple[float, ...], group: Group, cluster: Cluster,
+                  reduction: Reduction) -> tuple[tuple[tuple[int, ...], float, float], ...]:
+    """Per bucket: its tensors, all-reduce seconds and the runtime's overhead. Computed once per stage's
+    gradients and group: a planner reduces the same ones in hundreds of layouts that differ in when they
+    are ready."""
+    out = []
+    for members in buckets(tensor_bytes, reduction.bucket_bytes):
+        size = sum(tensor_bytes[i] for i in members)
+        out.append((tuple(members), allreduce_time(size, group, cluster, reduction.hierarchical),
+                    bucket_overhead(size, cluster)))
+    return tuple(out)
 
 
 def bucket_overhead(nbytes: float, cluster: Cluster) -> float:
