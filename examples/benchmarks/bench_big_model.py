@@ -116,7 +116,6 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         print("FIGURES " + json.dumps(gathered), flush=True)
     pipe.close()
-    dist.destroy_process_group()  # before interpreter teardown, as the other torchrun benchmarks do
 
 
 def run_path(args: argparse.Namespace, path: str, layers: int) -> list[dict]:
