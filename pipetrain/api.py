@@ -40,6 +40,7 @@ def wrap(model: nn.Module, example_inputs: Any, *,
          spike_compensation: bool = False,
          dc_lambda: float = 0.0,
          stage_lr_warmup: int = 0,
+         stage_momentum: bool = False,
          devices: list[torch.device] | None = None,
          seed: int = 0,
          profile: bool = True,
@@ -98,6 +99,8 @@ def wrap(model: nn.Module, example_inputs: Any, *,
         spike_compensation: async-1f1b: apply a late gradient's missed momentum share at once (Kosson et al.).
         dc_lambda: async-1f1b: DC-ASGD-a's lambda_0, correcting each gradient to the weights it is applied to.
         stage_lr_warmup: async-1f1b: PipeMare's per-stage rates, lr / (1 + delay) rising to lr over these updates.
+        stage_momentum: async-1f1b: each stage's momentum window grows with the square of its delay, at the same
+            effective rate (beta_k = 1 - (1 - beta) / (1 + delay)^2).
         devices: local engine: the torch.device of each stage.
         seed: dropout and initialisation streams (a meta-device model's weights depend on it and names only).
         profile: time the model's nodes for the graph partitioner. bandwidth: bytes/s between stages.

@@ -1,4 +1,5 @@
-"""The async-1f1b delay corrections (spike compensation, DC-ASGD-a, PipeMare's per-stage rates) against a
+"""The async-1f1b delay corrections (spike compensation, DC-ASGD-a, PipeMare's per-stage rates, delay-matched
+momentum) against a
 hand-written reference of their update rules.
 
 The reference extends test_staleness_reference's: the same chain of Linear layers and hand-written forward
@@ -27,14 +28,19 @@ def gradient_delay(policy: str, u: int, k: int, stages: int, m: int) -> int:
 class CorrectedReference(Reference):
     """Reference training with the corrections applied to each stage's update by hand."""
 
-    def __init__(self, stages, m, policy, spike=False, dc=0.0, warmup=0, optimizer="sgd"):
+    def __init__(self, stages, m, policy, spike=False, dc=0.0, warmup=0, optimizer="sgd", stage_momentum=False):
         super().__init__(stages, m, policy)
         self.spike, self.dc, self.warmup, self.optimizer = spike, dc, warmup, optimizer
+        self.stage_momentum = stage_momentum
         self.mean_square = [None] * stages
         self.adam = [[None, None, 0] for _ in range(stages)]  # exp_avg, exp_avg_sq, steps per stage
         # The delay past the warm-up: (N - k - 1) / m on average, 1 for 2bw.
         self.steady = [1.0 if policy == "2bw" else
                        sum(lag(u, k, stages, m) for u in range(8 * m, 9 * m)) / m for k in range(stages)]
+
+    def momentum(self, k: int, base: float = MOMENTUM) -> float:
+        """Stage k's momentum: with stage_momentum, the window 1 / (1 - beta) times (1 + D_k)^2."""
+        return 1 - (1 - base) / (1 + self.steady[k]) ** 2 if self.stage_momentum else base
 
     def scale(self, k: int, t: int) -> float:
         if not self.warmup:
@@ -69,7 +75,12 @@ class CorrectedReference(Reference):
                     self.buffers[k].append(None)
                     continue
                 old = self.buffers[k][t]
-                buf = g if old is None else [MOMENTUM * b + gi for b, gi in zip(old, g)]
+                beta = self.momentum(k)
+                # the same lr / (1 - beta) through dampening; the buffer starts at zero where beta changed
+                kept = (1 - beta) / (1 - MOMENTUM)
+                if old is None and beta != MOMENTUM:
+                    old = [torch.zeros_like(gi) for gi in g]
+                buf = g if old is None else [beta * b + kept * gi for b, gi in zip(old, g)]
                 self.buffers[k].append(buf)
                 if self.optimizer == "nag":
                     update = [gi + MOMENTUM * b for gi, b in zip(g, buf)]
@@ -79,14 +90,14 @@ class CorrectedReference(Reference):
                         update = [beta * gi + a * MOMENTUM * b for gi, b in zip(g, buf)]
                 else:
                     update = buf
-                    if self.spike and delay:
-                        a, b_ = MOMENTUM ** delay, (1 - MOMENTUM ** delay) / (1 - MOMENTUM)
-                        update = [a * b + b_ * gi for b, gi in zip(buf, g)]
+                    if self.spike and delay:  # the gradient's share of buf is kept, not 1
+                        a, b_ = beta ** delay, (1 - beta ** delay) / (1 - beta)
+                        update = [a * b + b_ * kept * gi for b, gi in zip(buf, g)]
                 self.params[k].append([p - LR * lr_scale * d for p, d in zip(w, update)])
 
     def adam_update(self, k, w, g, delay, lr):
         exp_avg, exp_avg_sq, steps = self.adam[k]
-        beta1, beta2 = BETAS
+        beta1, beta2 = self.momentum(k, BETAS[0]), BETAS[1]
         exp_avg = [(1 - beta1) * gi if exp_avg is None else beta1 * e + (1 - beta1) * gi for gi, e in zip(g, exp_avg or g)]
         exp_avg_sq = [(1 - beta2) * gi * gi if exp_avg_sq is None else beta2 * e + (1 - beta2) * gi * gi
                       for gi, e in zip(g, exp_avg_sq or g)]
@@ -104,11 +115,14 @@ OPTIMIZERS = {
     "adam": lambda p: torch.optim.Adam(p, lr=ADAM_LR, betas=BETAS, eps=EPS),
 }
 CORRECTIONS = {"spike": dict(spike_compensation=True), "dc": dict(dc_lambda=0.5), "warmup": dict(stage_lr_warmup=4),
-               "all": dict(spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=4)}
+               "momentum": dict(stage_momentum=True),
+               "all": dict(spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=4, stage_momentum=True)}
 CASES = [("stash", 4, 1, "sgd", "spike"), ("stash", 3, 2, "sgd", "spike"), ("stash", 4, 3, "nag", "spike"),
          ("stash", 4, 1, "adam", "spike"), ("2bw", 4, 3, "sgd", "spike"), ("stash", 4, 1, "sgd", "dc"),
          ("stash", 3, 2, "adam", "dc"), ("2bw", 3, 2, "sgd", "dc"), ("nesterov", 4, 1, "sgd", "warmup"),
-         ("stash", 4, 3, "adam", "warmup"), ("nesterov", 4, 1, "sgd", "all"), ("stash", 3, 2, "adam", "all")]
+         ("stash", 4, 3, "adam", "warmup"), ("nesterov", 4, 1, "sgd", "momentum"), ("spectrain", 4, 1, "sgd", "momentum"),
+         ("stash", 4, 2, "adam", "momentum"), ("2bw", 3, 2, "sgd", "momentum"), ("nesterov", 4, 1, "sgd", "all"),
+         ("stash", 3, 2, "adam", "all")]
 
 
 def equal_to_reference(policy, stages, m, optimizer, correction, steps=7):
@@ -119,7 +133,7 @@ def equal_to_reference(policy, stages, m, optimizer, correction, steps=7):
     list(pipe.train(stream(steps, m)))
     ref = CorrectedReference(stages, m, policy, spike=options.get("spike_compensation", False),
                              dc=options.get("dc_lambda", 0.0), warmup=options.get("stage_lr_warmup", 0),
-                             optimizer=optimizer)
+                             optimizer=optimizer, stage_momentum=options.get("stage_momentum", False))
     ref.train(stream(steps, m))
     return pipe.state_dict(), ref
 
@@ -136,7 +150,7 @@ def test_each_correction_equals_its_hand_written_update_rule(policy, stages, m, 
         torch.testing.assert_close(state[f"{prefix}.bias"], ref.params[k][steps][1], atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("correction", ["spike", "dc", "warmup"])
+@pytest.mark.parametrize("correction", ["spike", "dc", "warmup", "momentum"])
 def test_each_correction_moves_the_delayed_first_stage(correction):
     # Against plain stash, so the test above cannot pass with a correction silently off.
     stages, m, steps = 4, 1, 7
@@ -159,11 +173,18 @@ def test_refusals_name_what_works():
     with pytest.raises(ValueError, match="momentum > 0"):
         wrap_unprofiled(chain(2), x, schedule="async-1f1b", staleness="stash", spike_compensation=True,
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.01), **common)
+    with pytest.raises(ValueError, match="nesterov=False with staleness='nesterov'"):
+        wrap_unprofiled(chain(2), x, schedule="async-1f1b", staleness="stash", stage_momentum=True,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True), **common)
+    with pytest.raises(ValueError, match="stage_momentum is defined for torch.optim.SGD"):
+        wrap_unprofiled(chain(2), x, schedule="async-1f1b", staleness="stash", stage_momentum=True,
+                        optimizer=lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9), **common)
     with pytest.raises(ValueError, match="stage_lr_warmup must be a whole number"):
         wrap_unprofiled(chain(2), x, schedule="async-1f1b", staleness="stash", stage_lr_warmup=-1, **common)
 
 
-DISTRIBUTED = [("nesterov", 1, "sgd", "all"), ("stash", 2, "adam", "all"), ("2bw", 2, "nag", "spike")]
+DISTRIBUTED = [("nesterov", 1, "sgd", "all"), ("stash", 2, "adam", "all"), ("2bw", 2, "nag", "spike"),
+               ("spectrain", 1, "sgd", "momentum")]
 
 
 def train_corrected(staleness, m, optimizer, correction, engine, steps=6):
@@ -188,3 +209,26 @@ def test_the_distributed_engine_equals_the_local_one(tmp_path, one_thread):
         assert set(merged) == set(state), case
         for name, value in state.items():
             assert torch.equal(merged[name], value), f"{case}: {name}"
+
+
+def test_stage_momentum_follows_the_delays_of_the_layout_a_checkpoint_resumes_at(tmp_path):
+    # Saved at 4 stages (stage 0's delay 3), resumed at 2 (stage 0's delay 1): each stage's momentum is
+    # the rule's for its new delay, from the groups' own 0.9, not the saved stage's 0.99.
+    x = stream(1, 1)[0][0][:SIZE]
+
+    def pipe(stages):
+        return wrap_unprofiled(chain(4), x, stages=stages, micro_batches=1, schedule="async-1f1b",
+                               staleness="nesterov", partitioner=[str(k) for k in range(4 // stages, 4, 4 // stages)],
+                               optimizer=OPTIMIZERS["sgd"], engine="local", stage_momentum=True)
+
+    four = pipe(4)
+    assert [four.held_stages[k].optimizer.param_groups[0]["momentum"] for k in range(4)] == pytest.approx(
+        [1 - 0.1 / 16, 1 - 0.1 / 9, 1 - 0.1 / 4, 0.9])
+    list(four.train(stream(3, 1)))
+    four.save(tmp_path)
+    two = pipe(2)
+    two.load(tmp_path)
+    list(two.train(stream(1, 1)))
+    groups = [two.held_stages[k].optimizer.param_groups[0] for k in range(2)]
+    assert [g["momentum"] for g in groups] == pytest.approx([1 - 0.1 / 4, 0.9])
+    assert [g["dampening"] for g in groups] == pytest.approx([1 - 0.25, 0.0])

@@ -18,8 +18,8 @@ SIZE = 13
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
 
-CORRECTED = dict(staleness="nesterov", spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=3, optimizer=sgd,
-                 partitioner="uniform")
+CORRECTED = dict(staleness="nesterov", spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=3, stage_momentum=True,
+                 optimizer=sgd, partitioner="uniform")
 
 
 def hybrid_scenarios(rank, world):

@@ -60,12 +60,16 @@ class Reference:
         if buf is None:
             return w
         if nesterov_delay is not None:
-            steps = look_ahead_steps(MOMENTUM, nesterov_delay)
+            steps = look_ahead_steps(self.momentum(k), nesterov_delay)
         return [p - steps * LR * self.scale(k, version) * v for p, v in zip(w, buf)]
 
     def scale(self, k: int, t: int) -> float:
         """The factor on stage k's rate at its update t (1: none; test_delay_corrections' PipeMare rates)."""
         return 1.0
+
+    def momentum(self, k: int) -> float:
+        """Stage k's momentum (test_delay_corrections' stage_momentum changes it)."""
+        return MOMENTUM
 
     def versions(self, u: int, k: int) -> tuple[list, list]:
         """(forward weights, backward weights) of micro-batch u at stage k, by the policy's definition."""

@@ -79,6 +79,9 @@ class RunConfig:
     dc_lambda: float = _option("dc_lambda", "async-1f1b: DC-ASGD-a's lambda_0 (0: off)", type=float, pipeline_only=True)
     stage_lr_warmup: int = _option("stage_lr_warmup", "async-1f1b: PipeMare's per-stage rate warm-up, in updates "
                                    "(0: off)", type=int, pipeline_only=True)
+    stage_momentum: bool = _option("stage_momentum", "async-1f1b: each stage's momentum window grows with the "
+                                   "square of its delay, at the same effective rate", action="store_true",
+                                   pipeline_only=True)
     data_parallel: int = _option("data_parallel", "replicas of the whole pipeline", type=int, pipeline_only=True)
     engine: str = _setting(PIPELINE_DEFAULTS["engine"], wrap="engine")
     checkpoint_dir: str | None = _flag(None, "save a checkpoint here after every epoch, and on SIGTERM (then exit 0)",
@@ -140,7 +143,8 @@ class RunConfig:
         kind += " (forward-only)" if self.spectrain_variant != "paper" and self.staleness == "spectrain" else ""
         corrections = [name for name, on in (("spike compensation", self.spike_compensation),
                                              (f"DC lambda {self.dc_lambda:g}", self.dc_lambda > 0),
-                                             (f"PipeMare warm-up {self.stage_lr_warmup}", self.stage_lr_warmup > 0)) if on]
+                                             (f"PipeMare warm-up {self.stage_lr_warmup}", self.stage_lr_warmup > 0),
+                                             ("stage momentum", self.stage_momentum)) if on]
         kind += f" + {', '.join(corrections)}" if corrections else ""
         dp = f" x {self.data_parallel} replicas" if self.data_parallel > 1 else ""
         return f"{kind} {self.stages} stages x {self.micro_batches} micro-batches{dp}"

@@ -107,6 +107,9 @@ def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
     module_state = {k: t for f in files.values() for k, t in f["module"].items() if k in needed}
     optimizer_state = {k: st for f in files.values() for k, st in f["optimizer"]["state"].items() if k in needed}
     groups = next((f["optimizer"]["groups"] for f in files.values() if f["optimizer"]["groups"]), [])
+    # A stage's own groups where it has a file: hyper-parameters may differ per stage (stage_momentum).
+    groups_of = {v: files[v]["optimizer"]["groups"] if same_layout and v in files and files[v]["optimizer"]["groups"]
+                 else groups for v in stages}
     saved_class = next((f["optimizer"]["class"] for f in files.values() if "class" in f["optimizer"]), None)
     for v, stage in stages.items():
         own = stage.module.state_dict()
@@ -118,7 +121,7 @@ def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
                 f"checkpoint {source} does not fit this model: {k} has shape {tuple(own[k].shape)} here but "
                 f"{found} in the checkpoint ({len(problems)} mismatching entries); load a checkpoint of the "
                 "same model")
-        check_optimizer(stage.optimizer, saved_class, groups, source)
+        check_optimizer(stage.optimizer, saved_class, groups_of[v], source)
     # Every scheduler of every stage is in the same state (one step per applied update each): any file's will do.
     scheduler_state = next((f["scheduler"] for f in files.values() if f.get("scheduler") is not None), None)
     if scheduler_state is None and any(stage.schedulers for stage in stages.values()):
@@ -133,7 +136,7 @@ def _check_load(pipe: PipelineView, path: str | os.PathLike) -> _CheckedLoad:
             own = stage.module.state_dict()
             reshard(stage.module)
             stage.module.load_state_dict({k: shard_like(module_state[k], own[k]) for k in own})
-            load_optimizer_state(stage.optimizer, sharded_like(optimizer_state, stage.module), groups,
+            load_optimizer_state(stage.optimizer, sharded_like(optimizer_state, stage.module), groups_of[v],
                                  param_names(stage.module))
             stage.policy.updates = files[v]["updates"] if same_layout else manifest["step"]
         scaler_state = next(iter(files.values()))["scaler"]

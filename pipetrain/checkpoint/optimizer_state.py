@@ -12,6 +12,7 @@ import torch
 
 from pipetrain.allreduce.slices import cut_state, source_of
 from pipetrain.checkpoint.errors import CheckpointError
+from pipetrain.runtime.staleness.corrections import BASE_KEY
 
 
 def param_names(module: torch.nn.Module) -> dict[int, str]:
@@ -118,8 +119,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, saved_class: str | 
             f"checkpoint {source} has {len(groups)} optimizer parameter groups, this pipeline's optimizer has "
             f"{len(optimizer.param_groups)}: build the optimizer with the same groups as the run that saved it, "
             f"or start from its weights only: pipetrain.wrap(..., weights={str(source)!r})")
-    # A scheduler moves lr from initial_lr (the factory's): compare that, not the lr it has reached.
-    start = lambda g: {**g, "lr": g.get("initial_lr", g.get("lr"))}  # noqa: E731
+    # A scheduler moves lr from initial_lr (the factory's): compare that, not the lr it has reached. Under
+    # stage_momentum the momentum follows each stage's delay from the group's own values: compare those.
+    start = lambda g: _as_built({**g, "lr": g.get("initial_lr", g.get("lr"))})  # noqa: E731
     changed = sorted({f"{k} {start(g)[k]!r} -> {start(saved)[k]!r}" for g, saved in zip(optimizer.param_groups, groups)
                       for k in saved if k in g and k not in ("params", "initial_lr")
                       and _differs(start(g)[k], start(saved)[k])})
@@ -127,6 +129,16 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, saved_class: str | 
         warnings.warn(f"resuming from {source}: the checkpoint's optimizer hyper-parameters replace the factory's "
                       f"({', '.join(changed)}), so the run goes on exactly as it was saved. To change one after "
                       "resuming, set it in held_stages[v].optimizer.param_groups after load()", stacklevel=4)
+
+
+def _as_built(group: dict) -> dict:
+    """A group with the values stage_momentum derived from replaced by those it was built with."""
+    base = group.get(BASE_KEY)
+    if base is None:
+        return group
+    if "beta1" in base:
+        return {**group, "betas": (base["beta1"], group["betas"][1])}
+    return {**group, **base}
 
 
 def _differs(a: Any, b: Any) -> bool:

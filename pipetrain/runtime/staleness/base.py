@@ -152,6 +152,9 @@ class StalenessPolicy:
         self.records_delays = False
         self._forward_at: dict[int, int] = {}  # micro-batch -> updates applied when its forward ran
         self._step_delays: list[float] = []  # the delays of the gradients the next step applies
+        # Run first at each stream's start, when a checkpoint may have been loaded (stage_momentum re-derives
+        # the stage's momentum from the loaded groups).
+        self.stream_hooks: list[Callable[[], None]] = []
         if optimizer is not None and self.name != "none":
             try:
                 self._update_size = Extrapolation(optimizer, [p for _, p in self.params])
@@ -240,6 +243,8 @@ class StalenessPolicy:
     def start_stream(self) -> None:
         """A train() stream begins: micro-batch numbers start again at 0 and the optimizer state may
         have been loaded from a checkpoint since the last stream."""
+        for hook in self.stream_hooks:
+            hook()
         if self._update_size is not None:
             self._update_size.invalidate()
 

@@ -23,6 +23,19 @@ after clipping and the data-parallel reduction, and a checkpoint of the optimize
   for its first T updates t, so a delayed stage starts at a rate its delay keeps stable and reaches the
   full rate after T updates; the last stage (D = 0) is unchanged. Learning-rate schedulers and checkpoints
   see the unscaled rate; weight prediction extrapolates with the scaled one.
+- Delay-matched momentum (``stage_momentum``): stage k averages its gradients over a momentum window
+  1 / (1 - beta_k) that grows with the square of its steady delay D_k, beta_k = 1 - (1 - beta) / (1 + D_k)^2,
+  at the same effective rate. Why the square: on a direction of curvature lambda, heavy ball with window W
+  and effective rate lr / (1 - beta) oscillates with frequency omega = sqrt(lr * lambda), i.e. about
+  sqrt(lr_eff * lambda / W) per update; a gradient D updates late lags that oscillation by the phase
+  omega * D, which stays the same where W grows like D^2. With a look-ahead along the momentum (the nesterov
+  and spectrain policies) the window's slowly turning direction is also what the prediction extrapolates
+  (PipeNAG's high-momentum recipe, Ajanthan et al. 2025, made per stage). SGD keeps lr / (1 - beta) through
+  its dampening, (1 - dampening_k) = (1 - dampening) (1 - beta_k) / (1 - beta), so the rate and any
+  learning-rate schedule are untouched; Adam/AdamW's beta1 becomes beta_k (its step is normalised: no
+  rate to keep). The last stage (D = 0) keeps the optimizer's own values. Each group keeps the values it was
+  built with under ``BASE_KEY``, so a checkpoint resumed at another stage count derives its own (at the
+  start of the next stream).
 """
 from __future__ import annotations
 
@@ -35,6 +48,8 @@ from pipetrain.runtime.staleness.base import StalenessPolicy, StashPolicy
 DC_AVERAGE = 0.95  # DC-ASGD-a's MeanSquare decay (the paper's m)
 DC_EPS = 1e-7  # keeps 1 / sqrt(MeanSquare) finite where a gradient entry has always been 0
 SPIKE_OPTIMIZERS = "torch.optim.SGD (momentum > 0, Nesterov or not), torch.optim.Adam or torch.optim.AdamW"
+STAGE_MOMENTUM_OPTIMIZERS = "torch.optim.SGD (momentum > 0, nesterov=False), torch.optim.Adam or torch.optim.AdamW"
+BASE_KEY = "stage_momentum_base"  # a parameter group's own momentum (and dampening) under stage_momentum
 
 
 @dataclass(frozen=True)
@@ -44,10 +59,16 @@ class DelayCorrections:
     spike_compensation: bool = False
     dc_lambda: float = 0.0  # DC-ASGD-a's lambda_0; 0: off
     lr_warmup: int = 0  # PipeMare's T in updates; 0: off
+    stage_momentum: bool = False  # delay-matched momentum per stage
 
     @property
     def any(self) -> bool:
-        return self.spike_compensation or self.dc_lambda > 0 or self.lr_warmup > 0
+        return self.spike_compensation or self.dc_lambda > 0 or self.lr_warmup > 0 or self.stage_momentum
+
+
+def delay_matched_momentum(momentum: float, delay: float) -> float:
+    """beta_k = 1 - (1 - beta) / (1 + D)^2: the momentum whose window grows with the square of the delay D."""
+    return 1.0 - (1.0 - momentum) / (1.0 + delay) ** 2
 
 
 def check_delay_corrections(corrections: DelayCorrections, policy: str) -> None:
@@ -70,12 +91,49 @@ def _spike_kind(optimizer: torch.optim.Optimizer) -> str:
     raise ValueError(f"spike_compensation is defined for {SPIKE_OPTIMIZERS}, not {type(optimizer).__name__}")
 
 
+def _check_stage_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, naming what works, an optimizer whose momentum stage_momentum cannot re-time."""
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    if type(optimizer) is not torch.optim.SGD:
+        raise ValueError(f"stage_momentum is defined for {STAGE_MOMENTUM_OPTIMIZERS}, not {type(optimizer).__name__}")
+    if any(g["momentum"] == 0 for g in optimizer.param_groups):
+        raise ValueError("stage_momentum lengthens the momentum's window: torch.optim.SGD needs momentum > 0")
+    if any(g["nesterov"] for g in optimizer.param_groups):
+        raise ValueError("stage_momentum keeps SGD's effective rate through its dampening, which torch's Nesterov "
+                         "SGD does not take: use nesterov=False with staleness='nesterov', whose look-ahead is the "
+                         "Nesterov step")
+
+
+def match_momentum(optimizer: torch.optim.Optimizer, delay: float) -> None:
+    """Set each group's momentum to the delay-matched one from the group's own values (kept under BASE_KEY on
+    the first call; a checkpoint's groups bring theirs). SGD also starts zero momentum buffers where it has none:
+    its first step would otherwise take a gradient whole into a buffer that now decays slower."""
+    for group in optimizer.param_groups:
+        if "betas" in group:
+            base = group.setdefault(BASE_KEY, {"beta1": float(group["betas"][0])})
+            group["betas"] = (delay_matched_momentum(base["beta1"], delay), group["betas"][1])
+            continue
+        base = group.setdefault(BASE_KEY, {"momentum": group["momentum"], "dampening": group["dampening"]})
+        momentum = delay_matched_momentum(base["momentum"], delay)
+        group["momentum"] = momentum
+        group["dampening"] = 1.0 - (1.0 - base["dampening"]) * (1.0 - momentum) / (1.0 - base["momentum"])
+        if momentum == base["momentum"]:
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 class CorrectedStep:
     """The hooks that apply ``corrections`` around every step of ``optimizer`` (one stage's)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, policy: StalenessPolicy, corrections: DelayCorrections):
         self.optimizer, self.policy, self.corrections = optimizer, policy, corrections
         self.kind = _spike_kind(optimizer) if corrections.spike_compensation else None
+        if corrections.stage_momentum:
+            _check_stage_momentum(optimizer)
         self.delay = 0.0
         self._lrs: list[float] = []
         self._gradients: dict[torch.Tensor, torch.Tensor] = {}  # what the step puts into momentum, where not .grad
@@ -91,6 +149,9 @@ class CorrectedStep:
         self.steady_delay = policy.steady_delay()
         if corrections.lr_warmup > 0:
             policy.scale_learning_rate(self.lr_scale)
+        if corrections.stage_momentum:
+            match_momentum(optimizer, self.steady_delay)
+            policy.stream_hooks.append(lambda: match_momentum(optimizer, self.steady_delay))
 
     def lr_scale(self) -> float:
         """PipeMare's factor for the next update: 1 / (1 + D)^(1 - min(t / T, 1)), D the stage's delay past

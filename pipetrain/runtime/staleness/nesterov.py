@@ -39,7 +39,11 @@ class NesterovPolicy(StashPolicy):
             raise ValueError("staleness='nesterov' evaluates gradients at the Nesterov look-ahead point itself; "
                              "an optimizer with nesterov=True would look ahead twice: use nesterov=False")
         self.lags = StreamLags(self.stage, self.stages, self.micro_batches)
-        self.gamma = momentum_of(self.optimizer.param_groups[0]) if self.optimizer is not None else 0.0
+
+    @property
+    def gamma(self) -> float:
+        """The momentum the look-ahead follows: read at each use (stage_momentum sets it after the policy is built)."""
+        return momentum_of(self.optimizer.param_groups[0]) if self.optimizer is not None else 0.0
 
     def delay(self, micro_batch: int) -> float:
         return self.lookahead * self.lags(micro_batch)
