@@ -4,7 +4,9 @@ Two parts, both independent of pipetrain's runtime:
 
 1. On a quadratic f(x) = lambda x^2 / 2: the largest lr * lambda at which heavy ball (momentum 0.9) still
    converges when each gradient is computed at the weights of D updates earlier, plainly and with spike
-   compensation, linear weight prediction or the Nesterov look-ahead (found by bisection on simulated runs).
+   compensation, linear weight prediction or the Nesterov look-ahead (found by bisection on simulated runs);
+   then the largest effective rate lr * lambda / (1 - gamma) with the Nesterov look-ahead at gamma 0.9 and at
+   stage_momentum's delay-matched gamma (pipetrain.runtime.staleness.corrections).
 2. The zoo's LSTM on MNIST-1D trained by plain PyTorch with the gradient of step t computed at the weights
    of step t - D (kept copies) and applied at step t: the validation accuracy per epoch for each D.
 
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from pipetrain.apps.datasets import load_dataset
 from pipetrain.apps.models import build_model
+from pipetrain.runtime.staleness.corrections import delay_matched_momentum
 
 VARIANTS = ("plain", "spike compensation", "linear prediction", "nesterov look-ahead")
 
@@ -99,6 +102,12 @@ def main() -> None:
     print(f"{'D':>3} " + " ".join(f"{v:>20}" for v in VARIANTS))
     for d in delays:
         print(f"{d:>3} " + " ".join(f"{stability_bound(d, 0.9, v):>20.3f}" for v in VARIANTS))
+    print("\nlargest stable effective rate lr * lambda / (1 - gamma), nesterov look-ahead:")
+    print(f"{'D':>3} {'gamma 0.9':>10} {'delay-matched gamma':>20} {'its bound':>10}")
+    for d in delays:
+        matched = delay_matched_momentum(0.9, d)
+        print(f"{d:>3} {stability_bound(d, 0.9, 'nesterov look-ahead') / 0.1:>10.2f} {matched:>20.4f} "
+              f"{stability_bound(d, matched, 'nesterov look-ahead') / (1 - matched):>10.2f}")
     print(f"\nLSTM / MNIST-1D, heavy ball lr {args.lr}, batch 64, seed {args.seed}: validation accuracy % by epoch")
     for d in delays:
         curve = delayed_training(d, args.lr, args.epochs, args.train_samples, args.seed)
