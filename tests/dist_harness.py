@@ -10,6 +10,7 @@ made, so each rank starts as clean as a spawned one and runs the same code.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import random
@@ -54,6 +55,9 @@ def _worker(rank: int, world: int, port: int, module: str, function: str, out: s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    # The preloaded libraries' objects live as long as the rank: keep them out of every garbage collection
+    # (a pipeline's close() collects once, which otherwise scans ~450k objects, 0.2 s, each time).
+    gc.freeze()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         result = getattr(importlib.import_module(module), function)(rank, world, *args)

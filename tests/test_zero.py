@@ -80,13 +80,15 @@ def measured(pipe, steps) -> dict:
     sent_before, written = getattr(reducer, "sent_bytes", 0), written_bytes()
     for x, y in steps:
         pipe.step(x, y)
-    return {"state": pipe.state_dict(), "wire": written_bytes() - written, "optimizer_bytes": state_bytes(pipe), "grad_bytes": reducer.gradient_bytes,
+    measures = {"state": pipe.state_dict(), "wire": written_bytes() - written, "optimizer_bytes": state_bytes(pipe), "grad_bytes": reducer.gradient_bytes,
             "sent": getattr(reducer, "sent_bytes", 0) - sent_before, "payload": sum(
                 p.numel() * p.element_size() for rt in pipe.held_stages.values() for p in rt.module.parameters()),
             "largest": max(p.numel() * p.element_size() for rt in pipe.held_stages.values()
                            for p in rt.module.parameters()),
             "padding": reducer.padding_bytes() if hasattr(reducer, "padding_bytes") else 0,
             "predicted": list(pipe.plan.stage_memory), "param_bytes": list(pipe.plan.param_bytes)}
+    pipe.close()  # its groups' threads would otherwise poll until the world ends (the worlds make dozens)
+    return measures
 
 
 def training_cases(world) -> dict[str, dict]:
@@ -143,6 +145,7 @@ def zero_scenarios(rank, world, checkpoint_dir):
             for s in schedulers:
                 s.step()
         out[("warmup", zero)] = {"state": pipe.state_dict()}
+        pipe.close()
     # fp16: an overflow on one rank skips the same step everywhere and halves the scale everywhere.
     for zero in (0, 1):
         pipe = wrap(world, zero, precision="fp16")
@@ -154,6 +157,7 @@ def zero_scenarios(rank, world, checkpoint_dir):
             pipe.step(x, y)
             skipped.append(pipe.last_result.skipped)
         out[("fp16", zero)] = {"state": pipe.state_dict(), "skipped": skipped, "scale": pipe.loss_scale}
+        pipe.close()
     # A NaN on one replica's last stage: skipped everywhere, or raised everywhere before anything moves.
     for zero, mode in ((0, "skip"), (2, "skip"), (1, "raise")):
         pipe = wrap(world, zero, nonfinite=mode)
@@ -168,6 +172,7 @@ def zero_scenarios(rank, world, checkpoint_dir):
             error = str(e)
         out[(f"nonfinite-{mode}", zero)] = {"state": pipe.state_dict(), "skipped": skipped, "error": error,
                                             "before": before}
+        pipe.close()
     # A weight tied across the two stages (embedding and output projection).
     for zero in (0, 1, 2):
         x, y = data("tied", 39)
@@ -177,12 +182,14 @@ def zero_scenarios(rank, world, checkpoint_dir):
         for i in range(3):
             pipe.step(x[13 * i:13 * (i + 1)], y[13 * i:13 * (i + 1)])
         out[("tied", zero)] = {"state": pipe.state_dict(), "tied": pipe.plan.tied_groups()}
+        pipe.close()
     # async-1f1b with every policy, replicated and sharded (the predicting ones read v all-gathered).
     for staleness, opt in ASYNC.items():
         for zero in (0, 1 + (staleness in ("2bw", "nesterov"))):
             pipe = wrap(world, zero, optimizer=opt, schedule="async-1f1b", staleness=staleness)
             losses = [r.loss for r in pipe.train(batches("mlp", 5, size=SIZE))]
             out[(f"async-{staleness}", zero)] = {"state": pipe.state_dict(), "losses": losses}
+            pipe.close()
     if checkpoint_dir is not None:
         out.update(checkpoint_scenarios(world, checkpoint_dir))
     return out
@@ -198,10 +205,12 @@ def checkpoint_scenarios(world, root) -> dict:
         for x, y in bs[:2]:
             pipe.step(x, y)
         pipe.save(path)
+        pipe.close()
         resumed = wrap(world, loaded_zero)
         resumed.load(path)
         resumed.step(*bs[2])
         out[("resume", saved_zero, loaded_zero)] = {"state": resumed.state_dict(), "updates": resumed.updates}
+        resumed.close()
     # SpecTrain predicts from the first mini-batch after a load: the resumed replicas need v at once.
     stream = batches("mlp", 4, size=SIZE)
     for zero in (0, 1):
@@ -209,10 +218,12 @@ def checkpoint_scenarios(world, root) -> dict:
         pipe = wrap(world, zero, schedule="async-1f1b", staleness="spectrain")
         list(pipe.train(stream[:2]))
         pipe.save(path)
+        pipe.close()
         resumed = wrap(world, zero, schedule="async-1f1b", staleness="spectrain")
         resumed.load(path)
         list(resumed.train(stream[2:]))
         out[("resume-spectrain", zero)] = {"state": resumed.state_dict()}
+        resumed.close()
     return out
 
 
@@ -225,6 +236,7 @@ def four_replicas(rank, world, root):
         pipe.load(f"{root}/z1-d2")
         pipe.step(*batches("mlp", size=SIZE)[2])
         out[zero] = pipe.state_dict()
+        pipe.close()
     for zero in (0, 1):
         pipe = wrap(world, zero, allreduce="hierarchical", hierarchy=(2, 2))
         out[("hierarchical", zero)] = measured(pipe, batches("mlp", size=SIZE))
