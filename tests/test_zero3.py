@@ -106,9 +106,11 @@ def held_bytes(pipe: pipetrain.Pipeline, steps) -> dict:
         pipe.step(x, y)
     params = [p for rt in stages for p in rt.params]
     states = [t for rt in stages for s in rt.optimizer.state.values() for t in s.values() if t.dim() > 0]
-    return {"parameters": sum(p.to_local().nbytes for p in params), "whole parameters": sum(p.nbytes for p in params),
+    held = {"parameters": sum(p.to_local().nbytes for p in params), "whole parameters": sum(p.nbytes for p in params),
             "optimizer": sum(t.to_local().nbytes for t in states), "whole optimizer": sum(t.nbytes for t in states),
             **seen}
+    pipe.close()
+    return held
 
 
 def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dict:
@@ -117,10 +119,14 @@ def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dic
     for case, (model, kw) in CASES.items():
         pipe = wrap(model, **kw)
         out[case] = [r.loss for r in pipe.train(batches(model, size=SIZE))], pipe.state_dict()
+        # Closed, its groups' threads end. The next pipeline's meshes span the same ranks: their DTensors must
+        # not run on the destroyed groups (DeviceMesh equality ignores groups; see fully_sharded._dim_name).
+        pipe.close()
     for precision in LOW_PRECISION:
         for zero in (0, 3):
             pipe = wrap("mlp", precision=precision, zero=zero)
             out[(precision, zero)] = [r.loss for r in pipe.train(steps)], pipe.state_dict()
+            pipe.close()
     # A NaN in one sample of replica 1's half of mini-batch 1: every rank raises (or skips) that step, then trains on.
     bad = steps[1][0].clone(), steps[1][1]
     bad[0][SIZE - 2] = float("nan")
@@ -134,6 +140,7 @@ def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dic
             outcome = "raised"
         pipe.step(*steps[2])
         out["nonfinite", mode] = outcome, pipe.state_dict()
+        pipe.close()
     # Memory: 2 stages x 2 replicas, and 1 stage x 4 replicas.
     out["bytes", 2] = held_bytes(wrap("mlp", optimizer=adam), steps)
     out["bytes", 4] = held_bytes(wrap("mlp", world_replicas=4, stages=1, optimizer=adam), steps)
@@ -141,6 +148,7 @@ def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dic
     pipe = wrap("mlp", world_replicas=4, stages=1, hierarchy=(2, 2), max_grad_norm=MAX_NORM)
     out["hsdp"] = [r.loss for r in pipe.train(steps)], pipe.state_dict(), [
         tuple(p.to_local().shape) for rt in pipe.held_stages.values() for p in rt.params]
+    pipe.close()
     # A Llama on the meta device read from a checkpoint, 1 stage x 4 replicas: each rank makes its own shards only.
     case = third_party_models.CASES["llama"]
     with PeakBytes() as counter:
@@ -155,10 +163,12 @@ def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dic
     for seed in (1, 2):
         pipe.step(*case.batch(8, seed))
     out["meta"] = made, pipe.state_dict()
+    pipe.close()
     # A checkpoint saved at 2 stages x 2 replicas resumes at 1 stage x 4 replicas.
     pipe = wrap("mlp", optimizer=adam)
     list(pipe.train(steps[:2]))
     pipe.save(Path(root) / "ckpt")
+    pipe.close()
     resumed = wrap("mlp", world_replicas=4, stages=1, optimizer=adam)
     resumed.load(Path(root) / "ckpt")
     list(resumed.train(steps[2:]))

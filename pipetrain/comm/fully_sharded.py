@@ -29,10 +29,21 @@ def replica_mesh(group, hierarchy: Hierarchy | None, device: torch.device) -> De
     when they span several nodes (sharded inside a node, replicated across nodes)."""
     ranks = torch.distributed.get_process_group_ranks(group)
     if hierarchy is None or hierarchy.nodes == 1 or hierarchy.inter is None or hierarchy.intra_reduce is None:
-        return DeviceMesh.from_group(group, device.type, mesh=ranks, mesh_dim_names=("shard",))
+        return DeviceMesh.from_group(group, device.type, mesh=ranks, mesh_dim_names=(_dim_name("shard", group),))
     layout = torch.tensor(sorted(ranks)).view(hierarchy.nodes, hierarchy.per_node)
     return DeviceMesh.from_group([hierarchy.inter, hierarchy.intra_reduce], device.type, mesh=layout,
-                                 mesh_dim_names=("replicate", "shard"))
+                                 mesh_dim_names=(_dim_name("replicate", hierarchy.inter),
+                                                 _dim_name("shard", hierarchy.intra_reduce)))
+
+
+def _dim_name(role: str, group) -> str:
+    """A mesh dimension's name, unique to the process group behind it.
+
+    DeviceMesh equality ignores the groups: two meshes over the same ranks with the same dimension names are
+    equal, and DTensor's sharding caches, keyed by equality, hand back whichever came first. After a closed
+    pipeline destroyed its groups, the next pipeline's DTensors would then run collectives on those
+    ("Could not resolve the process group"). The group's name in the dimension's keeps the meshes apart."""
+    return f"{role}-{group.group_name}"
 
 
 def shard_module(module: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
