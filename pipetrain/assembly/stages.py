@@ -10,7 +10,6 @@ from torch import nn
 import partitioners
 from pipetrain.allreduce.slices import shards_evenly
 from pipetrain.assembly.parameter_names import name_parameters
-from pipetrain.comm.fully_sharded import counts_in_norm, replica_mesh, shard_module
 from pipetrain.comm.replicas import position_owners, trainable
 from pipetrain.runtime.compiled import compile_arguments, compile_stage, graph_compile_options
 from pipetrain.runtime.graph_backward import GraphBackward
@@ -70,6 +69,8 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     devices = {v: engine.torch_device(topology.position_of(v)) for v in range(V) if topology.position_of(v) in held}
     shard = None
     if options.zero == 3:  # FSDP2 shards every tensor evenly over the stage's replicas; no owners
+        from pipetrain.comm.fully_sharded import replica_mesh, shard_module  # FSDP2: ~1 s to import, zero=3 only
+
         mesh = replica_mesh(engine.world.data_parallel_group, engine.world.hierarchy, engine.world.device)
         shard = functools.partial(shard_module, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
     if shard is not None and tensors.without_data:  # each rank makes its shards only, never a whole stage
@@ -131,6 +132,8 @@ def build_steppers(stages: dict[int, StageRuntime], topology: Topology, connecti
     duplicates = frozenset(id(stages[v].module.get_parameter(name)) for copies in tied for v, name in copies[1:]
                            if v in stages)
     if options.zero == 3:
+        from pipetrain.comm.fully_sharded import counts_in_norm
+
         counted = counts_in_norm(engine.world.hierarchy)
     else:
         counted = bool(options.zero) or engine.world is None or engine.world.replica == 0

@@ -18,7 +18,7 @@ import itertools
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,6 @@ from pipetrain.comm.failures import FailureBoard
 from pipetrain.comm.replica_start import check_replicas_read_alike, start_replicas_equal
 from pipetrain.comm.overflow_agreement import DistributedOverflowAgreement, LocalOverflowAgreement
 from pipetrain.comm.peers import peers_answer
-from pipetrain.comm.fully_sharded import FullyShardedReducer
 from pipetrain.comm.replicas import ReductionSettings, StageReducer, replica_shard, shard_weight
 from pipetrain.comm.reporting import Reporter
 from pipetrain.comm.tied import DistributedTiedSync, LocalTiedSync
@@ -42,6 +41,9 @@ from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.optimizer_step import OverflowAgreement, TiedSync
 from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.topology import Topology
+
+if TYPE_CHECKING:
+    from pipetrain.comm.fully_sharded import FullyShardedReducer
 
 ENGINES = ("auto", "local", "distributed")  # wrap's engine= choices (select_engine)
 # Distributed pipelines this process built: each takes its own namespace in the store, numbered alike on every rank.
@@ -251,6 +253,8 @@ class DistributedEngine:
         if self.reduction is not None:
             held = [stages[v] for v in topology.stages_at(world.position)]
             if self.options.zero == 3:
+                from pipetrain.comm.fully_sharded import FullyShardedReducer  # FSDP2: ~1 s to import, zero=3 only
+
                 reducers[world.position] = FullyShardedReducer(held, counter, self.options.reshard_after_forward)
             else:
                 reducers[world.position] = StageReducer(held, world.data_parallel_group, world.hierarchy,

@@ -11,11 +11,10 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from pipetrain.comm import recording
 from pipetrain.comm.peers import peers_answer
-from pipetrain.runtime.local_shards import local as local_shard
+from pipetrain.runtime.local_shards import is_dtensor, local as local_shard
 from pipetrain.runtime.progress import BLOCKED
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.stage import StageRuntime
@@ -98,7 +97,7 @@ class DistributedTiedSync:
                     dist.all_reduce(total, group=self.groups[i])
                 self.counter.add("tied_grads", local[0][0], total.numel() * total.element_size())
             for p in params:
-                if isinstance(p, DTensor):
+                if is_dtensor(p):
                     p.grad = _grad(p)
                     local_shard(p.grad).copy_(total)
                 else:

@@ -23,8 +23,6 @@ from typing import Any, Callable
 
 import torch
 from torch import fx, nn
-from torch._functorch.aot_autograd import aot_export_joint_simple
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils import _pytree as pytree
 
 from pipetrain.runtime.loss_checks import compute_loss
@@ -114,6 +112,8 @@ def derive(module: nn.Module, inputs: tuple, target: Any = None, loss_fn: Callab
     if len(tangents) != sum(taking):
         raise GraphSplitUnsupported(f"its joint graph has {len(tangents)} output gradients for {sum(taking)} "
                                     "differentiable outputs")
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # see _trace_joint
+
     forward, backward = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=num_outputs)
     input_slots = [i for i in range(len(names), len(names) + len(inputs)) if args[i].requires_grad]
     b, w, saved_for_b, w_from_b, w_saved = _split_backward(backward, len(tangents), len(weights), input_slots)
@@ -161,6 +161,9 @@ def _trace_joint(run: Callable, args: tuple, num_params_buffers: int) -> fx.Grap
     """The joint forward+backward graph of ``run``. An output that is an input or a view of one (a
     tensor a stage passes on to a later stage unchanged) is traced as a copy: the graphs hand out
     fresh tensors, and the gradient through a copy is the same."""
+    # AOTAutograd brings torch._dynamo (~2 s of every process's start-up): imported where a graph split is made.
+    from torch._functorch.aot_autograd import aot_export_joint_simple
+
     try:
         return aot_export_joint_simple(run, args, trace_joint=True, num_params_buffers=num_params_buffers)
     except RuntimeError as exc:

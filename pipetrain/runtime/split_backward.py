@@ -7,10 +7,16 @@ kernels a full backward would (nothing is recomputed) and only the order of work
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import _backward as graph
+
+
+def _graph():
+    """torch.distributed.pipelining's graph helpers, imported at first use: the package brings torch._dynamo
+    (~0.5 s of every process's start-up) and only the zero-bubble schedules need it."""
+    return importlib.import_module("torch.distributed.pipelining._backward")
 
 
 def split_is_complete(outputs: list[torch.Tensor], inputs: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
@@ -20,6 +26,7 @@ def split_is_complete(outputs: list[torch.Tensor], inputs: list[torch.Tensor], p
     so such a stage runs its backward whole."""
     if not inputs:
         return False
+    graph = _graph()
     roots = [n for n in map(graph._get_grad_fn_or_grad_acc, outputs) if n is not None]
     reverse_edges = graph.construct_reverse_graph(roots)
     inputs_closure, _ = graph.reverse_closure([graph._get_grad_fn_or_grad_acc(t) for t in inputs], set(),
@@ -39,10 +46,10 @@ def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor]
     # The helper detaches the outputs in place once B is done (freeing their graph), which a view cannot
     # be (a Linear on 3-D input returns one): such an output enters as a copy, freed with B's graph.
     outputs = [t.clone() if t._base is not None else t for t in outputs]
-    _, groups = graph.stage_backward_input(outputs, output_grads, inputs, iter(params))
+    _, groups = _graph().stage_backward_input(outputs, output_grads, inputs, iter(params))
     return groups
 
 
 def backward_weight(params: list[torch.Tensor], groups: list[dict[str, Any]]) -> None:
     """W: accumulate the gradients of ``params`` into their ``.grad``."""
-    graph.stage_backward_weight(iter(params), groups)
+    _graph().stage_backward_weight(iter(params), groups)

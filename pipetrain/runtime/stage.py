@@ -7,14 +7,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils import _pytree as pytree
 
 from pipetrain.runtime import split_backward
 from pipetrain.runtime.graph_backward import GraphBackward, GraphFlight
 from pipetrain.runtime.graph_split import GraphSplit
 from pipetrain.runtime.live_casts import LiveCasts
-from pipetrain.runtime.local_shards import gathered_bytes, live_parameters
+from pipetrain.runtime.local_shards import gathered_bytes, is_fully_sharded, live_parameters
 from pipetrain.runtime.loss_checks import compute_loss
 from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.metrics import StageReport
@@ -99,7 +98,7 @@ class StageRuntime:
         self._split_ok: bool | None = None  # whether this stage's graph splits into B and W (checked once)
         self.params = list(self.module.parameters())  # walked on every action and step: listed once
         # zero=3: the parameters above are the shards the optimizer steps; autograd sees all-gathered ones.
-        self.fully_sharded = isinstance(self.module, FSDPModule)
+        self.fully_sharded = is_fully_sharded(self.module)
         self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value) at step start
         self._resident: tuple[tuple[int, int], int] | None = None  # (what it was counted for, resident bytes)
         self._swap: WeightSwap | None = None  # runs the module on a staleness policy's weight set

@@ -16,18 +16,20 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from partitioners.stage_builder import retarget_devices
 from partitioners.state_names import StateNames
 from pipetrain.adapters import AdapterLayout
-from pipetrain.runtime.local_shards import shard_like
+from pipetrain.runtime.local_shards import is_dtensor, shard_like
 from pipetrain.weights.initialise import initial_tensors
 from pipetrain.weights.sources import WeightSource, copy_into, match_names, open_weights
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -97,7 +99,7 @@ class StageTensors:
         made: dict[int, Any] = {}
         for name, t in _state(stage).items():
             if id(t) not in made:
-                made[id(t)] = _ShardTarget(t) if isinstance(t, DTensor) else _WholeTarget(t)
+                made[id(t)] = _ShardTarget(t) if is_dtensor(t) else _WholeTarget(t)
             targets[name] = made[id(t)]
         groups: dict[int, list[str]] = {}
         for name, target in targets.items():
