@@ -41,6 +41,7 @@ def wrap(model: nn.Module, example_inputs: Any, *,
          dc_lambda: float = 0.0,
          stage_lr_warmup: int = 0,
          stage_momentum: bool = False,
+         error_feedback: bool = False,
          devices: list[torch.device] | None = None,
          seed: int = 0,
          profile: bool = True,
@@ -101,6 +102,8 @@ def wrap(model: nn.Module, example_inputs: Any, *,
         stage_lr_warmup: async-1f1b: PipeMare's per-stage rates, lr / (1 + delay) rising to lr over these updates.
         stage_momentum: async-1f1b: each stage's momentum window grows with the square of its delay, at the same
             effective rate (beta_k = 1 - (1 - beta) / (1 + delay)^2).
+        error_feedback: async-1f1b: add the last update's error, extrapolated over the delay, W += D (u_t - u_{t-1})
+            (Zmushko et al.'s correction for 2bw; any optimizer).
         devices: local engine: the torch.device of each stage.
         seed: dropout and initialisation streams (a meta-device model's weights depend on it and names only).
         profile: time the model's nodes for the graph partitioner. bandwidth: bytes/s between stages.

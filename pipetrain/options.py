@@ -73,11 +73,12 @@ class PipelineOptions:
     lookahead: float = 1.0
     # async-1f1b delay corrections, with any policy (pipetrain.runtime.staleness.corrections): spike
     # compensation (Kosson et al.), DC-ASGD-a's lambda_0 (0: off), PipeMare's per-stage rate warm-up (updates; 0: off),
-    # delay-matched momentum per stage.
+    # delay-matched momentum per stage, error feedback on the update (Zmushko et al., for 2bw).
     spike_compensation: bool = False
     dc_lambda: float = 0.0
     stage_lr_warmup: int = 0
     stage_momentum: bool = False
+    error_feedback: bool = False
     devices: list[torch.device] | None = None  # local engine: device per stage
     seed: int = 0
     profile: bool = True
@@ -219,6 +220,8 @@ class PipelineOptions:
             raise TypeError(f"spike_compensation must be True or False, got {self.spike_compensation!r}")
         if not isinstance(self.stage_momentum, bool):
             raise TypeError(f"stage_momentum must be True or False, got {self.stage_momentum!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"error_feedback must be True or False, got {self.error_feedback!r}")
         if not isinstance(self.dc_lambda, (int, float)) or not self.dc_lambda >= 0:
             raise ValueError(f"dc_lambda must be a number >= 0 (0: off; DC-ASGD-a's lambda_0), got {self.dc_lambda!r}")
         if not isinstance(self.stage_lr_warmup, int) or self.stage_lr_warmup < 0:
@@ -227,8 +230,8 @@ class PipelineOptions:
         if not corrections.any:
             return
         if self.schedule != "async-1f1b":
-            raise ValueError(f"spike_compensation, dc_lambda, stage_lr_warmup and stage_momentum correct the delay of async-1f1b's "
-                             f"gradients; the {self.schedule} schedule has none: leave them off")
+            raise ValueError(f"spike_compensation, dc_lambda, stage_lr_warmup, stage_momentum and error_feedback correct the "
+                             f"delay of async-1f1b's gradients; the {self.schedule} schedule has none: leave them off")
         if self.zero:
             raise ValueError("the delay corrections are not implemented with zero > 0 (each replica would need every "
                              "tensor's optimizer state): use zero=0 with them")
@@ -236,7 +239,8 @@ class PipelineOptions:
 
     @property
     def delay_corrections(self) -> DelayCorrections:
-        return DelayCorrections(self.spike_compensation, float(self.dc_lambda), self.stage_lr_warmup, self.stage_momentum)
+        return DelayCorrections(self.spike_compensation, float(self.dc_lambda), self.stage_lr_warmup, self.stage_momentum,
+                                self.error_feedback)
 
     def _check_zero(self) -> None:
         if self.zero not in ZERO:

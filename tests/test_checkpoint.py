@@ -32,7 +32,8 @@ def train(pipe, batches):
 
 CASES = [("1f1b", "none"), ("async-1f1b", "stash"), ("async-1f1b", "spectrain"), ("async-1f1b", "nesterov")]
 # The delay corrections keep state in the optimizer (DC-ASGD's MeanSquare) and read the update count (PipeMare).
-OPTIONS = {"nesterov": dict(spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=4, stage_momentum=True)}
+OPTIONS = {"nesterov": dict(spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=4, stage_momentum=True,
+                            error_feedback=True)}
 
 
 def first_half(rank, world, root, engine):

@@ -88,15 +88,18 @@ def test_method_configs():
 def test_method_suffixes_turn_on_the_delay_corrections():
     base = RunConfig(stages=4, micro_batches=8, lr=0.1)
     plain = method_config(base, "nesterov")
-    assert (plain.spike_compensation, plain.dc_lambda, plain.stage_lr_warmup, plain.stage_momentum) == (False, 0.0, 0, False)
-    every = method_config(base, "nesterov@2+sc+dc=0.5+pm=300+sm")
+    assert (plain.spike_compensation, plain.dc_lambda, plain.stage_lr_warmup, plain.stage_momentum,
+            plain.error_feedback) == (False, 0.0, 0, False, False)
+    every = method_config(base, "nesterov@2+sc+dc=0.5+pm=300+sm+ef")
     assert (every.staleness, every.lookahead, every.spike_compensation, every.dc_lambda, every.stage_lr_warmup,
-            every.stage_momentum) == ("nesterov", 2.0, True, 0.5, 300, True)
+            every.stage_momentum, every.error_feedback) == ("nesterov", 2.0, True, 0.5, 300, True, True)
     defaults = method_config(base, "stash+dc+pm")
     assert (defaults.dc_lambda, defaults.stage_lr_warmup) == (2.0, 500)  # DC-ASGD-a's paper; PIPEMARE_WARMUP
     assert method_config(base, "spectrain+fo+sc").spectrain_variant == "forward-only"
     assert "stage momentum" in method_config(base, "stash+sm").describe()
+    assert "error feedback" in method_config(base, "2bw+ef").describe()
     for bad, message in (("stash+fo", "unknown suffix"), ("stash+sm=2", "unknown suffix"), ("1f1b+sm", "has none"),
+                         ("2bw+ef=1", "unknown suffix"),
                          ("nesterov+xx", "unknown suffix")):
         with pytest.raises(ValueError, match=message):
             method_config(base, bad)

@@ -1,6 +1,5 @@
 """The async-1f1b delay corrections (spike compensation, DC-ASGD-a, PipeMare's per-stage rates, delay-matched
-momentum) against a
-hand-written reference of their update rules.
+momentum, error feedback on the update) against a hand-written reference of their update rules.
 
 The reference extends test_staleness_reference's: the same chain of Linear layers and hand-written forward
 and backward with the weights the policy's definition names, and the optimizer's update written out here
@@ -28,10 +27,12 @@ def gradient_delay(policy: str, u: int, k: int, stages: int, m: int) -> int:
 class CorrectedReference(Reference):
     """Reference training with the corrections applied to each stage's update by hand."""
 
-    def __init__(self, stages, m, policy, spike=False, dc=0.0, warmup=0, optimizer="sgd", stage_momentum=False):
+    def __init__(self, stages, m, policy, spike=False, dc=0.0, warmup=0, optimizer="sgd", stage_momentum=False,
+                 error_feedback=False):
         super().__init__(stages, m, policy)
         self.spike, self.dc, self.warmup, self.optimizer = spike, dc, warmup, optimizer
-        self.stage_momentum = stage_momentum
+        self.stage_momentum, self.error_feedback = stage_momentum, error_feedback
+        self.previous_update = [None] * stages  # error feedback: u_{t-1} per stage
         self.mean_square = [None] * stages
         self.adam = [[None, None, 0] for _ in range(stages)]  # exp_avg, exp_avg_sq, steps per stage
         # The delay past the warm-up: (N - k - 1) / m on average, 1 for 2bw.
@@ -71,7 +72,8 @@ class CorrectedReference(Reference):
                          for gi, s, wi, si in zip(g, ms, w, stale[k])]
                 lr_scale = self.scale(k, t)
                 if self.optimizer == "adam":
-                    self.params[k].append(self.adam_update(k, w, g, delay, ADAM_LR * lr_scale))
+                    self.params[k].append(self.fed_back(k, w, self.adam_update(k, w, g, delay, ADAM_LR * lr_scale),
+                                                        delay))
                     self.buffers[k].append(None)
                     continue
                 old = self.buffers[k][t]
@@ -93,7 +95,17 @@ class CorrectedReference(Reference):
                     if self.spike and delay:  # the gradient's share of buf is kept, not 1
                         a, b_ = beta ** delay, (1 - beta ** delay) / (1 - beta)
                         update = [a * b + b_ * kept * gi for b, gi in zip(buf, g)]
-                self.params[k].append([p - LR * lr_scale * d for p, d in zip(w, update)])
+                self.params[k].append(self.fed_back(k, w, [p - LR * lr_scale * d for p, d in zip(w, update)], delay))
+
+    def fed_back(self, k, w, stepped, delay):
+        """Error feedback: W(t+1) = W(t) + u_t + D (u_t - u_{t-1}), u_t = stepped - W(t) the step's own update."""
+        if not self.error_feedback:
+            return stepped
+        update = [n - p for n, p in zip(stepped, w)]
+        previous, self.previous_update[k] = self.previous_update[k], update
+        if previous is None or delay == 0:
+            return stepped
+        return [n + delay * (u - v) for n, u, v in zip(stepped, update, previous)]
 
     def adam_update(self, k, w, g, delay, lr):
         exp_avg, exp_avg_sq, steps = self.adam[k]
@@ -115,14 +127,16 @@ OPTIMIZERS = {
     "adam": lambda p: torch.optim.Adam(p, lr=ADAM_LR, betas=BETAS, eps=EPS),
 }
 CORRECTIONS = {"spike": dict(spike_compensation=True), "dc": dict(dc_lambda=0.5), "warmup": dict(stage_lr_warmup=4),
-               "momentum": dict(stage_momentum=True),
-               "all": dict(spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=4, stage_momentum=True)}
+               "momentum": dict(stage_momentum=True), "feedback": dict(error_feedback=True),
+               "all": dict(spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=4, stage_momentum=True,
+                           error_feedback=True)}
 CASES = [("stash", 4, 1, "sgd", "spike"), ("stash", 3, 2, "sgd", "spike"), ("stash", 4, 3, "nag", "spike"),
          ("stash", 4, 1, "adam", "spike"), ("2bw", 4, 3, "sgd", "spike"), ("stash", 4, 1, "sgd", "dc"),
          ("stash", 3, 2, "adam", "dc"), ("2bw", 3, 2, "sgd", "dc"), ("nesterov", 4, 1, "sgd", "warmup"),
          ("stash", 4, 3, "adam", "warmup"), ("nesterov", 4, 1, "sgd", "momentum"), ("spectrain", 4, 1, "sgd", "momentum"),
-         ("stash", 4, 2, "adam", "momentum"), ("2bw", 3, 2, "sgd", "momentum"), ("nesterov", 4, 1, "sgd", "all"),
-         ("stash", 3, 2, "adam", "all")]
+         ("stash", 4, 2, "adam", "momentum"), ("2bw", 3, 2, "sgd", "momentum"), ("2bw", 4, 3, "sgd", "feedback"),
+         ("2bw", 3, 2, "adam", "feedback"), ("2bw", 4, 3, "nag", "feedback"), ("stash", 4, 1, "sgd", "feedback"),
+         ("nesterov", 4, 1, "sgd", "all"), ("stash", 3, 2, "adam", "all")]
 
 
 def equal_to_reference(policy, stages, m, optimizer, correction, steps=7):
@@ -133,7 +147,8 @@ def equal_to_reference(policy, stages, m, optimizer, correction, steps=7):
     list(pipe.train(stream(steps, m)))
     ref = CorrectedReference(stages, m, policy, spike=options.get("spike_compensation", False),
                              dc=options.get("dc_lambda", 0.0), warmup=options.get("stage_lr_warmup", 0),
-                             optimizer=optimizer, stage_momentum=options.get("stage_momentum", False))
+                             optimizer=optimizer, stage_momentum=options.get("stage_momentum", False),
+                             error_feedback=options.get("error_feedback", False))
     ref.train(stream(steps, m))
     return pipe.state_dict(), ref
 
@@ -150,7 +165,7 @@ def test_each_correction_equals_its_hand_written_update_rule(policy, stages, m, 
         torch.testing.assert_close(state[f"{prefix}.bias"], ref.params[k][steps][1], atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("correction", ["spike", "dc", "warmup", "momentum"])
+@pytest.mark.parametrize("correction", ["spike", "dc", "warmup", "momentum", "feedback"])
 def test_each_correction_moves_the_delayed_first_stage(correction):
     # Against plain stash, so the test above cannot pass with a correction silently off.
     stages, m, steps = 4, 1, 7
@@ -165,8 +180,11 @@ def test_refusals_name_what_works():
     common = dict(stages=2, micro_batches=1, partitioner=["1"], engine="local")
     with pytest.raises(ValueError, match="forward-only"):
         wrap_unprofiled(chain(2), x, schedule="async-1f1b", staleness="vanilla", dc_lambda=1.0, **common)
-    with pytest.raises(ValueError, match="has none: leave them off"):
-        wrap_unprofiled(chain(2), x, schedule="1f1b", spike_compensation=True, **common)
+    for correction in CORRECTIONS.values():
+        with pytest.raises(ValueError, match="has none: leave them off"):
+            wrap_unprofiled(chain(2), x, schedule="1f1b", **correction, **common)
+    with pytest.raises(TypeError, match="error_feedback must be True or False"):
+        wrap_unprofiled(chain(2), x, schedule="async-1f1b", staleness="2bw", error_feedback=1, **common)
     with pytest.raises(ValueError, match="torch.optim.SGD .*Adam"):
         wrap_unprofiled(chain(2), x, schedule="async-1f1b", staleness="stash", spike_compensation=True,
                         optimizer=lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9), **common)
@@ -184,7 +202,7 @@ def test_refusals_name_what_works():
 
 
 DISTRIBUTED = [("nesterov", 1, "sgd", "all"), ("stash", 2, "adam", "all"), ("2bw", 2, "nag", "spike"),
-               ("spectrain", 1, "sgd", "momentum")]
+               ("spectrain", 1, "sgd", "momentum"), ("2bw", 2, "adam", "feedback")]
 
 
 def train_corrected(staleness, m, optimizer, correction, engine, steps=6):

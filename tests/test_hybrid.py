@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see py
 
 
 CORRECTED = dict(staleness="nesterov", spike_compensation=True, dc_lambda=0.5, stage_lr_warmup=3, stage_momentum=True,
-                 optimizer=sgd, partitioner="uniform")
+                 error_feedback=True, optimizer=sgd, partitioner="uniform")
 
 
 def hybrid_scenarios(rank, world):

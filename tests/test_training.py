@@ -168,7 +168,7 @@ def test_every_flag_reaches_the_config_and_every_wrap_option_reaches_wrap():
     assert set(options) == {"stages", "micro_batches", "schedule", "staleness", "partitioner", "loss_fn",
                             "precision", "data_parallel", "engine", "logdir", "seed", "lookahead", "profile",
                             "optimizer", "spectrain_variant", "spike_compensation", "dc_lambda", "stage_lr_warmup",
-                            "stage_momentum"}
+                            "stage_momentum", "error_feedback"}
     assert set(options) <= {f.name for f in dataclasses.fields(pipetrain.PipelineOptions)}
     assert options["engine"] == "auto" and options["profile"] is False  # the uniform partitioner times nothing
     assert options["optimizer"]([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"] == given["lr"]
@@ -180,7 +180,8 @@ def test_every_pipeline_option_of_run_config_has_the_default_of_pipeline_options
     shared = {f.name: f for f in dataclasses.fields(RunConfig) if f.name in library and f.name != "optimizer"}
     assert set(shared) == {"stages", "micro_batches", "schedule", "staleness", "partitioner", "precision",
                            "data_parallel", "engine", "logdir", "seed", "lookahead", "profile", "spectrain_variant",
-                           "spike_compensation", "dc_lambda", "stage_lr_warmup", "stage_momentum"}
+                           "spike_compensation", "dc_lambda", "stage_lr_warmup", "stage_momentum",
+                           "error_feedback"}
     assert {name: f.default for name, f in shared.items()} == {name: library[name] for name in shared}
     assert RunConfig().micro_batches == pipetrain.PipelineOptions().micro_batches == 8
     # What reaches wrap under an option's name is the field of that name.

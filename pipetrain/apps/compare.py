@@ -57,7 +57,8 @@ DC_LAMBDA, PIPEMARE_WARMUP = 2.0, 500  # "+dc" and "+pm" without a value: DC-ASG
 # Method suffixes: the delay corrections of pipetrain.runtime.staleness.corrections, and spectrain's variant.
 SUFFIXES = {"sc": "spike compensation (Kosson et al.)", "dc[=L]": f"DC-ASGD-a with lambda_0 L (default {DC_LAMBDA:g})",
             "pm[=T]": f"PipeMare's per-stage rates over T updates (default {PIPEMARE_WARMUP})",
-            "sm": "delay-matched momentum per stage", "fo": "spectrain's forward-only variant"}
+            "sm": "delay-matched momentum per stage", "ef": "error feedback on the update (Zmushko et al.)",
+            "fo": "spectrain's forward-only variant"}
 
 
 def parse_method(method: str) -> tuple[str, float, dict]:
@@ -80,6 +81,8 @@ def parse_method(method: str) -> tuple[str, float, dict]:
                 options["stage_lr_warmup"] = int(value) if value else PIPEMARE_WARMUP
             elif key == "sm" and not value:
                 options["stage_momentum"] = True
+            elif key == "ef" and not value:
+                options["error_feedback"] = True
             elif key == "fo" and not value and name == "spectrain":
                 options["spectrain_variant"] = "forward-only"
             else:

@@ -82,6 +82,8 @@ class RunConfig:
     stage_momentum: bool = _option("stage_momentum", "async-1f1b: each stage's momentum window grows with the "
                                    "square of its delay, at the same effective rate", action="store_true",
                                    pipeline_only=True)
+    error_feedback: bool = _option("error_feedback", "async-1f1b: add the last update's error, extrapolated over the "
+                                   "delay (Zmushko et al., for 2bw)", action="store_true", pipeline_only=True)
     data_parallel: int = _option("data_parallel", "replicas of the whole pipeline", type=int, pipeline_only=True)
     engine: str = _setting(PIPELINE_DEFAULTS["engine"], wrap="engine")
     checkpoint_dir: str | None = _flag(None, "save a checkpoint here after every epoch, and on SIGTERM (then exit 0)",
@@ -144,7 +146,8 @@ class RunConfig:
         corrections = [name for name, on in (("spike compensation", self.spike_compensation),
                                              (f"DC lambda {self.dc_lambda:g}", self.dc_lambda > 0),
                                              (f"PipeMare warm-up {self.stage_lr_warmup}", self.stage_lr_warmup > 0),
-                                             ("stage momentum", self.stage_momentum)) if on]
+                                             ("stage momentum", self.stage_momentum),
+                                             ("error feedback", self.error_feedback)) if on]
         kind += f" + {', '.join(corrections)}" if corrections else ""
         dp = f" x {self.data_parallel} replicas" if self.data_parallel > 1 else ""
         return f"{kind} {self.stages} stages x {self.micro_batches} micro-batches{dp}"

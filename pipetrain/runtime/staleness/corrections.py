@@ -36,6 +36,13 @@ after clipping and the data-parallel reduction, and a checkpoint of the optimize
   rate to keep). The last stage (D = 0) keeps the optimizer's own values. Each group keeps the values it was
   built with under ``BASE_KEY``, so a checkpoint resumed at another stage count derives its own (at the
   start of the next stream).
+- Error feedback on the update (``error_feedback``), for PipeDream-2BW's one-update delay after Zmushko et al.
+  2026 ("One-Step Gradient Delay is Not a Barrier", an optimizer-agnostic correction; their text was not
+  available offline, so this is our reading of it). The update u_t the optimizer computes at step t comes
+  from a gradient D updates old; step t - 1 applied u_{t-1} where, as step t now shows, u_t was due. That
+  error is fed back, extrapolated over the delay: W(t+1) = W(t) + u_t + D (u_t - u_{t-1}). It acts on
+  whatever the optimizer (and the other corrections) moved the weights by, so it holds for any optimizer;
+  the previous update is kept in the optimizer state as ``ef_previous_update`` (checkpointed with it).
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ DC_EPS = 1e-7  # keeps 1 / sqrt(MeanSquare) finite where a gradient entry has al
 SPIKE_OPTIMIZERS = "torch.optim.SGD (momentum > 0, Nesterov or not), torch.optim.Adam or torch.optim.AdamW"
 STAGE_MOMENTUM_OPTIMIZERS = "torch.optim.SGD (momentum > 0, nesterov=False), torch.optim.Adam or torch.optim.AdamW"
 BASE_KEY = "stage_momentum_base"  # a parameter group's own momentum (and dampening) under stage_momentum
+PREVIOUS_UPDATE_KEY = "ef_previous_update"  # error_feedback: the update the optimizer made at the last step
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,12 @@ class DelayCorrections:
     dc_lambda: float = 0.0  # DC-ASGD-a's lambda_0; 0: off
     lr_warmup: int = 0  # PipeMare's T in updates; 0: off
     stage_momentum: bool = False  # delay-matched momentum per stage
+    error_feedback: bool = False  # the last update's error, extrapolated over the delay
 
     @property
     def any(self) -> bool:
-        return self.spike_compensation or self.dc_lambda > 0 or self.lr_warmup > 0 or self.stage_momentum
+        return (self.spike_compensation or self.dc_lambda > 0 or self.lr_warmup > 0 or self.stage_momentum
+                or self.error_feedback)
 
 
 def delay_matched_momentum(momentum: float, delay: float) -> float:
@@ -139,6 +149,7 @@ class CorrectedStep:
         self._gradients: dict[torch.Tensor, torch.Tensor] = {}  # what the step puts into momentum, where not .grad
         self._fresh: set[torch.Tensor] = set()  # parameters whose momentum buffer this step creates
         self._new_state: dict[torch.Tensor, torch.Tensor] = {}  # DC-ASGD's first MeanSquare, stored after the step
+        self._before: dict[torch.Tensor, torch.Tensor] = {}  # error feedback: the weights the step starts from
         if corrections.dc_lambda > 0:
             if not isinstance(policy, StashPolicy):
                 raise ValueError(f"dc_lambda needs a stashing policy, not {policy.name!r}")
@@ -173,10 +184,15 @@ class CorrectedStep:
             # torch's SGD sets a new momentum buffer to the gradient itself, without dampening
             self._fresh = {p for g in self.optimizer.param_groups for p in g["params"]
                            if self.optimizer.state.get(p, {}).get("momentum_buffer") is None}
+        if self.corrections.error_feedback:
+            self._before = {p: p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]
+                            if p.grad is not None}
 
     def after(self) -> None:
         if self.kind is not None and self.delay > 0:
             self._spike()
+        if self._before:
+            self._feed_back()
         self._gradients.clear()
         self._fresh.clear()
         for p, mean_square in self._new_state.items():
@@ -246,3 +262,19 @@ class CorrectedStep:
                         scale = group["lr"] * (1 - beta1 ** D) / (1 - beta1 ** step)
                         p.addcdiv_(state["exp_avg"] - d, denominator, value=scale)
 
+
+    # -- error feedback ----------------------------------------------------------------------------
+
+    def _feed_back(self) -> None:
+        """W += D (u_t - u_{t-1}), u_t what this step moved W by; u_t is kept for the next step. On the first
+        step (no u_{t-1}) and with no delay nothing is added."""
+        D = self.delay
+        with torch.no_grad():
+            for p, before in self._before.items():
+                update = before.neg_().add_(p)  # in place: the snapshot becomes u_t
+                state = self.optimizer.state[p]
+                previous = state.get(PREVIOUS_UPDATE_KEY)
+                if previous is not None and D > 0:
+                    p.add_(update - previous, alpha=D)
+                state[PREVIOUS_UPDATE_KEY] = update
+        self._before = {}
