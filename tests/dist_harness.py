@@ -24,8 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What every rank imports (the library, the models the ranks build): the fork server imports it once.
-PRELOAD = ["torch", "torch.distributed", "pipetrain", "partitioners", "schedules", "runtime_models", "helpers",
-           "dist_harness", "transformers.modeling_utils"]
+# torch._dynamo: `import pipetrain` leaves it out, but every rank's optimizer imports it (and it must come before the
+# process group: pipetrain.comm.world.ensure_process_group says why).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pipetrain", "partitioners", "schedules", "runtime_models",
+           "helpers", "dist_harness", "transformers.modeling_utils"]
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ stays inside one machine and only the data-parallel reduction crosses machines).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import threading
@@ -60,6 +61,10 @@ def ensure_process_group(timeout_seconds: float) -> None:
                       "check that every rank got the same MASTER_ADDR and MASTER_PORT and that nothing else "
                       "listens there, or raise wrap(..., timeout=...) if the ranks start far apart"):
         store = _within(timeout_seconds, address, lambda: _rendezvous_store(rank, size, timeout))
+        # torch._dynamo imported while a gloo group exists keeps that group's worker threads alive after it is
+        # destroyed (torch 2.14), and they abort the interpreter's teardown. Every training process imports it
+        # anyway (torch.optim's constructors do); here it comes first, so the default group still ends at exit.
+        importlib.import_module("torch._dynamo")
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, device_id=device)
     own_default_group()
 
