@@ -1,0 +1,166 @@
+"""Which stages' delays cost async-1f1b its accuracy at one micro-batch per update, found outside the pipeline.
+
+At m = 1, stage k of N applies at its update t the gradient of a micro-batch whose forward (and backward)
+ran on the stage's version t - D_k, D_k = N - k - 1, predicted along the momentum by the ``nesterov`` policy
+(W - lr * v * (gamma + ... + gamma^(D_k + 1)), v and gamma those of that version), with ``stage_momentum``'s
+delay-matched momentum. This script trains the zoo model by exactly that rule in plain PyTorch: one model
+holds the live weights, a second one runs each micro-batch on every stage's delayed, predicted version, and
+SGD with one parameter group per stage applies the gradient. tests/test_stage_delays.py checks it equals
+pipetrain's pipeline step for step. Here the delays can be chosen per stage: ``3,2,1,0`` is the 4-stage
+pipeline, ``0,0,0,0`` synchronous Nesterov momentum, ``3,0,0,0`` the pipeline with only stage 0 late.
+The momentum follows the chosen delays (stage_momentum's rule; ``--plain-momentum`` keeps the optimizer's).
+
+docs/results.md (delay-matched momentum) quotes it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import statistics
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pipetrain
+from pipetrain.apps.datasets import load_dataset
+from pipetrain.apps.models import build_model
+from pipetrain.runtime.local_shards import whole_state
+from pipetrain.runtime.staleness.corrections import delay_matched_momentum
+
+MOMENTUM, BATCH = 0.9, 64
+
+
+def stage_parameter_names(model: nn.Module, example: torch.Tensor, stages: int) -> list[set[str]]:
+    """The names of the parameters each stage holds when pipetrain splits ``model`` into ``stages`` (its default
+    graph partitioner on its cost model, one process)."""
+    pipe = pipetrain.wrap(copy.deepcopy(model), example, stages=stages, engine="local", profile=False,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    names = [set(whole_state(pipe.held_stages[k].module)) for k in range(stages)]
+    pipe.close()
+    return names
+
+
+def stage_optimizer(model: nn.Module, stage_names: list[set[str]], delays: list[int], lr: float,
+                    stage_momentum: bool) -> torch.optim.SGD:
+    """SGD with one group per stage: with ``stage_momentum``, stage k's momentum matched to its delay and the
+    effective rate lr / (1 - beta) kept through the dampening, its buffers starting at zero (the runtime's
+    rule, pipetrain.runtime.staleness.corrections.match_momentum)."""
+    named = dict(model.named_parameters())
+    groups = []
+    for names, delay in zip(stage_names, delays):
+        beta = delay_matched_momentum(MOMENTUM, delay) if stage_momentum else MOMENTUM
+        groups.append({"params": [named[n] for n in names if n in named], "momentum": beta,
+                       "dampening": 1 - (1 - beta) / (1 - MOMENTUM)})
+    if sum(len(g["params"]) for g in groups) != len(named):
+        raise ValueError("stage_names must cover every parameter of the model once")
+    optimizer = torch.optim.SGD(groups, lr=lr, momentum=MOMENTUM)
+    for group in optimizer.param_groups:
+        if group["momentum"] != MOMENTUM:
+            for p in group["params"]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
+
+
+class DelayedMirror:
+    """Trains ``model`` with stage k's gradients computed on its version D_k updates old, predicted by the
+    nesterov look-ahead, and applied to the live weights."""
+
+    def __init__(self, model: nn.Module, stage_names: list[set[str]], delays: list[int], lr: float,
+                 stage_momentum: bool = True):
+        self.model, self.delays = model, delays
+        self.shadow = copy.deepcopy(model)  # runs each micro-batch on the delayed versions
+        self.optimizer = stage_optimizer(model, stage_names, delays, lr, stage_momentum)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.stage = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+        shadows = dict(self.shadow.named_parameters())
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        self.shadow_params = [shadows[name_of[id(p)]] for p in self.params]
+        # (weights, momentum buffers) after each of the last max(D) + 1 updates, the live version last
+        self.versions: collections.deque = collections.deque(maxlen=max(delays) + 1)
+
+    def _version(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        buffers = [self.optimizer.state.get(p, {}).get("momentum_buffer") for p in self.params]
+        return [p.detach().clone() for p in self.params], [None if b is None else b.clone() for b in buffers]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One update: the gradient of (x, y) on the delayed, predicted weights, applied to the live ones."""
+        self.versions.append(self._version())
+        with torch.no_grad():
+            for i, (p, s) in enumerate(zip(self.params, self.shadow_params)):
+                group = self.optimizer.param_groups[self.stage[id(p)]]
+                delay = self.delays[self.stage[id(p)]]
+                # Early on a stage has fewer versions than its delay: its first forwards all meet version 0.
+                weights, buffers = self.versions[max(0, len(self.versions) - 1 - delay)]
+                w = weights[i]
+                if buffers[i] is not None:
+                    gamma = group["momentum"]
+                    w = w - group["lr"] * sum(gamma ** j for j in range(1, delay + 2)) * buffers[i]
+                s.copy_(w)
+        self.shadow.zero_grad()
+        loss = F.cross_entropy(self.shadow(x), y)
+        loss.backward()
+        for p, s in zip(self.params, self.shadow_params):
+            p.grad = s.grad.clone()
+        self.optimizer.step()
+        return loss.item()
+
+
+def delayed_training(model_name: str, delays: list[int], lr: float, epochs: int, seed: int,
+                     samples: int | None, stage_momentum: bool) -> list[float]:
+    """Validation accuracy (%) per epoch of the zoo model trained by DelayedMirror on MNIST-1D, batch 64."""
+    train, val = load_dataset("mnist1d", split="train"), load_dataset("mnist1d", split="val")
+    x, y = (t[:samples] for t in train.tensors) if samples else train.tensors
+    x_val, y_val = val.tensors
+    torch.manual_seed(seed)
+    model = build_model(model_name, num_classes=10)
+    names = stage_parameter_names(model, x[:BATCH], len(delays))
+    mirror = DelayedMirror(model, names, delays, lr, stage_momentum)
+    order = torch.Generator().manual_seed(seed)
+    accuracy = []
+    for _ in range(epochs):
+        model.train(), mirror.shadow.train()
+        permutation = torch.randperm(len(x), generator=order)
+        for start in range(0, len(x) - BATCH + 1, BATCH):
+            batch = permutation[start:start + BATCH]
+            mirror.step(x[batch], y[batch])
+        model.eval()
+        with torch.no_grad():
+            accuracy.append(100 * (model(x_val).argmax(1) == y_val).float().mean().item())
+    return accuracy
+
+
+def _delays(text: str) -> list[int]:
+    return [int(d) for d in text.split(",")]
+
+
+def main(argv: Iterable[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="transformer", choices=["transformer", "lstm"])
+    parser.add_argument("--delays", nargs="+", type=_delays,
+                        default=[_delays(d) for d in ("0,0,0,0", "3,2,1,0", "3,0,0,0", "0,2,0,0", "0,0,1,0", "0,2,1,0")],
+                        help="one comma-separated delay per stage, for each run (the stage count is their number)")
+    parser.add_argument("--lr", type=float, default=0.03)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--train-samples", type=int, help="use only the first N training samples")
+    parser.add_argument("--plain-momentum", action="store_true", help="every stage keeps momentum 0.9")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    momentum = "momentum 0.9" if args.plain_momentum else "delay-matched momentum"
+    print(f"{args.model} / MNIST-1D, SGD lr {args.lr}, {momentum}, nesterov look-ahead, batch {BATCH}, "
+          f"{args.seeds} seeds: mean validation accuracy % by epoch, and the mean of the seeds' best")
+    for delays in args.delays:
+        curves = [delayed_training(args.model, delays, args.lr, args.epochs, seed, args.train_samples,
+                                   not args.plain_momentum) for seed in range(args.seeds)]
+        mean = [statistics.mean(c[e] for c in curves) for e in range(args.epochs)]
+        best = [max(c) for c in curves]
+        spread = f" ± {statistics.stdev(best):.1f}" if len(best) > 1 else ""
+        print(f"delays {','.join(map(str, delays))}: " + " ".join(f"{a:.1f}" for a in mean)
+              + f" | best {statistics.mean(best):.1f}{spread}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
