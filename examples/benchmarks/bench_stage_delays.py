@@ -8,7 +8,9 @@ holds the live weights, a second one runs each micro-batch on every stage's dela
 SGD with one parameter group per stage applies the gradient. tests/test_stage_delays.py checks it equals
 pipetrain's pipeline step for step. Here the delays can be chosen per stage: ``3,2,1,0`` is the 4-stage
 pipeline, ``0,0,0,0`` synchronous Nesterov momentum, ``3,0,0,0`` the pipeline with only stage 0 late.
-The momentum follows the chosen delays (stage_momentum's rule; ``--plain-momentum`` keeps the optimizer's).
+The momentum follows the chosen delays by stage_momentum's rule: ``--matched-to`` matches it to other delays
+(``--delays 0,0,0,0 --matched-to 3,2,1,0``: the pipeline's momentum windows without its delays),
+``--window-powers`` grows the windows by other powers of 1 + D, ``--plain-momentum`` keeps the optimizer's.
 
 docs/results.md (delay-matched momentum) quotes it.
 """
@@ -43,15 +45,21 @@ def stage_parameter_names(model: nn.Module, example: torch.Tensor, stages: int) 
     return names
 
 
-def stage_optimizer(model: nn.Module, stage_names: list[set[str]], delays: list[int], lr: float,
-                    stage_momentum: bool) -> torch.optim.SGD:
-    """SGD with one group per stage: with ``stage_momentum``, stage k's momentum matched to its delay and the
-    effective rate lr / (1 - beta) kept through the dampening, its buffers starting at zero (the runtime's
+def window_momentum(delay: float, power: float) -> float:
+    """beta = 1 - (1 - 0.9) / (1 + D)^power: the window 1 / (1 - beta) grown (1 + D)^power times; power 2 is
+    stage_momentum's rule."""
+    return delay_matched_momentum(MOMENTUM, delay) if power == 2 else 1 - (1 - MOMENTUM) / (1 + delay) ** power
+
+
+def stage_optimizer(model: nn.Module, stage_names: list[set[str]], delays: list[float], lr: float,
+                    stage_momentum: bool, power: float = 2.0) -> torch.optim.SGD:
+    """SGD with one group per stage: with ``stage_momentum``, stage k's momentum matched to ``delays[k]`` and
+    the effective rate lr / (1 - beta) kept through the dampening, its buffers starting at zero (the runtime's
     rule, pipetrain.runtime.staleness.corrections.match_momentum)."""
     named = dict(model.named_parameters())
     groups = []
     for names, delay in zip(stage_names, delays):
-        beta = delay_matched_momentum(MOMENTUM, delay) if stage_momentum else MOMENTUM
+        beta = window_momentum(delay, power) if stage_momentum else MOMENTUM
         groups.append({"params": [named[n] for n in names if n in named], "momentum": beta,
                        "dampening": 1 - (1 - beta) / (1 - MOMENTUM)})
     if sum(len(g["params"]) for g in groups) != len(named):
@@ -66,13 +74,15 @@ def stage_optimizer(model: nn.Module, stage_names: list[set[str]], delays: list[
 
 class DelayedMirror:
     """Trains ``model`` with stage k's gradients computed on its version D_k updates old, predicted by the
-    nesterov look-ahead, and applied to the live weights."""
+    nesterov look-ahead, and applied to the live weights. The momentum is matched to ``matched_to`` (default:
+    the delays) with the window power ``power``."""
 
     def __init__(self, model: nn.Module, stage_names: list[set[str]], delays: list[int], lr: float,
-                 stage_momentum: bool = True):
+                 stage_momentum: bool = True, matched_to: list[float] | None = None, power: float = 2.0):
         self.model, self.delays = model, delays
         self.shadow = copy.deepcopy(model)  # runs each micro-batch on the delayed versions
-        self.optimizer = stage_optimizer(model, stage_names, delays, lr, stage_momentum)
+        self.optimizer = stage_optimizer(model, stage_names, delays if matched_to is None else matched_to, lr,
+                                         stage_momentum, power)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.stage = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         shadows = dict(self.shadow.named_parameters())
@@ -109,7 +119,8 @@ class DelayedMirror:
 
 
 def delayed_training(model_name: str, delays: list[int], lr: float, epochs: int, seed: int,
-                     samples: int | None, stage_momentum: bool) -> list[float]:
+                     samples: int | None, stage_momentum: bool, matched_to: list[float] | None = None,
+                     power: float = 2.0) -> list[float]:
     """Validation accuracy (%) per epoch of the zoo model trained by DelayedMirror on MNIST-1D, batch 64."""
     train, val = load_dataset("mnist1d", split="train"), load_dataset("mnist1d", split="val")
     x, y = (t[:samples] for t in train.tensors) if samples else train.tensors
@@ -117,7 +128,7 @@ def delayed_training(model_name: str, delays: list[int], lr: float, epochs: int,
     torch.manual_seed(seed)
     model = build_model(model_name, num_classes=10)
     names = stage_parameter_names(model, x[:BATCH], len(delays))
-    mirror = DelayedMirror(model, names, delays, lr, stage_momentum)
+    mirror = DelayedMirror(model, names, delays, lr, stage_momentum, matched_to, power)
     order = torch.Generator().manual_seed(seed)
     accuracy = []
     for _ in range(epochs):
@@ -147,19 +158,28 @@ def main(argv: Iterable[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--train-samples", type=int, help="use only the first N training samples")
     parser.add_argument("--plain-momentum", action="store_true", help="every stage keeps momentum 0.9")
+    parser.add_argument("--matched-to", type=_delays,
+                        help="match the momentum to these delays instead of each run's (e.g. 3,2,1,0 with --delays "
+                             "0,0,0,0: the pipeline's momentum windows without its delays)")
+    parser.add_argument("--window-powers", nargs="+", type=float, default=[2.0],
+                        help="beta_k = 1 - 0.1 / (1 + D_k)^power for each power (2: stage_momentum's rule)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     momentum = "momentum 0.9" if args.plain_momentum else "delay-matched momentum"
+    if args.matched_to:
+        momentum += f" (matched to delays {','.join(map(str, args.matched_to))})"
     print(f"{args.model} / MNIST-1D, SGD lr {args.lr}, {momentum}, nesterov look-ahead, batch {BATCH}, "
           f"{args.seeds} seeds: mean validation accuracy % by epoch, and the mean of the seeds' best")
     for delays in args.delays:
-        curves = [delayed_training(args.model, delays, args.lr, args.epochs, seed, args.train_samples,
-                                   not args.plain_momentum) for seed in range(args.seeds)]
-        mean = [statistics.mean(c[e] for c in curves) for e in range(args.epochs)]
-        best = [max(c) for c in curves]
-        spread = f" ± {statistics.stdev(best):.1f}" if len(best) > 1 else ""
-        print(f"delays {','.join(map(str, delays))}: " + " ".join(f"{a:.1f}" for a in mean)
-              + f" | best {statistics.mean(best):.1f}{spread}", flush=True)
+        for power in args.window_powers:
+            curves = [delayed_training(args.model, delays, args.lr, args.epochs, seed, args.train_samples,
+                                       not args.plain_momentum, args.matched_to, power) for seed in range(args.seeds)]
+            mean = [statistics.mean(c[e] for c in curves) for e in range(args.epochs)]
+            best = [max(c) for c in curves]
+            spread = f" ± {statistics.stdev(best):.1f}" if len(best) > 1 else ""
+            label = f"delays {','.join(map(str, delays))}" + (f", power {power:g}" if len(args.window_powers) > 1 else "")
+            print(f"{label}: " + " ".join(f"{a:.1f}" for a in mean) + f" | best {statistics.mean(best):.1f}{spread}",
+                  flush=True)
 
 
 if __name__ == "__main__":
