@@ -1,6 +1,7 @@
-"""The example scripts run as users run them, `python examples/<name>.py ...` in a process of their own: a
-checkpointed run and its resume give exactly the steps of one uninterrupted run, the losses are finite and
-TensorBoard holds them."""
+"""The example scripts run as users run them, `python examples/<name>.py ...`: stopped by a real SIGTERM in a
+process of their own, a checkpointed run and its resume (run in this process, as `python` would run the script:
+no signal to isolate) give exactly the steps of one uninterrupted run, the losses are finite and TensorBoard
+holds them."""
 from __future__ import annotations
 
 import math
@@ -25,18 +26,9 @@ SCRIPTS = ["vgg", "resnet", "transformer", "lstm"]
 pytestmark = pytest.mark.usefixtures("one_thread")  # the scripts' processes run one thread too: the same bits
 
 
-def run_script(name: str, *args: str) -> str:
-    """What `python examples/<name>.py <args>` prints (it must succeed)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), *args], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 def printed(name: str, args: list[str], capsys) -> str:
     """What examples/<name>.py prints when run in this process (cheaper than a process of its own: the
-    uninterrupted reference runs)."""
+    uninterrupted reference runs and the resumes)."""
     capsys.readouterr()
     run_example(name, args)
     return capsys.readouterr().out
@@ -93,7 +85,7 @@ def test_sigterm_saves_and_the_resume_continues_as_documented(name, tmp_path, ca
     assert saved_steps(checkpoints) == [6, stop]  # retention keeps the two newest (sync: of steps 3, 6 and 8)
     assert scalars(logdir, "train/loss") == pytest.approx(list(first.values()), abs=1e-6)
     assert len(scalars(logdir, "val/accuracy")) == 1  # epoch 1; the stopped epoch 2 is not validated
-    resumed = run_script(name, *args, "--epochs", "2", "--checkpoint-dir", str(checkpoints), "--resume")
+    resumed = printed(name, [*args, "--epochs", "2", "--checkpoint-dir", str(checkpoints), "--resume"], capsys)
     assert f"resumed from {checkpoints} at step {stop}" in resumed
     assert latest_step(checkpoints) == 12 and "(12 steps)" in resumed.splitlines()[-1]
     if not is_async:  # the same data order, weights and optimizer state: bit for bit the rest of the whole run
@@ -127,7 +119,7 @@ def test_sigterm_stops_the_huggingface_example_and_the_resume_is_exact(tmp_path,
     checkpoints = tmp_path / "ckpt"
     output = stopped_by_sigterm("huggingface", 4, *args, "--checkpoint-dir", str(checkpoints))
     assert f"stopped by SIGTERM at step 4; saved {checkpoints}" in output and saved_steps(checkpoints) == [4]
-    resumed = run_script("huggingface", *args, "--checkpoint-dir", str(checkpoints), "--resume")
+    resumed = printed("huggingface", [*args, "--checkpoint-dir", str(checkpoints), "--resume"], capsys)
     assert f"resumed from {checkpoints} at step 4" in resumed and latest_step(checkpoints) == 12
     whole, after = pipetrain.export_state_dict(tmp_path / "whole"), pipetrain.export_state_dict(checkpoints)
     assert set(whole) == set(after) and all(torch.equal(whole[k], after[k]) for k in whole)
