@@ -195,9 +195,17 @@ def test_runtime_benchmark_on_vgg_prices_async_against_the_bubble_of_its_stream_
 def test_zero_bubble_benchmark_prints_simulated_and_measured_bubbles_and_each_stages_memory():
     # Two gloo ranks, every schedule of the table on a small chain. The simulated column must be the schedule's
     # own bubble at F = B = W = 1, 1f1b's ratio to itself 1, each memory cell's error its printed predicted /
-    # measured - 1; zb-h1's last stage holds more activations than 1f1b's (its B keeps them until W).
+    # measured - 1; zb-h1's last stage holds more activations than 1f1b's (its B keeps them until W). With
+    # --compile (docs/results.md's command; test_doc_commands counts it as run here) every split schedule also
+    # runs compiled and gets its compiled / eager ratio.
     out = run_script("bench_zero_bubble.py", "--steps", "2", "--rounds", "1", "--warmup", "1", "--layers", "4",
-                     "--width", "64", "--batch-size", "16", "--micro-batches", "4")
+                     "--width", "64", "--batch-size", "16", "--micro-batches", "4", "--compile")
+    ratios = re.search(r"^compiled / eager step time, same schedule: (.*)$", out, re.M)
+    assert ratios is not None, out
+    assert [kind for kind, _ in re.findall(r"([\w-]+) ([\d.]+)(?:, |$)", ratios.group(1))] == [
+        "zb-h1", "interleaved-zb", "zbv", "dualpipev"], out
+    assert {kind for kind in re.findall(r"^([\w-]+) compiled\s+[\d.]+%\s+-?[\d.]+%\s+[\d.]+\s+[\d.]+$", out, re.M)} == {
+        "zb-h1", "interleaved-zb", "zbv", "dualpipev"}, out
     rows = {kind: (float(sim), float(measured), float(ms), float(ratio)) for kind, sim, measured, ms, ratio in
             re.findall(r"^([\w-]+)\s+([\d.]+)%\s+(-?[\d.]+)%\s+([\d.]+)\s+([\d.]+)$", out, re.M)}
     assert set(rows) == {"1f1b", "zb-h1", "interleaved-zb", "zbv", "dualpipev"}, out

@@ -123,9 +123,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "graph: solved in", append="--estimate --repeats 1", slow=True),
     "python examples/benchmarks/bench_schedules.py": Run(
         "p=8, m=16: CPU seconds", append="--stages 8 --micro-batches 16 --repeats 1"),
-    "python examples/benchmarks/bench_zero_bubble.py --batch-size 256 --width 1024 --compile": Run(
-        "compiled / eager step time, same schedule", slow=True,
-        append="--steps 1 --rounds 1 --warmup 0 --layers 2 --width 16 --batch-size 8 --micro-batches 4"),
+    "python examples/benchmarks/bench_zero_bubble.py --batch-size 256 --width 1024 --compile": Covered(
+        "tests/test_benchmarks.py::test_zero_bubble_benchmark_prints_simulated_and_measured_bubbles_and_each_stages_memory"),
     "python examples/benchmarks/bench_runtime.py": Covered(
         "tests/test_benchmarks.py::test_runtime_benchmark_times_the_local_engine_against_the_unsplit_model"),
     **{f"pipetrain compare --model {model} --stages 4 --micro-batches 8 --epochs {epochs} --seeds 3 --lr-grid {grid} "
@@ -139,6 +138,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "tests/test_benchmarks.py::test_memory_benchmark_predicts_every_stage_within_ten_percent"),
     "python examples/benchmarks/bench_delay.py": Run(
         "D = 1:", append="--delays 0,1 --epochs 1 --train-samples 128", slow=True),
+    "python examples/benchmarks/bench_stage_delays.py": Run(
+        "delays 3,2,1,0:", append="--delays 3,2,1,0 0,0,0,0 --epochs 1 --train-samples 256 --seeds 1", slow=True),
     "python examples/benchmarks/bench_precision.py": Run(
         "bytes ratio fp32 / bf16", append="--rounds 1 --width 8", slow=True),
     "python examples/benchmarks/bench_comm_bytes.py": Run(
