@@ -83,10 +83,8 @@ def test_huggingface_example_fine_tunes_its_saved_model_under_torchrun(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [*COMMON, "--model", "gpt2", "--width", "16", "--depth", "1", "--micro-batches", "2", "--lr", "0.1",
               "--epochs", "1", "--train-samples", "96"]
-    first = subprocess.run([sys.executable, str(EXAMPLES / "huggingface.py"), *common, "--schedule", "1f1b",
-                            "--save-pretrained", str(tmp_path / "pretrained")],
-                           capture_output=True, text=True, env=env, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
+    # the one-process runs (pretraining, LoRA) run in this process, as `python examples/huggingface.py` would
+    run_example("huggingface", [*common, "--schedule", "1f1b", "--save-pretrained", str(tmp_path / "pretrained")])
     torchrun = Path(sys.executable).with_name("torchrun")
     tuned = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "huggingface.py"), *common,
@@ -100,11 +98,8 @@ def test_huggingface_example_fine_tunes_its_saved_model_under_torchrun(tmp_path)
     assert set(before) == set(after) and any(not torch.equal(before[k], after[k]) for k in before)
     # LoRA on the same pretrained model (built on meta, its base tensors read from the directory): the adapter it
     # writes loads with peft onto the pretrained model, trained (B moved from its zeros).
-    adapted = subprocess.run([sys.executable, str(EXAMPLES / "huggingface.py"), *common, "--schedule", "1f1b",
-                              "--weights", str(tmp_path / "pretrained"), "--lora", "4", "--optimizer", "adam",
-                              "--save-pretrained", str(tmp_path / "adapter")],
-                             capture_output=True, text=True, env=env, timeout=300)
-    assert adapted.returncode == 0, adapted.stderr[-3000:]
+    run_example("huggingface", [*common, "--schedule", "1f1b", "--weights", str(tmp_path / "pretrained"), "--lora",
+                                "4", "--optimizer", "adam", "--save-pretrained", str(tmp_path / "adapter")])
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained"),
