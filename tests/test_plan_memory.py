@@ -3,7 +3,7 @@ the peak the runtime measures on gloo ranks (examples/benchmarks/bench_plan_memo
 from __future__ import annotations
 
 import re
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -94,12 +94,17 @@ def test_weights_and_optimizer_state_stay_fp32_under_bf16():
 
 
 @pytest.mark.slow
-def test_predicted_peak_is_within_ten_percent_of_the_measured_one_per_rank():
-    done = subprocess.run([sys.executable, str(BENCH), "--width", "128",
-                           "--depth", "4", "--batch", "1024"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = re.findall(r"^\s*(\d)\s+(none|always)\s+(\d)\s+(\d)\s+(\d+)\s+(\d+)\s+[\d.]+$", done.stdout, re.M)
-    assert len(rows) == 4 * 2 * 4, done.stdout  # zero 0/1/2/3 x recompute none/always x 4 ranks
+def test_predicted_peak_is_within_ten_percent_of_the_measured_one_per_rank(capsys, monkeypatch):
+    # The script's own process runs here, as `python BENCH ...` would run it: it only starts the torchrun world
+    # whose ranks measure, each a process of its own.
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--width", "128", "--depth", "4", "--batch", "1024"])
+    monkeypatch.setattr(sys, "path", [str(BENCH.parent), *sys.path])
+    capsys.readouterr()
+    runpy.run_path(str(BENCH), run_name="__main__")
+    stdout = capsys.readouterr().out
+    rows = re.findall(r"^\s*(\d)\s+(none|always)\s+(\d)\s+(\d)\s+(\d+)\s+(\d+)\s+[\d.]+$", stdout, re.M)
+    assert len(rows) == 4 * 2 * 4, stdout  # zero 0/1/2/3 x recompute none/always x 4 ranks
     for zero, recompute, rank, stage, predicted, measured in rows:
         # The planner's 10% promise; the model counts the same tensors the runtime does, so it is much closer.
         assert abs(int(measured) - int(predicted)) <= 0.10 * int(predicted), (zero, recompute, rank)
