@@ -5,8 +5,6 @@ with no key missing or unexpected. Tied tensors go in once, under the model's ow
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -96,15 +94,16 @@ def ranks_train_and_save(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.mark.slow
-def test_the_pipetrain_command_exports_a_checkpoint_saved_by_two_ranks(tmp_path: Path) -> None:
+def test_the_pipetrain_command_exports_a_checkpoint_saved_by_two_ranks(tmp_path: Path, capsys) -> None:
+    from pipetrain.cli import main  # the command's entry point, run in this process
+
     root = tmp_path / "ckpt"
     per_rank = run_world(2, "test_export_hf", "ranks_train_and_save", tmp_path / "ranks", str(root))
     out = tmp_path / "hf"
-    done = subprocess.run([sys.executable, "-m", "pipetrain.cli", "export", "--hf", str(root), str(out),
-                           "--max-shard-size", SMALL_SHARDS], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    capsys.readouterr()
+    assert main(["export", "--hf", str(root), str(out), "--max-shard-size", SMALL_SHARDS]) == 0
     assert_sharded(out)
-    assert f"to {out}" in done.stdout
+    assert f"to {out}" in capsys.readouterr().out
     model = loaded("gpt2", out)
     expected = eval_logits("gpt2", model)
     for result in per_rank:
