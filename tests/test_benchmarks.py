@@ -33,11 +33,14 @@ def run_script_here(name: str, *args: str, capsys, monkeypatch) -> str:
     monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / name), *args])
     monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
     capsys.readouterr()
+    threads = torch.get_num_threads()
     try:
         with torch.random.fork_rng(devices=[]):  # a seed the script sets stays its own
             runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
     except SystemExit as done:
         assert done.code in (0, None), f"{name}: exit {done.code}"
+    finally:
+        torch.set_num_threads(threads)  # as is a thread count it sets
     return capsys.readouterr().out
 
 

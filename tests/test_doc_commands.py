@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from schedules.cluster import PRESETS
 from test_docs import PAGES, ROOT, python_blocks
@@ -273,8 +274,9 @@ def to_run(text: str, how: Run, tmp: Path) -> list[str]:
 
 
 def run_in_process(argv: list[str]) -> None:
-    """Run argv in this process as its program would (a script with its folder on sys.path, as python does)."""
-    old_argv, old_path = sys.argv, list(sys.path)
+    """Run argv in this process as its program would (a script with its folder on sys.path, as python does).
+    What a script sets for its own process (sys.argv, sys.path, torch's thread count) is put back."""
+    old_argv, old_path, threads = sys.argv, list(sys.path), torch.get_num_threads()
     try:
         if argv[0] == "pipetrain":
             from pipetrain.cli import main
@@ -296,6 +298,7 @@ def run_in_process(argv: list[str]) -> None:
         assert done.code in (0, None), f"{argv}: exit {done.code}"
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
+        torch.set_num_threads(threads)
 
 
 def run_in_a_process(argv: list[str], cwd: Path) -> str:
