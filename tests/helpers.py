@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import runpy
+import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -11,6 +14,8 @@ from torch import nn
 import partitioners
 import pipetrain
 from runtime_models import data
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def wrap_unprofiled(model: nn.Module, example_inputs, **options) -> pipetrain.Pipeline:
@@ -54,3 +59,23 @@ def capture_once(monkeypatch, captures: dict, key: Any) -> Iterator[None]:
     with monkeypatch.context() as patch:
         patch.setattr(partitioners, "trace_for_training", once)
         yield
+
+
+def run_script_here(script: Path, *args: str, capsys, monkeypatch) -> str:
+    """What `python SCRIPT ARGS` prints from the repository root, run in this process as python would run it (its
+    folder on sys.path): for a script whose own process only computes, or starts its ranks by command line (its
+    functions are not sent to spawned processes, which cannot import a runpy __main__). A seed or a thread count
+    the script sets stays its own."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])
+    capsys.readouterr()
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as done:
+        assert done.code in (0, None), f"{script.name}: exit {done.code}"
+    finally:
+        torch.set_num_threads(threads)
+    return capsys.readouterr().out

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import os
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import schedules
 from schedules.cluster import Cluster
+
+from helpers import run_script_here
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "examples" / "benchmarks"
@@ -25,30 +25,11 @@ def run_script(name: str, *args: str, timeout: float = 300) -> str:
     return done.stdout
 
 
-def run_script_here(name: str, *args: str, capsys, monkeypatch) -> str:
-    """What `python examples/benchmarks/NAME ARGS` prints, run in this process as python would run it (its folder
-    on sys.path, from the repository root): for a script whose own process only computes, or starts its ranks
-    by command line (its functions are not sent to spawned processes, which cannot import a runpy __main__)."""
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / name), *args])
-    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
-    capsys.readouterr()
-    threads = torch.get_num_threads()
-    try:
-        with torch.random.fork_rng(devices=[]):  # a seed the script sets stays its own
-            runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
-    except SystemExit as done:
-        assert done.code in (0, None), f"{name}: exit {done.code}"
-    finally:
-        torch.set_num_threads(threads)  # as is a thread count it sets
-    return capsys.readouterr().out
-
-
 @pytest.mark.slow
 def test_jia_reproduction_matches_the_readme(capsys, monkeypatch):
     # Pure cost model on ResNet-50's real gradient tensors: deterministic, so README's numbers must
     # come out exactly (per-tensor flat ring baseline and the best fused + hierarchical + overlap).
-    out = run_script_here("reproduce_jia.py", capsys=capsys, monkeypatch=monkeypatch)
+    out = run_script_here(BENCHMARKS / "reproduce_jia.py", capsys=capsys, monkeypatch=monkeypatch)
     efficiency = {line[:46].strip(): line.split()[-1] for line in out.splitlines() if line.endswith("%")}
     assert efficiency["per-tensor"] == "8.3%"
     assert efficiency["fused 4MB + hierarchical + overlap"] == "99.1%"
@@ -134,8 +115,8 @@ def test_big_model_benchmark_runs_both_paths_and_checks_the_bound(tmp_path, caps
     # sharded checkpoint the script writes; the materialised path runs beside it (it fits at this size). The script's
     # own process runs here: it writes the checkpoint and launches each path's ranks by command line, each a process
     # of its own (their peaks are theirs).
-    out = run_script_here("bench_big_model.py", "--layers", "2", "--compare-layers", "0", "--hidden", "128", "--vocab",
-                          "256", "--ranks", "2", "--cache", str(tmp_path), capsys=capsys, monkeypatch=monkeypatch)
+    out = run_script_here(BENCHMARKS / "bench_big_model.py", "--layers", "2", "--compare-layers", "0", "--hidden",
+                          "128", "--vocab", "256", "--ranks", "2", "--cache", str(tmp_path), capsys=capsys, monkeypatch=monkeypatch)
     rows = re.findall(r"^\S+ B\s+(meta|materialised)\s+(\d)\s+([\d.]+)", out, re.M)
     assert sorted((path, int(rank)) for path, rank, _ in rows) == sorted(
         [(p, r) for p in ("meta", "materialised") for r in range(2)]), out

@@ -3,8 +3,6 @@ the peak the runtime measures on gloo ranks (examples/benchmarks/bench_plan_memo
 from __future__ import annotations
 
 import re
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,8 @@ from partitioners.planners.stage_state import OPTIMIZER_STATE, RECOMPUTE, recomp
 from schedules.actions import COMPUTE_KINDS, ActionKind
 from schedules.cluster.step import built_schedule
 from schedules.held_activations import held_activations, recomputed
+
+from helpers import run_script_here
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "examples" / "benchmarks" / "bench_plan_memory.py"
@@ -97,12 +97,8 @@ def test_weights_and_optimizer_state_stay_fp32_under_bf16():
 def test_predicted_peak_is_within_ten_percent_of_the_measured_one_per_rank(capsys, monkeypatch):
     # The script's own process runs here, as `python BENCH ...` would run it: it only starts the torchrun world
     # whose ranks measure, each a process of its own.
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "argv", [str(BENCH), "--width", "128", "--depth", "4", "--batch", "1024"])
-    monkeypatch.setattr(sys, "path", [str(BENCH.parent), *sys.path])
-    capsys.readouterr()
-    runpy.run_path(str(BENCH), run_name="__main__")
-    stdout = capsys.readouterr().out
+    stdout = run_script_here(BENCH, "--width", "128", "--depth", "4", "--batch", "1024", capsys=capsys,
+                             monkeypatch=monkeypatch)
     rows = re.findall(r"^\s*(\d)\s+(none|always)\s+(\d)\s+(\d)\s+(\d+)\s+(\d+)\s+[\d.]+$", stdout, re.M)
     assert len(rows) == 4 * 2 * 4, stdout  # zero 0/1/2/3 x recompute none/always x 4 ranks
     for zero, recompute, rank, stage, predicted, measured in rows:

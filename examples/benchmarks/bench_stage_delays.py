@@ -79,7 +79,7 @@ class DelayedMirror:
 
     def __init__(self, model: nn.Module, stage_names: list[set[str]], delays: list[int], lr: float,
                  stage_momentum: bool = True, matched_to: list[float] | None = None, power: float = 2.0):
-        self.model, self.delays = model, delays
+        self.delays = delays
         self.shadow = copy.deepcopy(model)  # runs each micro-batch on the delayed versions
         self.optimizer = stage_optimizer(model, stage_names, delays if matched_to is None else matched_to, lr,
                                          stage_momentum, power)
