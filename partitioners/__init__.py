@@ -8,8 +8,8 @@ from .planners.replicas import plan_replicas
 from .planners.layout import Layout, evaluate_layout, format_ranking, plan_layout, search_layouts
 from .partition import partition
 from .plan import Plan
-from .trace import trace
+from .trace import placeholder_values, trace
 
 __all__ = ["CostGraph", "DEFAULT_BANDWIDTH", "Layout", "MemoryModel", "PartitionError", "Plan", "TraceError",
            "evaluate_layout", "format_ranking", "partition", "plan_replicas", "plan_layout", "search_layouts",
-           "trace", "trace_for_training"]
+           "placeholder_values", "trace", "trace_for_training"]

@@ -172,6 +172,11 @@ def _placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any])
     return tuple(args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names))
 
 
+def placeholder_values(gm: fx.GraphModule, example_inputs: Any) -> tuple:
+    """The values of a traced graph's placeholders, in order, from the example inputs it was traced with."""
+    return _placeholder_values(gm, *_split_inputs(example_inputs))
+
+
 def _close(a: Any, b: Any) -> bool:
     """Same structure, dtypes, shapes and values up to float rounding (ATen calls may group sums differently)."""
     la, sa = tree_flatten(a)

@@ -1,0 +1,50 @@
+"""The plan for a model that declares none: Megatron-LM's pairs in chains of linear layers.
+
+A linear layer whose output reaches exactly one other linear layer through elementwise operations alone (an
+activation, dropout, a dtype change) makes a pair: the first colwise, the second rowwise. The split features never
+leave the pair, so each pair costs one all-reduce in forward and one in backward. Pairs are found in each stage's
+own graph, so no pair straddles a stage boundary. Anything else (a layer that feeds two others, a norm between two
+layers, attention) stays whole; `TensorParallelPlan.source` says the plan was made this way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from pipetrain.tensor_parallel.placement import is_elementwise
+from pipetrain.tensor_parallel.styles import COLWISE, ROWWISE, TensorParallelPlan
+
+SOURCE = "the automatic plan (pairs of linear layers)"
+
+
+def linear_pairs(module: fx.GraphModule) -> TensorParallelPlan:
+    """The colwise/rowwise pairs of consecutive linear layers in a stage graph, as a plan naming each layer."""
+    patterns: dict[str, str] = {}
+    for node in module.graph.nodes:
+        first = _linear_layer(module, node)
+        if first is None or first in patterns:
+            continue
+        value = node
+        while len(value.users) == 1:
+            (user,) = value.users
+            second = _linear_layer(module, user)
+            if second is not None:
+                if user.args[0] is value and second not in patterns:
+                    patterns[first], patterns[second] = COLWISE, ROWWISE
+                break
+            if not is_elementwise(module, user) or len(user.all_input_nodes) != 1:
+                break
+            value = user
+    return TensorParallelPlan(patterns, SOURCE, exact=True)
+
+
+def _linear_layer(module: fx.GraphModule, node: fx.Node) -> str | None:
+    """The module name of the nn.Linear ``node`` calls (as a module, or as an ATen linear on its weight)."""
+    if node.op == "call_module" and isinstance(module.get_submodule(node.target), nn.Linear):
+        return str(node.target)
+    if node.op == "call_function" and node.target is torch.ops.aten.linear.default:
+        weight = node.args[1]
+        if isinstance(weight, fx.Node) and weight.op == "get_attr":
+            return str(weight.target).rpartition(".")[0]
+    return None

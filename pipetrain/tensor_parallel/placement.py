@@ -1,0 +1,511 @@
+"""One stage's graph split over its tensor-parallel ranks: where each value is split, and the graph each rank runs.
+
+Every value of the graph is whole (the same on every rank) or split: each rank holds one contiguous 1/T block of one
+dimension. A planned layer makes a split value (colwise: its output features) or ends one (rowwise: it reads split
+features and sums its partial outputs over the ranks, Megatron-LM's pairing). Walking the graph forward, every
+operation that reads a split value either maps the split to a dimension of its output (pointwise operations,
+reshapes and transposes, attention over split heads, reductions over other dimensions) or is refused, naming the
+node and the fix; so the rewritten graph computes what the whole one does, or the pipeline is not built. A whole
+tensor read where values are split passes through `ToLanes`, which sums its gradient (partial on each rank).
+
+Stage boundaries must be whole: a stage's inputs are, and an output that is still split is refused.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from pipetrain.tensor_parallel.collectives import GatherLanes, SumOverLanes, ToLanes, VocabularyLookup
+from pipetrain.tensor_parallel.styles import (COLWISE, COLWISE_GATHERED, REPLICATE, ROWWISE, VOCABULARY,
+                                              TensorParallelPlan)
+
+aten = torch.ops.aten
+
+# Operations that keep a split where it is (elementwise, or a dtype/layout change), besides ATen's pointwise-tagged.
+_ELEMENTWISE_NAMES = frozenset({
+    "add", "sub", "rsub", "mul", "truediv", "div", "neg", "pow", "relu", "gelu", "silu", "tanh", "sigmoid", "exp",
+    "log", "sqrt", "rsqrt", "abs", "sin", "cos", "softplus", "leaky_relu", "elu", "mish", "hardswish", "hardtanh",
+    "relu6", "softsign", "clamp", "where", "masked_fill", "dropout", "float", "half", "bfloat16", "double", "to",
+    "_to_copy", "type_as", "contiguous", "clone", "detach", "alias", "lift_fresh_copy", "erf"})
+_ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU, nn.ELU,
+                        nn.Softplus, nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Softsign)
+_RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten"})
+_REDUCTIONS = frozenset({"mean", "sum", "amax", "amin", "var", "std", "logsumexp", "norm"})
+_SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax"})
+
+
+class TensorParallelError(ValueError):
+    """A stage the plan cannot split exactly; the message names the node and what to do."""
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """A stage's tensor-parallel ranks: their process group, how many (T) and this rank's place among them."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class ParameterSplit:
+    """How one parameter is cut: along ``dim`` (None: held whole)."""
+
+    style: str
+    dim: int | None
+
+
+def split_stage(module: fx.GraphModule, plan: TensorParallelPlan, lanes: Lanes, shapes: dict[str, tuple[int, ...]],
+                where: str) -> dict[str, ParameterSplit]:
+    """Rewrite ``module`` (a stage graph; ``shapes``: the whole shape of each value by node name) into the graph one
+    tensor-parallel rank runs; returns how each planned parameter is to be cut (`pipetrain.tensor_parallel.parameters`
+    makes the cut). ``where`` names the stage in messages."""
+    return _Splitter(module, plan, lanes, shapes, where).run()
+
+
+class _Splitter:
+    def __init__(self, module: fx.GraphModule, plan: TensorParallelPlan, lanes: Lanes,
+                 shapes: dict[str, tuple[int, ...]], where: str):
+        self.gm, self.graph, self.plan, self.lanes, self.where = module, module.graph, plan, lanes, where
+        self.shapes = dict(shapes)
+        self.split: dict[fx.Node, int] = {}  # node -> its split dimension, counted from the right (negative)
+        self.whole_to_lanes: dict[fx.Node, fx.Node] = {}
+        self.params: dict[str, ParameterSplit] = {}
+        self._modules = 0
+
+    # ----- the walk -------------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, ParameterSplit]:
+        self._inline_layers()
+        for node in list(self.graph.nodes):
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            if node.op == "output":
+                self._check_outputs(node)
+                continue
+            planned = self._planned_layer(node)
+            if planned is not None:
+                self._split_layer(node, *planned)
+            elif any(n in self.split for n in node.all_input_nodes):
+                self._follow(node)
+        self._check_planned_uses()
+        self._check_all_placed()
+        self.graph.lint()
+        self.gm.recompile()
+        return self.params
+
+    def _inline_layers(self) -> None:
+        """nn.Linear and nn.Embedding calls (a torch.fx-traced stage) as the ATen calls an exported stage makes, so
+        both are split alike."""
+        for node in list(self.graph.nodes):
+            if node.op != "call_module":
+                continue
+            layer = self.gm.get_submodule(node.target)
+            if isinstance(layer, nn.Linear):
+                with self.graph.inserting_before(node):
+                    weight = self.graph.get_attr(f"{node.target}.weight")
+                    bias = self.graph.get_attr(f"{node.target}.bias") if layer.bias is not None else None
+                    call = self.graph.call_function(aten.linear.default, (node.args[0], weight, bias))
+            elif isinstance(layer, nn.Embedding) and layer.max_norm is None:
+                with self.graph.inserting_before(node):
+                    weight = self.graph.get_attr(f"{node.target}.weight")
+                    padding = -1 if layer.padding_idx is None else layer.padding_idx
+                    call = self.graph.call_function(aten.embedding.default, (weight, node.args[0], padding,
+                                                                              layer.scale_grad_by_freq, layer.sparse))
+            else:
+                continue
+            if node.name in self.shapes:
+                self.shapes[call.name] = self.shapes[node.name]
+            node.replace_all_uses_with(call)
+            self.graph.erase_node(node)
+
+    # ----- planned layers -------------------------------------------------------------------------------------------
+    def _planned_layer(self, node: fx.Node) -> tuple[str, str] | None:
+        """(the layer's module name, its style) for a call of a planned linear or embedding layer's weight."""
+        if node.target is aten.linear.default:
+            weight = node.args[1]
+        elif node.target is aten.embedding.default:
+            weight = node.args[0]
+        else:
+            return None
+        if not isinstance(weight, fx.Node) or weight.op != "get_attr":
+            return None
+        layer = str(weight.target).rpartition(".")[0]
+        style = self.plan.style_of(layer)
+        return None if style == REPLICATE else (layer, style)
+
+    def _split_layer(self, node: fx.Node, layer: str, style: str) -> None:
+        T = self.lanes.size
+        linear = node.target is aten.linear.default
+        if linear == (style == VOCABULARY):
+            kind = "nn.Embedding (a lookup)" if style == VOCABULARY else "nn.Linear (a matmul)"
+            raise TensorParallelError(f"{self.where}: {self.plan.source} gives {layer!r} the style {style!r}, which "
+                                      f"splits an {kind}, but the model uses it in {node.format_node()}; give it a style "
+                                      "for what it is, or 'replicate'")
+        weight = self.gm.get_parameter(f"{layer}.weight")
+        dim = 1 if style == ROWWISE else 0
+        if weight.shape[dim] % T:
+            what = {0: "output features" if linear else "vocabulary rows", 1: "input features"}[dim]
+            raise TensorParallelError(f"{self.where}: {layer!r} ({style}) has {weight.shape[dim]} {what}, which do not "
+                                      f"divide over tensor_parallel={T} ranks; use a tensor_parallel that divides "
+                                      f"{weight.shape[dim]}, or tp_plan={{{layer!r}: 'replicate'}}")
+        self.params[f"{layer}.weight"] = ParameterSplit(style, dim)
+        has_bias = linear and len(node.args) > 2 and node.args[2] is not None
+        if has_bias:
+            self.params[f"{layer}.bias"] = ParameterSplit(style, None if style == ROWWISE else 0)
+        g = self.graph
+        with g.inserting_before(node):
+            local_weight = g.call_method("to_local", (node.args[1 if linear else 0],))
+            if style == VOCABULARY:
+                ids = node.args[1]
+                self._require_whole(ids, node, "reads its ids")
+                if len(node.args) > 3 and node.args[3]:
+                    raise TensorParallelError(f"{self.where}: {layer!r} scales gradients by frequency, which a split "
+                                              f"vocabulary cannot count; tp_plan={{{layer!r}: 'replicate'}}")
+                out = g.call_module(self._add(VocabularyLookup(self.lanes.group, self.lanes.rank * weight.shape[0] // T,
+                                                               weight.shape[0] // T)),
+                                    (local_weight, ids, *node.args[2:]), dict(node.kwargs))
+            elif style == ROWWISE:
+                x = node.args[0]
+                if self.split.get(x) != -1:
+                    raise TensorParallelError(
+                        f"{self.where}: {layer!r} is rowwise, so it reads features split over the tensor-parallel "
+                        f"ranks, but its input {x} is {self._describe(x)}; make the layer that feeds it colwise, or "
+                        f"tp_plan={{{layer!r}: 'replicate'}}")
+                out = g.call_module(self._add(SumOverLanes(self.lanes.group)),
+                                    (g.call_function(aten.linear.default, (x, local_weight)),))
+                if has_bias:
+                    out = g.call_function(aten.add.Tensor, (out, node.args[2]))
+            else:
+                x = node.args[0]
+                self._require_whole(x, node, f"is the input of colwise {layer!r}; make the layer before it rowwise")
+                bias = g.call_method("to_local", (node.args[2],)) if has_bias else None
+                out = g.call_function(aten.linear.default, (self._to_lanes(x), local_weight, bias))
+                if style == COLWISE_GATHERED:
+                    out = g.call_module(self._add(GatherLanes(self.lanes.group)), (out,))
+                else:
+                    self.split[out] = -1
+        if node.name in self.shapes:
+            self.shapes[out.name] = self.shapes[node.name]
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+
+    def _check_planned_uses(self) -> None:
+        """A planned parameter is read by its layer's call alone (a tied copy used elsewhere would read a slice)."""
+        for node in self.graph.nodes:
+            split = self.params.get(str(node.target))
+            if node.op == "get_attr" and split is not None and split.dim is not None:
+                for user in node.users:
+                    if not (user.op == "call_method" and user.target == "to_local"):
+                        raise TensorParallelError(
+                            f"{self.where}: parameter {node.target!r} is split ({split.style}) but "
+                            f"{user.format_node()} also reads it whole (a tied weight?); keep its layer whole with "
+                            f"tp_plan={{{str(node.target).rpartition('.')[0]!r}: 'replicate'}}")
+
+    def _check_all_placed(self) -> None:
+        """Every parameter of a planned layer was split: a layer the graph calls in another form (not one linear or
+        embedding call) is refused rather than silently kept whole."""
+        for name, _ in self.gm.named_parameters():
+            layer = name.rpartition(".")[0]
+            if self.plan.style_of(layer) != REPLICATE and name not in self.params:
+                raise TensorParallelError(
+                    f"{self.where}: {self.plan.source} splits {layer!r} ({self.plan.style_of(layer)}), but the stage "
+                    f"does not use its parameter {name!r} in one linear or embedding call; keep it whole with "
+                    f"tp_plan={{{layer!r}: 'replicate'}}")
+
+    # ----- operations on split values -------------------------------------------------------------------------------
+    def _follow(self, node: fx.Node) -> None:
+        """Give ``node``, which reads a split value, the split of its output, or refuse it."""
+        name = self._op_name(node)
+        rule = self._rule(node, name)
+        if rule is None:
+            raise self._refusal(node, "no rule maps a split through this operation")
+        rule(node)
+
+    def _rule(self, node: fx.Node, name: str) -> Callable[[fx.Node], None] | None:
+        if self._elementwise(node, name):
+            return self._pointwise
+        if name in _RESHAPES:
+            return self._reshape
+        table = {"transpose": self._transpose, "swapaxes": self._transpose, "t": self._transpose,
+                 "permute": self._permute, "unsqueeze": self._unsqueeze, "squeeze": self._squeeze,
+                 "expand": self._expand, "slice": self._along_other, "narrow": self._along_other,
+                 "select": self._select, "cat": self._cat, "scaled_dot_product_attention": self._attention,
+                 "matmul": self._batched, "bmm": self._batched, "linear": self._replicated_linear,
+                 "sym_size": self._size, "size": self._size}
+        if name in _REDUCTIONS:
+            return self._reduction
+        if name in _SOFTMAXES:
+            return self._softmax
+        return table.get(name)
+
+    def _elementwise(self, node: fx.Node, name: str) -> bool:
+        return is_elementwise(self.gm, node, name)
+
+    def _pointwise(self, node: fx.Node) -> None:
+        dims = {self.split[n] for n in node.all_input_nodes if n in self.split}
+        if len(dims) > 1:
+            raise self._refusal(node, f"its inputs are split along different dimensions {sorted(dims)}")
+        d = dims.pop()
+        for n in node.all_input_nodes:
+            shape = None if n in self.split else self._shape(n)
+            if shape is not None and len(shape) >= -d and shape[d] != 1:
+                raise self._refusal(node, f"it combines the split value with whole {n} of shape {tuple(shape)}, whose "
+                                          f"dimension {d} is not broadcast")
+        self._wrap_whole_inputs(node)
+        self.split[node] = d
+
+    def _reshape(self, node: fx.Node) -> None:
+        x = node.args[0]
+        before, after = self.shapes.get(x.name), self.shapes.get(node.name)
+        if before is None or after is None:
+            raise self._refusal(node, "its shapes are unknown")
+        a = self.split[x] + len(before)
+        prefix = math.prod(before[:a])
+        e = next((e for e in range(len(after) + 1) if math.prod(after[:e]) == prefix), None)
+        T = self.lanes.size
+        if e is None or e == len(after) or after[e] % T:
+            raise self._refusal(node, f"it reshapes {before} (split along dimension {a}) to {after}, which does not "
+                                      f"keep a dimension divisible by {T} in the same place (e.g. attention heads or "
+                                      "key/value heads that do not divide over the tensor-parallel ranks)")
+        if self._op_name(node) != "flatten":
+            sizes = list(node.args[1]) if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) \
+                else list(node.args[1:])
+            if len(sizes) == len(after):
+                sizes[e] = self._local_size(node, sizes[e], after[e])
+                node.args = (x, sizes) if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) \
+                    else (x, *sizes)
+        self.split[node] = e - len(after)
+
+    def _local_size(self, node: fx.Node, size: Any, whole: int) -> Any:
+        """A size argument of a reshape or expand at the split dimension, as this rank's share."""
+        if size == -1:
+            return size
+        if isinstance(size, int) and size == whole:
+            return whole // self.lanes.size
+        raise self._refusal(node, f"its size {size} at the split dimension is computed, not a constant; write -1 there")
+
+    def _transpose(self, node: fx.Node) -> None:
+        x = node.args[0]
+        n = self._ndim(x, node)
+        a = self.split[x] + n
+        if self._op_name(node) == "t":
+            i, j = 0, 1
+        else:
+            i, j = (int(v) % n for v in node.args[1:3])
+        a = j if a == i else i if a == j else a
+        self.split[node] = a - n
+
+    def _permute(self, node: fx.Node) -> None:
+        x = node.args[0]
+        n = self._ndim(x, node)
+        order = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        order = [int(v) % n for v in order]
+        self.split[node] = order.index(self.split[x] + n) - n
+
+    def _unsqueeze(self, node: fx.Node) -> None:
+        x = node.args[0]
+        n = self._ndim(x, node)
+        a, new = self.split[x] + n, int(node.args[1]) % (n + 1)
+        self.split[node] = (a + (new <= a)) - (n + 1)
+
+    def _squeeze(self, node: fx.Node) -> None:
+        x = node.args[0]
+        before = self.shapes.get(x.name)
+        if before is None:
+            raise self._refusal(node, "its input's shape is unknown")
+        n, a = len(before), self.split[x] + len(before)
+        asked = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", range(n))
+        asked = {int(v) % n for v in (asked if isinstance(asked, (list, tuple, range)) else [asked])}
+        removed = {i for i in asked if before[i] == 1}
+        self.split[node] = (a - sum(1 for i in removed if i < a)) - (n - len(removed))
+
+    def _expand(self, node: fx.Node) -> None:
+        x = node.args[0]
+        after = self.shapes.get(node.name)
+        sizes = list(node.args[1])
+        d = self.split[x]
+        if after is None:
+            raise self._refusal(node, "its shapes are unknown")
+        sizes[d] = self._local_size(node, sizes[d], after[d])
+        node.args = (x, sizes, *node.args[2:])
+        self.split[node] = d
+
+    def _along_other(self, node: fx.Node) -> None:
+        x = node.args[0]
+        n = self._ndim(x, node)
+        dim = int(node.args[1]) if len(node.args) > 1 else int(node.kwargs.get("dim", 0))
+        if dim % n == self.split[x] + n:
+            raise self._refusal(node, "it slices the split dimension")
+        self.split[node] = self.split[x]
+
+    def _select(self, node: fx.Node) -> None:
+        x = node.args[0]
+        n = self._ndim(x, node)
+        dim, a = int(node.args[1]) % n, self.split[x] + n
+        if dim == a:
+            raise self._refusal(node, "it indexes the split dimension")
+        self.split[node] = (a - (dim < a)) - (n - 1)
+
+    def _cat(self, node: fx.Node) -> None:
+        parts = node.args[0]
+        if any(p not in self.split for p in parts) or len({self.split[p] for p in parts}) > 1:
+            raise self._refusal(node, "it joins split and whole tensors (or tensors split differently)")
+        d = self.split[parts[0]]
+        n = self._ndim(parts[0], node)
+        dim = int(node.args[1]) if len(node.args) > 1 else int(node.kwargs.get("dim", 0))
+        if dim % n == d + n:
+            raise self._refusal(node, "it joins along the split dimension")
+        self.split[node] = d
+
+    def _attention(self, node: fx.Node) -> None:
+        q, k, v = node.args[:3]
+        if any(self.split.get(t) != -3 for t in (q, k, v)):
+            raise self._refusal(node, "attention splits over heads: query, key and value must all be split along "
+                                      f"their heads dimension (found {[self._describe(t) for t in (q, k, v)]})")
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, fx.Node):
+            shape = self.shapes.get(mask.name)
+            if mask in self.split or shape is None or (len(shape) >= 3 and shape[-3] != 1):
+                raise self._refusal(node, "its attention mask differs per head")
+        self.split[node] = -3
+
+    def _batched(self, node: fx.Node) -> None:
+        a, b = node.args[:2]
+        if self.split.get(a) is None or self.split.get(a) != self.split.get(b) or self.split[a] > -3:
+            raise self._refusal(node, "a matmul keeps a split only along a batch dimension of both operands")
+        self.split[node] = self.split[a]
+
+    def _replicated_linear(self, node: fx.Node) -> None:
+        d = self.split[node.args[0]]
+        if d == -1:
+            layer = node.args[1].target.rpartition(".")[0] if isinstance(node.args[1], fx.Node) else node.args[1]
+            raise self._refusal(node, f"whole layer {layer!r} reads features split over the tensor-parallel ranks; "
+                                      f"make it rowwise in tp_plan")
+        self._wrap_whole_inputs(node)
+        self.split[node] = d
+
+    def _size(self, node: fx.Node) -> None:
+        x = node.args[0]
+        if len(node.args) < 2:
+            raise self._refusal(node, "it reads the whole shape of a split tensor")
+        n = self._ndim(x, node)
+        if int(node.args[1]) % n == self.split[x] + n:
+            raise self._refusal(node, "it reads the size of the split dimension")
+
+    def _reduction(self, node: fx.Node) -> None:
+        x = node.args[0]
+        n = self._ndim(x, node)
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if dims is None:
+            raise self._refusal(node, "it reduces over every dimension, the split one included")
+        dims = [int(v) % n for v in (dims if isinstance(dims, (list, tuple)) else [dims])]
+        keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+        a = self.split[x] + n
+        if a in dims:
+            raise self._refusal(node, "it reduces over the split dimension")
+        self.split[node] = self.split[x] if keep else (a - sum(1 for v in dims if v < a)) - (n - len(dims))
+
+    def _softmax(self, node: fx.Node) -> None:
+        x = node.args[0]
+        n = self._ndim(x, node)
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if dim is None or int(dim) % n == self.split[x] + n:
+            raise self._refusal(node, "it normalises over the split dimension")
+        self.split[node] = self.split[x]
+
+    # ----- helpers --------------------------------------------------------------------------------------------------
+    def _wrap_whole_inputs(self, node: fx.Node) -> None:
+        """Whole tensors ``node`` reads next to split ones pass through ToLanes: their gradients are summed."""
+        def wrap(arg: fx.Node) -> fx.Node:
+            if arg in self.split or self._shape(arg) is None:  # split, or not a tensor
+                return arg
+            return self._to_lanes(arg)
+        node.args = fx.map_arg(node.args, wrap)
+        node.kwargs = fx.map_arg(node.kwargs, wrap)
+
+    def _to_lanes(self, node: fx.Node) -> fx.Node:
+        if node not in self.whole_to_lanes:
+            after = node if node.op != "placeholder" else list(self.graph.find_nodes(op="placeholder"))[-1]
+            with self.graph.inserting_after(after):
+                self.whole_to_lanes[node] = self.graph.call_module(self._add(ToLanes(self.lanes.group)), (node,))
+            if node.name in self.shapes:
+                self.shapes[self.whole_to_lanes[node].name] = self.shapes[node.name]
+        return self.whole_to_lanes[node]
+
+    def _add(self, module: nn.Module) -> str:
+        name = f"tensor_parallel_{type(module).__name__}_{self._modules}"
+        self._modules += 1
+        self.gm.add_submodule(name, module)
+        return name
+
+    def _require_whole(self, x: Any, node: fx.Node, what: str) -> None:
+        if x in self.split:
+            raise TensorParallelError(f"{self.where}: {x} is split over the tensor-parallel ranks but {what} "
+                                      f"({node.format_node()})")
+
+    def _check_outputs(self, node: fx.Node) -> None:
+        for value in node.all_input_nodes:
+            if value in self.split:
+                raise TensorParallelError(
+                    f"{self.where}: {value} leaves the stage split over the tensor-parallel ranks (the stage boundary "
+                    "falls between a colwise layer and its rowwise partner); stage boundaries must be whole: move the "
+                    "boundary with partitioner=[...] (the node names that start stages), or change tp_plan")
+
+    def _shape(self, x: fx.Node) -> tuple[int, ...] | None:
+        """The whole shape of the tensor ``x`` computes (None: not a tensor)."""
+        if x.op == "get_attr":
+            value = _attribute(self.gm, str(x.target))
+            return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        return self.shapes.get(x.name)
+
+    def _ndim(self, x: fx.Node, node: fx.Node) -> int:
+        shape = self.shapes.get(x.name)
+        if shape is None:
+            raise self._refusal(node, "its input's shape is unknown")
+        return len(shape)
+
+    def _describe(self, x: Any) -> str:
+        return f"split along dimension {self.split[x]}" if x in self.split else "whole"
+
+    def _op_name(self, node: fx.Node) -> str:
+        return op_name(self.gm, node)
+
+    def _refusal(self, node: fx.Node, why: str) -> TensorParallelError:
+        return TensorParallelError(
+            f"{self.where}: tensor parallelism cannot place {node.format_node()}: {why}. The tensor it reads is split "
+            f"by {self.plan.source}; keep the layers around it whole with tp_plan= (style 'replicate'), or report "
+            "the operation if it should be supported")
+
+
+def op_name(module: nn.Module, node: fx.Node) -> str:
+    """What ``node`` computes, by name: an ATen operator's base name, a method's, a module's class or a function's."""
+    t = node.target
+    if node.op == "call_method":
+        return str(t)
+    if node.op == "call_module":
+        return type(module.get_submodule(t)).__name__
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def is_elementwise(module: nn.Module, node: fx.Node, name: str | None = None) -> bool:
+    """Whether ``node`` computes each output element from the same element of its inputs (or changes its dtype)."""
+    if node.op == "call_module":
+        return isinstance(module.get_submodule(node.target), _ELEMENTWISE_MODULES)
+    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+        return True
+    return (name or op_name(module, node)) in _ELEMENTWISE_NAMES or node.target in (
+        operator.add, operator.sub, operator.mul, operator.truediv, operator.neg)
+
+
+def _attribute(module: nn.Module, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name, None)
