@@ -61,6 +61,9 @@ def wrap(model: nn.Module, example_inputs: Any, *,
          compress: Literal["bf16", "fp16"] | None = None,
          zero: Literal[0, 1, 2, 3] = 0,
          reshard_after_forward: bool = False,
+         # --- tensor parallelism inside each stage
+         tensor_parallel: int = 1,
+         tp_plan: dict[str, str] | None = None,
          **unknown: Any) -> Pipeline:
     """Split ``model`` into pipeline stages and return a :class:`Pipeline` that trains it.
 
@@ -121,6 +124,12 @@ def wrap(model: nn.Module, example_inputs: Any, *,
         zero: 1 shards the optimizer state over a stage's replicas, 2 the gradients too, 3 the parameters too
             (torch's FSDP2: all-gathered once per step). reshard_after_forward: zero=3 frees them after each
             micro-batch's forward and backward instead.
+    Tensor parallelism:
+        tensor_parallel: T ranks per stage and replica (ranks = stages x data_parallel x T, the T innermost, so keep
+            them on one node); each holds 1/T of every planned layer, with Megatron-LM's all-reduces between them.
+        tp_plan: module-name patterns -> "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise" or
+            "replicate" (Hugging Face's vocabulary; "layers.*.mlp.up_proj" matches every layer's). None: the model's
+            own plan (a Hugging Face model's tp_plan), else colwise/rowwise pairs of consecutive linear layers.
     """
     if unknown:
         raise TypeError(f"wrap() got unknown option(s) {sorted(unknown)}; valid options: "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -108,6 +108,11 @@ class PipelineOptions:
     # zero=3: free the all-gathered parameters after each micro-batch's forward (gathered again for its
     # backward) instead of keeping them from a step's first forward to its gradient reduction.
     reshard_after_forward: bool = False
+    # Tensor parallelism: each stage's planned layers split over T ranks (pipetrain.tensor_parallel), with the plan
+    # from tp_plan (module-name patterns -> Hugging Face's styles: "colwise", "rowwise", ...), else the model's own
+    # (HF's tp_plan), else colwise/rowwise pairs of consecutive linear layers.
+    tensor_parallel: int = 1
+    tp_plan: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()  # a bad value fails where it is written, before anything is captured
@@ -157,6 +162,7 @@ class PipelineOptions:
             raise ValueError(f"hierarchy={self.hierarchy} must be (nodes, replicas per node) with "
                              f"nodes x replicas per node = data_parallel = {self.data_parallel}")
         self._check_zero()
+        self._check_tensor_parallel()
         if not isinstance(self.partitioner, (list, tuple)):
             choose("partitioner", self.partitioner, PARTITIONERS)
         if self.schedule in SYNC_SCHEDULES and self.staleness != "none":
@@ -260,6 +266,33 @@ class PipelineOptions:
                 f"zero={self.zero} shards a stage's optimizer state over its data-parallel replicas, and "
                 + ("data_parallel=1 has none" if self.data_parallel == 1 else "engine='local' runs no replicas")
                 + ": use zero=0, or data_parallel > 1 under torchrun (engine='distributed' or 'auto')")
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism needs and does not run yet, refused before anything is captured."""
+        T = self.tensor_parallel
+        if not isinstance(T, int) or isinstance(T, bool) or T < 1:
+            raise ValueError(f"tensor_parallel must be a positive integer, got {T!r}")
+        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+            raise TypeError(f"tp_plan must map module-name patterns to styles, e.g. {{'layers.*.mlp.up_proj': "
+                            f"'colwise', 'layers.*.mlp.down_proj': 'rowwise'}}; got {type(self.tp_plan).__name__}")
+        if T == 1:
+            if self.tp_plan is not None:
+                raise ValueError("tp_plan says how layers are split over tensor-parallel ranks, and tensor_parallel=1 "
+                                 "has none: pass tensor_parallel > 1 with it, or drop tp_plan")
+            return
+        if self.engine == "local":
+            raise ValueError(f"tensor_parallel={T} runs one process per tensor-parallel rank: launch with torchrun "
+                             "(engine='distributed' or 'auto')")
+        refused = {"schedule='async-1f1b'": self.schedule == "async-1f1b", "zero > 0": bool(self.zero),
+                   "compile": bool(self.compile)}
+        why = {"schedule='async-1f1b'": "its staleness policies keep and swap whole weight versions",
+               "zero > 0": "ZeRO's shards are not yet cut from tensor-parallel blocks",
+               "compile": "the compiled graphs would have to trace the tensor-parallel collectives"}
+        for what, refuse in refused.items():
+            if refuse:
+                raise ValueError(f"tensor_parallel={T} with {what} is not supported yet: {why[what]}; use "
+                                 f"tensor_parallel=1 with it, or a synchronous schedule, zero=0 and compile=False "
+                                 "with tensor parallelism")
 
     def _check_fully_sharded(self) -> None:
         """What zero=3 (FSDP2) does not run, refused before anything is captured."""

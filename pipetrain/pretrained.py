@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from pipetrain.adapters import AdapterLayout
+from pipetrain.runtime.local_shards import whole_state
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -88,12 +89,13 @@ def check_loadable(written: set[str], layout: PretrainedLayout) -> None:
 def own_tensors(stages: dict[int, nn.Module], layout: PretrainedLayout,
                 tied: list[list[tuple[int, str]]]) -> dict[str, torch.Tensor]:
     """The tensors this process writes: each under its canonical name, by the lowest stage that holds a copy
-    (tied parameters on several stages are copies kept equal)."""
+    (tied parameters on several stages are copies kept equal); sharded ones whole (a collective over their mesh:
+    every rank holding a shard calls this)."""
     writer = {layout.canonical.get(name, name): min(stage for stage, _ in group) for group in tied
               for _, name in group}
     out = {}
     for v, module in sorted(stages.items()):
-        for name, t in module.state_dict().items():
+        for name, t in whole_state(module).items():
             if layout.canonical.get(name, name) == name and writer.get(name, v) == v:
                 out[name] = t
     return out
@@ -219,7 +221,9 @@ def write_pretrained(path: str | os.PathLike, stages: dict[int, nn.Module], layo
     (with ``writes`` false, as for the ranks of replicas other than the first, it only takes part in the
     collectives of ``group``): a PEFT model's adapter, or the model (with the LoRA factors merged into its
     weights when ``merge_adapters``). Refuses before writing what ``from_pretrained`` would load wrongly."""
-    tensors = own_tensors(stages, layout, tied) if writes else {}
+    tensors = own_tensors(stages, layout, tied)  # on every rank: sharded tensors are gathered collectively
+    if not writes:
+        tensors = {}
     adapters = layout.adapters
     if adapters is not None and not merge_adapters:
         return save_adapters(path, adapters.adapter_tensors(tensors), adapters, group)

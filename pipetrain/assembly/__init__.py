@@ -19,6 +19,7 @@ from pipetrain.assembly.checkpointing import checkpointing_off, honour_model_che
 from pipetrain.assembly.fingerprint import differences, fingerprint
 from pipetrain.assembly.schedule_book import ScheduleBook
 from pipetrain.assembly.stages import build_stages, build_steppers
+from pipetrain.assembly.tensor_split import stage_splitter
 from pipetrain.comm.engine import Connections, Engine, select_engine
 from pipetrain.options import PipelineOptions
 from pipetrain.pretrained import PretrainedLayout
@@ -69,7 +70,8 @@ def assemble(model: nn.Module, example_inputs: Any, options: PipelineOptions) ->
     book.check_links(topology)
     tensors = StageTensors.prepare(plan.graph.model, plan.graph.state_names, plan.graph.without_data,
                                    options.weights, options.seed)
-    stages = build_stages(plan, topology, engine, options, precision.autocast_dtype, tensors)
+    split = stage_splitter(model, example_inputs, plan, options, engine)
+    stages = build_stages(plan, topology, engine, options, precision.autocast_dtype, tensors, split)
     tensors.close()
     pretrained = PretrainedLayout.of(model)
     # The stages hold their tensors now: the plan keeps no other copy (its tied groups found on the real graph).

@@ -60,8 +60,10 @@ def policy_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer | None,
 
 
 def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, options: PipelineOptions,
-                 autocast_dtype: torch.dtype | None, tensors: StageTensors) -> dict[int, StageRuntime]:
-    """The runtimes of the virtual stages this process runs (every one locally; its rank's under torchrun)."""
+                 autocast_dtype: torch.dtype | None, tensors: StageTensors,
+                 split: Callable[[nn.Module, int], None] | None = None) -> dict[int, StageRuntime]:
+    """The runtimes of the virtual stages this process runs (every one locally; its rank's under torchrun).
+    ``split``: tensor parallelism's rewrite of a stage for this rank (`pipetrain.assembly.tensor_split`)."""
     V, held = topology.num_stages, set(engine.positions())
     compiling = compile_arguments(options.compile)
     # Compiled split schedules compile each stage's derived F, B and W graphs, not its module.
@@ -81,6 +83,10 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         modules = {v: tensors.materialise(plan.build_stage(v), device) for v, device in devices.items()}
         # Before any optimizer, policy or compiled graph sees the tensors: they start as replica 0's.
         engine.start_replicas_equal(modules, same_source=tensors.without_data or options.weights is not None)
+        if split is not None:  # a stage's lanes cut their blocks from the same whole tensors
+            engine.start_lanes_equal(modules, same_source=tensors.without_data or options.weights is not None)
+            for v, module in modules.items():
+                split(module, v)
         for module in modules.values() if shard is not None else ():
             shard(module)
     owners: dict[int, list[int]] = {}
@@ -137,6 +143,10 @@ def build_steppers(stages: dict[int, StageRuntime], topology: Topology, connecti
         counted = counts_in_norm(engine.world.hierarchy)
     else:
         counted = bool(options.zero) or engine.world is None or engine.world.replica == 0
+    if options.tensor_parallel > 1 and engine.world.lane > 0:  # whole tensors count once, on lane 0
+        from pipetrain.tensor_parallel.parameters import is_split
+
+        duplicates |= {id(p) for rt in stages.values() for p in rt.module.parameters() if not is_split(p)}
     norm = GradientNorm(float(options.norm_type), options.max_grad_norm, counted, duplicates)
     return {d: OptimizerStep([stages[v] for v in topology.stages_at(d)], connections.tied,
                              DynamicLossScaler() if options.precision == "fp16" else None,

@@ -21,10 +21,21 @@ def pipeline_view(parts: Parts, updates: int, streaming: bool) -> PipelineView:
     if world is None:
         role = CheckpointRole(True, True, "local", agree_alone, streaming, 0)
     else:
-        merge = _merge_over(world.data_parallel_group, parts.options.zero) if parts.options.zero else None
-        role = CheckpointRole(world.replica == 0, world.rank == 0, "distributed", parts.engine.consensus.decide,
-                              streaming, world.rank, merge)
+        merge = _merge_over(world.data_parallel_group, parts.options.zero) if parts.options.zero else \
+            _merge_lanes(world.lane) if world.tensor_parallel > 1 else None
+        role = CheckpointRole(world.replica == 0 and world.lane == 0, world.rank == 0, "distributed",
+                              parts.engine.consensus.decide, streaming, world.rank, merge)
     return PipelineView(parts.plan, parts.options, updates, stages, role, parts.pretrained)
+
+
+def _merge_lanes(lane: int) -> Callable[[dict], dict | None]:
+    """Tensor-parallel checkpoints: each lane holds its blocks of the split tensors' optimizer state, all-gathered
+    whole (every lane takes part) onto lane 0, which writes the stage."""
+    def merge(share: dict) -> dict | None:
+        whole_share = {**share, "state": {name: {k: whole(t) for k, t in state.items()}
+                                          for name, state in share["state"].items()}}
+        return whole_share if lane == 0 else None
+    return merge
 
 
 def _merge_over(group: dist.ProcessGroup, zero: int) -> Callable[[dict], dict | None]:

@@ -10,7 +10,7 @@ engine needs right here.
 - `LocalEngine`: every stage in this process (one device or several), the deterministic
   reference.
 - `DistributedEngine`: one pipeline position per rank under torchrun (gloo on CPU, NCCL on
-  GPU), ranks = stages x data_parallel.
+  GPU), ranks = stages x data_parallel x tensor_parallel.
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class EngineOptions(Protocol):
     dynamic_shapes: bool
     receive_ahead: bool
     norm_type: float
+    tensor_parallel: int
 
 
 @dataclass
@@ -126,6 +127,9 @@ class LocalEngine:
     def check_replicas_read_alike(self, digests: dict[int, str]) -> None:
         """One process holds no replicas."""
 
+    def start_lanes_equal(self, modules: dict[int, nn.Module], same_source: bool) -> None:
+        """One process runs no tensor-parallel ranks."""
+
     def connect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
         counter = CommCounter(topology.num_stages)
         stage_devices = [self.devices[topology.position_of(v)] for v in range(topology.num_stages)]
@@ -182,7 +186,7 @@ class DistributedEngine:
     def _new_world(self) -> World:
         o = self.options
         with peers_answer(SETTING_UP):
-            return World(o.stages, o.data_parallel, o.allreduce, o.hierarchy, o.timeout)
+            return World(o.stages, o.data_parallel, o.allreduce, o.hierarchy, o.timeout, o.tensor_parallel)
 
     def reconnect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
         """Fresh process groups and connections after a step that raised on some rank: the old groups may hold
@@ -215,6 +219,11 @@ class DistributedEngine:
         if self.data_parallel > 1:
             start_replicas_equal(modules, self.world.data_parallel_group, same_source)
 
+    def start_lanes_equal(self, modules: dict[int, nn.Module], same_source: bool) -> None:
+        """A stage's tensor-parallel ranks start from lane 0's whole tensors, before each cuts its blocks."""
+        if self.world.tensor_parallel > 1:
+            start_replicas_equal(modules, self.world.tensor_group, same_source)
+
     def check_replicas_read_alike(self, digests: dict[int, str]) -> None:
         """zero=3 built each replica's shards from the source: the whole tensors they saw must be the same."""
         if self.data_parallel > 1:
@@ -243,10 +252,11 @@ class DistributedEngine:
         transport = DistributedTransport(topology, lambda v: world.rank_of(topology.position_of(v)), links,
                                          world.device, counter, self.dynamic_shapes, self.timeout, self.receive_ahead)
         tied_sync = DistributedTiedSync(tied, stages, tied_groups, counter)
-        reporter = Reporter(topology.num_stages, counter, any(s.is_last for s in stages.values()),
-                            (world.control, world.report), self.data_parallel, world.device)
-        S = world.stages
-        describe = lambda r: f"rank {r} ({topology.describe(r % S)}, replica {r // S})"  # noqa: E731
+        # Every lane of the last stage computes the same loss: lane 0 reports it; per-stage numbers are averaged over
+        # the stage's replicas and lanes.
+        reporter = Reporter(topology.num_stages, counter, world.lane == 0 and any(s.is_last for s in stages.values()),
+                            (world.control, world.report), self.data_parallel * world.tensor_parallel, world.device)
+        describe = lambda r: world.describe_rank(r, topology.describe(world.place_of(r)[1]))  # noqa: E731
         agreement = DistributedOverflowAgreement(world.agreement, world.device, describe,
                                                  largest_norm=self.options.norm_type == math.inf)
         reducers = {}
@@ -278,7 +288,7 @@ class DistributedEngine:
         """The full output on every rank, from replica 0's last stage (every replica computes the same)."""
         # Pickled on the CPU: a CUDA tensor would be unpickled onto the source rank's device index.
         box = [to_device(output, torch.device("cpu")) if output is not None else None]
-        last = self.world.rank_of(topology.position_of(topology.num_stages - 1), replica=0)
+        last = self.world.rank_of(topology.position_of(topology.num_stages - 1), replica=0, lane=0)
         with peers_answer(f"predict()'s output broadcast from rank {last} (every rank calls predict())"):
             dist.broadcast_object_list(box, src=last, group=self.world.control)
         return box[0]

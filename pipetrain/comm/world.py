@@ -1,12 +1,15 @@
 """The process layout of the distributed engine: ranks, pipeline positions and process groups.
 
-Rank r runs pipeline position ``r % stages`` of replica ``r // stages`` (each replica's
-pipeline occupies consecutive ranks, so with ``--nproc-per-node=stages`` a pipeline
-stays inside one machine and only the data-parallel reduction crosses machines).
+Rank r is tensor-parallel rank (lane) ``r % T`` of pipeline position ``(r // T) % stages`` of replica
+``r // (T * stages)``: a stage's T tensor-parallel ranks are consecutive (one machine: their all-reduces run
+on every layer), then each replica's pipeline occupies consecutive ranks, so with
+``--nproc-per-node=stages x T`` a pipeline stays inside one machine and only the data-parallel reduction
+crosses machines. Every lane of a stage talks to the same lane of its neighbours.
 """
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import queue
 import threading
@@ -102,20 +105,23 @@ def _within(seconds: float, address: str, connect: Callable[[], dist.Store]) -> 
 
 
 class World:
-    """This rank's place in the (replica x pipeline position) grid and the groups it talks over."""
+    """This rank's place in the (replica x pipeline position x tensor-parallel lane) grid and the groups it talks
+    over."""
 
     def __init__(self, stages: int, data_parallel: int, allreduce: str = "flat",
-                 hierarchy: tuple[int, int] | None = None, timeout: float = 30.0):
+                 hierarchy: tuple[int, int] | None = None, timeout: float = 30.0, tensor_parallel: int = 1):
         self.stages = stages
         self.data_parallel = data_parallel
+        self.tensor_parallel = T = tensor_parallel
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
-        if self.size != stages * data_parallel:
+        if self.size != stages * data_parallel * T:
+            grid = f"stages x data_parallel x tensor_parallel = {stages} x {data_parallel} x {T}"
             raise ValueError(
-                f"the world has {self.size} processes but stages x data_parallel = {stages} x {data_parallel} "
-                f"= {stages * data_parallel}; launch with --nproc-per-node (x nodes) = {stages * data_parallel} "
-                "or change stages/data_parallel")
-        self.replica, self.position = divmod(self.rank, stages)
+                f"the world has {self.size} processes but {grid} = {stages * data_parallel * T}; launch with "
+                f"--nproc-per-node (x nodes) = {stages * data_parallel * T} or change stages/data_parallel"
+                + ("/tensor_parallel" if T > 1 else ""))
+        self.replica, self.position, self.lane = self.place_of(self.rank)
         self.timeout = timedelta(seconds=timeout)
         self._made: list = []  # every group this rank made, in the order every rank made them (close)
         if torch.cuda.is_available() and dist.get_backend() == "nccl":
@@ -132,16 +138,25 @@ class World:
         self.data_parallel_group = None
         self.hierarchy = None
         for d in range(stages):
-            ranks = [r * stages + d for r in range(data_parallel)]
-            group = self._group(ranks)
-            if d == self.position:
-                self.data_parallel_group = group
-            if data_parallel > 1 and allreduce in ("hybrid", "hierarchical"):
-                nodes, per_node = hierarchy if hierarchy else _replicas_per_node(ranks)
-                found = build_hierarchy_groups(ranks, nodes, per_node, self.timeout)
-                if d == self.position:
-                    self.hierarchy = found
-                    self._made += [found.intra_reduce, found.intra_gather, found.inter]
+            for lane in range(T):
+                mine = (d, lane) == (self.position, self.lane)
+                ranks = [self.rank_of(d, r, lane) for r in range(data_parallel)]
+                group = self._group(ranks)
+                if mine:
+                    self.data_parallel_group = group
+                if data_parallel > 1 and allreduce in ("hybrid", "hierarchical"):
+                    nodes, per_node = hierarchy if hierarchy else _replicas_per_node(ranks)
+                    found = build_hierarchy_groups(ranks, nodes, per_node, self.timeout)
+                    if mine:
+                        self.hierarchy = found
+                        self._made += [found.intra_reduce, found.intra_gather, found.inter]
+        # A stage's tensor-parallel ranks: the all-reduces of its split layers (pipetrain.tensor_parallel).
+        self.tensor_group = None
+        for replica in range(data_parallel) if T > 1 else ():
+            for d in range(stages):
+                group = self._group([self.rank_of(d, replica, lane) for lane in range(T)])
+                if (replica, d) == (self.replica, self.position):
+                    self.tensor_group = group
 
     def _group(self, ranks: list[int]):
         # Collectives on our groups give up after the same bound as point-to-point waits.
@@ -154,39 +169,52 @@ class World:
         destroy_groups(self._made)
         self._made.clear()
 
-    def rank_of(self, position: int, replica: int | None = None) -> int:
-        """The rank running pipeline position ``position`` of ``replica`` (default: this rank's)."""
-        return (self.replica if replica is None else replica) * self.stages + position
+    def rank_of(self, position: int, replica: int | None = None, lane: int | None = None) -> int:
+        """The rank running tensor-parallel lane ``lane`` of pipeline position ``position`` of ``replica`` (defaults:
+        this rank's)."""
+        replica = self.replica if replica is None else replica
+        return (replica * self.stages + position) * self.tensor_parallel + (self.lane if lane is None else lane)
+
+    def place_of(self, rank: int) -> tuple[int, int, int]:
+        """(replica, pipeline position, tensor-parallel lane) of ``rank``."""
+        pipeline_rank, lane = divmod(rank, self.tensor_parallel)
+        replica, position = divmod(pipeline_rank, self.stages)
+        return replica, position, lane
+
+    def describe_rank(self, rank: int, stage: str) -> str:
+        """``rank`` in messages: its stage (``stage``, described by the caller), replica and lane."""
+        replica, _, lane = self.place_of(rank)
+        return f"rank {rank} ({stage}, replica {replica}" + (f", tensor rank {lane})" if self.tensor_parallel > 1 else ")")
 
     def link_groups(self, topology: Topology, receive_ahead: bool) -> dict[Hashable, object]:
-        """This replica's process groups for the links between stages on different pipeline positions, keyed by
+        """This replica's (and lane's) process groups for the links between stages on different pipeline positions, keyed by
         ``schedules.nccl_order.link_comm``: one per direction of every link when receives are posted
         ahead; else one per link between adjacent stages, one per direction of a skip connection or of
         an interleaved pipeline's link."""
         mine = {}
         chunks = topology.num_stages // topology.positions
-        for replica in range(self.data_parallel):
+        for replica, lane in itertools.product(range(self.data_parallel), range(self.tensor_parallel)):
             for link in topology.links:
-                ranks = sorted({self.rank_of(topology.position_of(link.src), replica),
-                                self.rank_of(topology.position_of(link.dst), replica)})
+                ranks = sorted({self.rank_of(topology.position_of(link.src), replica, lane),
+                                self.rank_of(topology.position_of(link.dst), replica, lane)})
                 if len(ranks) < 2:
                     continue
                 for comm in dict.fromkeys(link_comm(link.index, link.src, link.dst, kind, chunks, receive_ahead)
                                            for kind in (ACT, GRAD)):
                     group = self._group(ranks)
-                    if replica == self.replica:
+                    if (replica, lane) == (self.replica, self.lane):
                         mine[comm] = group
         return mine
 
     def tied_groups(self, topology: Topology, tied: list[list[tuple[int, str]]]) -> dict[int, object]:
-        """A group per tied parameter whose copies live on several pipeline positions, for this replica."""
+        """A group per tied parameter whose copies live on several pipeline positions, for this replica and lane."""
         mine = {}
-        for replica in range(self.data_parallel):
+        for replica, lane in itertools.product(range(self.data_parallel), range(self.tensor_parallel)):
             for i, copies in enumerate(tied):
-                ranks = sorted({self.rank_of(topology.position_of(stage), replica) for stage, _ in copies})
+                ranks = sorted({self.rank_of(topology.position_of(stage), replica, lane) for stage, _ in copies})
                 if len(ranks) < 2:
                     continue
                 group = self._group(ranks)
-                if replica == self.replica and self.rank in ranks:
+                if (replica, lane) == (self.replica, self.lane) and self.rank in ranks:
                     mine[i] = group
         return mine

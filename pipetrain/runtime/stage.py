@@ -13,7 +13,7 @@ from pipetrain.runtime import split_backward
 from pipetrain.runtime.graph_backward import GraphBackward, GraphFlight
 from pipetrain.runtime.graph_split import GraphSplit
 from pipetrain.runtime.live_casts import LiveCasts
-from pipetrain.runtime.local_shards import gathered_bytes, is_fully_sharded, live_parameters
+from pipetrain.runtime.local_shards import gathered_bytes, is_fully_sharded, live_parameters, local
 from pipetrain.runtime.loss_checks import compute_loss
 from pipetrain.runtime.tensor_bytes import SavedBytes, grad_bytes, resident_bytes, storage_bytes
 from pipetrain.runtime.metrics import StageReport
@@ -193,7 +193,7 @@ class StageRuntime:
         if counted is None:
             if self.fully_sharded:
                 live_parameters(self.module)  # gathered: the weights autograd saves are these
-            param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+            param_ptrs = {local(p).untyped_storage().data_ptr() for p in self.module.parameters()}
             if weights is not None:
                 param_ptrs |= {w.untyped_storage().data_ptr() for w in weights.values()}
             counter = SavedBytes(param_ptrs, [leaf for ls in leaves for leaf in ls], casts)

@@ -37,7 +37,7 @@ def split_module(module: fx.GraphModule, plan: TensorParallelPlan | None, lanes:
     each parameter was cut. Raises TensorParallelError, naming the node, where the plan cannot be run exactly."""
     from pipetrain.tensor_parallel.parameters import cut_parameters, lanes_mesh  # DTensor: ~1 s to import, T > 1 only
 
-    chosen = plan if plan is not None else linear_pairs(module)
+    chosen = plan if plan is not None else linear_pairs(module, lanes.size)
     splits = split_stage(module, chosen, lanes, shapes, where)
     if not splits and any(True for _ in module.parameters()):
         warnings.warn(f"{where}: {chosen.source} splits none of its layers, so each of its {lanes.size} tensor-parallel "

@@ -2,9 +2,11 @@
 
 A linear layer whose output reaches exactly one other linear layer through elementwise operations alone (an
 activation, dropout, a dtype change) makes a pair: the first colwise, the second rowwise. The split features never
-leave the pair, so each pair costs one all-reduce in forward and one in backward. Pairs are found in each stage's
-own graph, so no pair straddles a stage boundary. Anything else (a layer that feeds two others, a norm between two
-layers, attention) stays whole; `TensorParallelPlan.source` says the plan was made this way.
+leave the pair, so each pair costs one all-reduce in forward and one in backward. A linear layer left without a
+partner (a classifier head) is colwise with its output gathered, when its outputs divide over the ranks: one
+all-gather, and each rank holds 1/T of it. Pairs are found in each stage's own graph, so no pair straddles a stage
+boundary. Anything else (convolutions, norms, attention) stays whole; `TensorParallelPlan.source` says the plan
+was made this way.
 """
 from __future__ import annotations
 
@@ -13,29 +15,36 @@ import torch.fx as fx
 from torch import nn
 
 from pipetrain.tensor_parallel.placement import is_elementwise
-from pipetrain.tensor_parallel.styles import COLWISE, ROWWISE, TensorParallelPlan
+from pipetrain.tensor_parallel.styles import COLWISE, COLWISE_GATHERED, ROWWISE, TensorParallelPlan
 
-SOURCE = "the automatic plan (pairs of linear layers)"
+SOURCE = "the automatic plan (pairs of linear layers, the others gathered)"
 
 
-def linear_pairs(module: fx.GraphModule) -> TensorParallelPlan:
-    """The colwise/rowwise pairs of consecutive linear layers in a stage graph, as a plan naming each layer."""
+def linear_pairs(module: fx.GraphModule, lanes: int) -> TensorParallelPlan:
+    """The colwise/rowwise pairs of consecutive linear layers in a stage graph, and its other linear layers colwise
+    and gathered where their outputs divide over ``lanes`` ranks, as a plan naming each layer."""
     patterns: dict[str, str] = {}
+    alone: list[str] = []
     for node in module.graph.nodes:
         first = _linear_layer(module, node)
         if first is None or first in patterns:
             continue
+        alone.append(first)
         value = node
         while len(value.users) == 1:
             (user,) = value.users
             second = _linear_layer(module, user)
             if second is not None:
-                if user.args[0] is value and second not in patterns:
+                divides = module.get_parameter(f"{first}.weight").shape[0] % lanes == 0
+                if user.args[0] is value and second not in patterns and divides:
                     patterns[first], patterns[second] = COLWISE, ROWWISE
                 break
             if not is_elementwise(module, user) or len(user.all_input_nodes) != 1:
                 break
             value = user
+    for layer in alone:
+        if layer not in patterns and module.get_parameter(f"{layer}.weight").shape[0] % lanes == 0:
+            patterns[layer] = COLWISE_GATHERED
     return TensorParallelPlan(patterns, SOURCE, exact=True)
 
 

@@ -77,6 +77,7 @@ class _Splitter:
         self.shapes = dict(shapes)
         self.split: dict[fx.Node, int] = {}  # node -> its split dimension, counted from the right (negative)
         self.whole_to_lanes: dict[fx.Node, fx.Node] = {}
+        self.started: dict[fx.Node, str] = {}  # a colwise layer's output -> the layer (named in refusals)
         self.params: dict[str, ParameterSplit] = {}
         self._modules = 0
 
@@ -191,6 +192,7 @@ class _Splitter:
                     out = g.call_module(self._add(GatherLanes(self.lanes.group)), (out,))
                 else:
                     self.split[out] = -1
+                    self.started[out] = layer
         if node.name in self.shapes:
             self.shapes[out.name] = self.shapes[node.name]
         node.replace_all_uses_with(out)
@@ -478,10 +480,25 @@ class _Splitter:
         return op_name(self.gm, node)
 
     def _refusal(self, node: fx.Node, why: str) -> TensorParallelError:
+        layers = sorted(self._split_by(node))
         return TensorParallelError(
             f"{self.where}: tensor parallelism cannot place {node.format_node()}: {why}. The tensor it reads is split "
-            f"by {self.plan.source}; keep the layers around it whole with tp_plan= (style 'replicate'), or report "
-            "the operation if it should be supported")
+            f"by {', '.join(map(repr, layers)) or 'a planned layer'} ({self.plan.source}); pair each colwise layer "
+            "with a rowwise one before such an operation, keep the layers whole with tp_plan= (style 'replicate'), "
+            "or report the operation if it should be supported")
+
+    def _split_by(self, node: fx.Node) -> set[str]:
+        """The colwise layers whose split outputs reach ``node``'s inputs."""
+        seen, todo, found = set(), [n for n in node.all_input_nodes if n in self.split], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in self.started:
+                found.add(self.started[n])
+            todo += [m for m in n.all_input_nodes if m in self.split]
+        return found
 
 
 def op_name(module: nn.Module, node: fx.Node) -> str:

@@ -1,0 +1,187 @@
+"""Tensor parallelism inside each stage (``tensor_parallel=T``) trains exactly like the unsplit model.
+
+Each scenario trains on real gloo ranks and is compared with the unsplit model trained in this process on the same
+mini-batches, accumulated over the same micro-batches, with AdamW (lr 0.01, three steps). Two models: a tiny
+Llama with grouped-query attention (4 heads, 2 key/value heads: each of 2 tensor ranks holds 2 heads and 1 kv
+head), split by the plan the model declares (its ``tp_plan``: attention and MLP colwise/rowwise pairs, the
+embedding by vocabulary rows, the head colwise then gathered); and a plain MLP, split by the automatic plan
+(pairs of consecutive linear layers). 1e-5 covers float32 sums taken in another order: partial products summed
+over the ranks instead of inside one matmul (weights of order 0.1-1, three steps). A collective missing or
+doubled (a gradient not summed over the ranks, a row-parallel output summed twice) is off by a factor of 2 in
+some tensor, far outside it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as hf
+from torch import nn
+
+import pipetrain
+from dist_harness import run_world
+from helpers import wrap_unprofiled
+from runtime_models import data, make
+from pipetrain.tensor_parallel import TensorParallelError
+
+pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
+
+TOL = 1e-5
+MICRO = 2
+STEPS = 3
+VOCAB, SEQ = 64, 8
+
+
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = hf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                            tie_word_embeddings=False)
+    return hf.LlamaForCausalLM(config)
+
+
+def token_loss(out, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+MODELS = {  # name -> (builder, loss, mini-batches of (inputs, targets))
+    "llama": (llama, token_loss,
+              [({"input_ids": ids}, ids) for ids in torch.randint(0, VOCAB, (STEPS + 1, 4, SEQ),
+                                                                  generator=torch.Generator().manual_seed(1))]),
+    "mlp": (lambda: make("mlp"), F.cross_entropy,
+            [data("mlp", 8, seed=1 + i) for i in range(STEPS + 1)]),
+}
+
+
+def wrap(name: str, **options) -> pipetrain.Pipeline:
+    build, loss, steps = MODELS[name]
+    settings = dict(stages=2, micro_batches=MICRO, tensor_parallel=2, optimizer=adamw, loss_fn=loss,
+                    engine="distributed")
+    settings.update(options)
+    return wrap_unprofiled(build(), _first_micro_batch(steps[0][0]), **settings)
+
+
+def _first_micro_batch(x):
+    return {k: v[: len(v) // MICRO] for k, v in x.items()} if isinstance(x, dict) else x[: len(x) // MICRO]
+
+
+def held_fraction(pipe: pipetrain.Pipeline) -> float:
+    """This rank's bytes of its stage's parameters over the whole stage's."""
+    params = [p for rt in pipe.held_stages.values() for p in rt.module.parameters()]
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params)
+    return local / sum(p.nbytes for p in params)
+
+
+def scenarios(rank: int, world: int, root: str) -> dict:
+    out: dict = {}
+    for name in MODELS:
+        steps = MODELS[name][2]
+        pipe = wrap(name)
+        out[name, "fraction"] = held_fraction(pipe)
+        out[name, "losses"] = [pipe.step(x, y) for x, y in steps[:STEPS]]
+        out[name, "state"] = pipe.state_dict()
+        pipe.save(Path(root) / f"{name}-t2")
+        pipe.close()
+        # Resume across T: the T=2 checkpoint at T=1 (2 stages x 2 replicas on the same 4 ranks), and a T=1 one
+        # (4 stages) at T=2.
+        resumed = wrap(name, tensor_parallel=1, data_parallel=2)
+        resumed.load(Path(root) / f"{name}-t2")
+        resumed.step(*steps[STEPS])
+        out[name, "t2 -> t1"] = resumed.state_dict()
+        resumed.close()
+        pipe = wrap(name, tensor_parallel=1, stages=4)
+        for x, y in steps[:STEPS]:
+            pipe.step(x, y)
+        pipe.save(Path(root) / f"{name}-t1")
+        pipe.close()
+        resumed = wrap(name)
+        resumed.load(Path(root) / f"{name}-t1")
+        resumed.step(*steps[STEPS])
+        out[name, "t1 -> t2"] = resumed.state_dict()
+        resumed.close()
+    try:
+        wrap("llama", tp_plan={"layers.*.self_attn.q_proj": "colwise"})
+        out["refused"] = None
+    except TensorParallelError as error:
+        out["refused"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    return run_world(4, "test_tensor_parallel", "scenarios", root, str(root))
+
+
+def reference(name: str, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The unsplit model's state after ``steps`` mini-batches, each accumulated over MICRO micro-batches."""
+    build, loss, batches = MODELS[name]
+    model = build()
+    optimizer = adamw(model.parameters())
+    losses = []
+    for x, y in batches[:steps]:
+        optimizer.zero_grad()
+        total = 0.0
+        for part in range(MICRO):
+            xs = {k: v.tensor_split(MICRO)[part] for k, v in x.items()} if isinstance(x, dict) else \
+                x.tensor_split(MICRO)[part]
+            ys = y.tensor_split(MICRO)[part]
+            value = loss(model(**xs) if isinstance(xs, dict) else model(xs), ys) / MICRO
+            value.backward()
+            total += value.item()
+        optimizer.step()
+        losses.append(total)
+    return {k: v.detach() for k, v in model.state_dict().items()}, losses
+
+
+def gathered(ranks: list[dict], key) -> dict[str, torch.Tensor]:
+    """The pipeline's whole state from the ranks, after checking that every rank of a stage holds the same."""
+    state: dict[str, torch.Tensor] = {}
+    for result in ranks:
+        for k, v in result[key].items():
+            if k in state:
+                assert torch.equal(state[k], v), (key, k)
+            state[k] = v
+    return state
+
+
+def assert_close_states(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) >= {k for k in want if not k.endswith("inv_freq")}
+    for k, v in want.items():
+        if k in got:
+            torch.testing.assert_close(got[k], v, rtol=0, atol=TOL, msg=k)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_three_adamw_steps_equal_the_unsplit_model(ranks, name):
+    want, losses = reference(name, STEPS)
+    assert_close_states(gathered(ranks, (name, "state")), want)
+    for result in ranks:
+        assert result[name, "losses"] == pytest.approx(losses, abs=TOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_tensor_rank_holds_about_half_its_stage(ranks, name):
+    fractions = [result[name, "fraction"] for result in ranks]
+    assert max(fractions) <= 0.55, fractions
+    assert min(fractions) >= 0.45, fractions  # and not less: nothing is left out
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("direction", ["t2 -> t1", "t1 -> t2"])
+def test_a_checkpoint_resumes_at_another_tensor_parallel_size(ranks, name, direction):
+    want, _ = reference(name, STEPS + 1)
+    assert_close_states(gathered(ranks, (name, direction)), want)
+
+
+def test_a_plan_that_leaves_a_split_unpaired_is_refused_on_every_rank(ranks):
+    messages = {result["refused"] for result in ranks}
+    assert len(messages) == 1
+    (message,) = messages
+    assert message is not None and "q_proj" in message and "tp_plan" in message, message
