@@ -50,6 +50,10 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
 MODELS = {  # name -> (builder, loss, mini-batches of (inputs, targets))
     "llama": (llama, token_loss,
               [({"input_ids": ids}, ids) for ids in torch.randint(0, VOCAB, (STEPS + 1, 4, SEQ),
@@ -57,6 +61,17 @@ MODELS = {  # name -> (builder, loss, mini-batches of (inputs, targets))
     "mlp": (lambda: make("mlp"), F.cross_entropy,
             [data("mlp", 8, seed=1 + i) for i in range(STEPS + 1)]),
 }
+
+
+MAX_NORM = 0.2  # below the MLP's gradient norms in these steps (0.4 and more): every step clips
+# The MLP under every other synchronous schedule, split backward (B and W apart) and recomputation included,
+# clipped by the global norm over both stages and both tensor ranks, and in low precision.
+SCHEDULES = ("gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "interleaved-zb")
+VARIANTS = {**{s: dict(schedule=s) for s in SCHEDULES},
+            "clipped": dict(max_grad_norm=MAX_NORM),
+            "zb-h1-recompute": dict(schedule="zb-h1", recompute="always"),
+            # SGD: AdamW's normalised steps turn a 16-bit rounding of a tiny gradient into a full step of either sign
+            "bf16": dict(precision="bf16", optimizer=sgd), "fp16": dict(precision="fp16", optimizer=sgd)}
 
 
 def wrap(name: str, **options) -> pipetrain.Pipeline:
@@ -105,11 +120,28 @@ def scenarios(rank: int, world: int, root: str) -> dict:
         resumed.step(*steps[STEPS])
         out[name, "t1 -> t2"] = resumed.state_dict()
         resumed.close()
+    for variant, options in VARIANTS.items():
+        pipe = wrap("mlp", **options)
+        for x, y in MODELS["mlp"][2][:STEPS]:
+            pipe.step(x, y)
+        out[variant] = pipe.state_dict(), pipe.last_result.grad_norm
+        pipe.close()
     try:
         wrap("llama", tp_plan={"layers.*.self_attn.q_proj": "colwise"})
         out["refused"] = None
     except TensorParallelError as error:
         out["refused"] = str(error)
+    return out
+
+
+def hybrid_scenarios(rank: int, world: int) -> dict:
+    """2 stages x 2 replicas x 2 tensor ranks (8 ranks)."""
+    out = {}
+    for name in MODELS:
+        pipe = wrap(name, data_parallel=2)
+        out[name, "losses"] = [pipe.step(x, y) for x, y in MODELS[name][2][:STEPS]]
+        out[name, "state"] = pipe.state_dict()
+        pipe.close()
     return out
 
 
@@ -119,12 +151,19 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_world(4, "test_tensor_parallel", "scenarios", root, str(root))
 
 
-def reference(name: str, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The unsplit model's state after ``steps`` mini-batches, each accumulated over MICRO micro-batches."""
+@pytest.fixture(scope="module")
+def hybrid_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_world(8, "test_tensor_parallel", "hybrid_scenarios", tmp_path_factory.mktemp("tensor_parallel_hybrid"))
+
+
+def reference(name: str, steps: int, max_norm: float | None = None, autocast: torch.dtype | None = None,
+              optimizer=adamw) -> tuple[dict[str, torch.Tensor], list[float], float]:
+    """The unsplit model's state after ``steps`` mini-batches, each accumulated over MICRO micro-batches (clipped
+    to ``max_norm``, under ``autocast``), its losses, and its last gradient norm."""
     build, loss, batches = MODELS[name]
     model = build()
-    optimizer = adamw(model.parameters())
-    losses = []
+    optimizer = optimizer(model.parameters())
+    losses, norm = [], 0.0
     for x, y in batches[:steps]:
         optimizer.zero_grad()
         total = 0.0
@@ -132,19 +171,22 @@ def reference(name: str, steps: int) -> tuple[dict[str, torch.Tensor], list[floa
             xs = {k: v.tensor_split(MICRO)[part] for k, v in x.items()} if isinstance(x, dict) else \
                 x.tensor_split(MICRO)[part]
             ys = y.tensor_split(MICRO)[part]
-            value = loss(model(**xs) if isinstance(xs, dict) else model(xs), ys) / MICRO
+            with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+                value = loss(model(**xs) if isinstance(xs, dict) else model(xs), ys).float() / MICRO
             value.backward()
             total += value.item()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf")))
         optimizer.step()
         losses.append(total)
-    return {k: v.detach() for k, v in model.state_dict().items()}, losses
+    return {k: v.detach() for k, v in model.state_dict().items()}, losses, norm
 
 
-def gathered(ranks: list[dict], key) -> dict[str, torch.Tensor]:
-    """The pipeline's whole state from the ranks, after checking that every rank of a stage holds the same."""
+def gathered(ranks: list[dict], key, index: int | None = None) -> dict[str, torch.Tensor]:
+    """The pipeline's whole state from the ranks (``result[key][index]`` when it is a tuple), after checking that
+    every rank of a stage holds the same."""
     state: dict[str, torch.Tensor] = {}
     for result in ranks:
-        for k, v in result[key].items():
+        for k, v in (result[key] if index is None else result[key][index]).items():
             if k in state:
                 assert torch.equal(state[k], v), (key, k)
             state[k] = v
@@ -160,10 +202,43 @@ def assert_close_states(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 
 @pytest.mark.parametrize("name", MODELS)
 def test_three_adamw_steps_equal_the_unsplit_model(ranks, name):
-    want, losses = reference(name, STEPS)
+    want, losses, _ = reference(name, STEPS)
     assert_close_states(gathered(ranks, (name, "state")), want)
     for result in ranks:
         assert result[name, "losses"] == pytest.approx(losses, abs=TOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_with_data_parallel_replicas_too(hybrid_ranks, name):
+    """2 x 2 x 2: each replica's half of the mini-batch, its gradients averaged over the replicas lane by lane."""
+    want, losses, _ = reference(name, STEPS)
+    assert_close_states(gathered(hybrid_ranks, (name, "state")), want)
+    for result in hybrid_ranks:
+        assert result[name, "losses"] == pytest.approx(losses, abs=TOL)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("bf16", "fp16")])
+def test_every_synchronous_schedule_clipping_and_recompute(ranks, variant):
+    clipped = variant == "clipped"
+    want, _, norm = reference("mlp", STEPS, max_norm=MAX_NORM if clipped else None)
+    assert_close_states(gathered(ranks, variant, index=0), want)
+    if clipped:  # the norm over every stage and tensor rank, the whole (unsplit) tensors counted once
+        assert norm > MAX_NORM
+        assert ranks[0][variant][1] == pytest.approx(norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_errs_no_more_than_the_unsplit_model_does(ranks, precision):
+    """Under autocast the split model rounds partial sums and all-reduces them in 16 bits: its distance from the
+    float32 reference must stay within twice the unsplit autocast model's own (a missing or doubled collective
+    is off by whole gradients, far beyond)."""
+    exact, _, _ = reference("mlp", STEPS, optimizer=sgd)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    rounded, _, _ = reference("mlp", STEPS, autocast=dtype, optimizer=sgd)
+    got = gathered(ranks, precision, index=0)
+    own = max((rounded[k] - exact[k]).abs().max().item() for k in exact)
+    split = max((got[k] - exact[k]).abs().max().item() for k in exact)
+    assert 0 < split <= 2 * own + TOL, (split, own)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -176,7 +251,7 @@ def test_each_tensor_rank_holds_about_half_its_stage(ranks, name):
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("direction", ["t2 -> t1", "t1 -> t2"])
 def test_a_checkpoint_resumes_at_another_tensor_parallel_size(ranks, name, direction):
-    want, _ = reference(name, STEPS + 1)
+    want, _, _ = reference(name, STEPS + 1)
     assert_close_states(gathered(ranks, (name, direction)), want)
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipetrain.allreduce.local import local
+
 
 @dataclass(frozen=True)
 class BucketSpec:
@@ -54,13 +56,13 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int, first_buck
             open_bytes[p.dtype] = 0
             order.append(open_buckets[p.dtype])
         open_buckets[p.dtype].append(i)
-        open_bytes[p.dtype] += p.numel() * p.element_size()
+        open_bytes[p.dtype] += local(p).numel() * p.element_size()
         first = closed_per_dtype.get(p.dtype, 0) == 0
         cap = first_bucket_bytes if first else bucket_bytes
         if open_bytes[p.dtype] >= cap:
             closed_per_dtype[p.dtype] = closed_per_dtype.get(p.dtype, 0) + 1
             del open_buckets[p.dtype]
     return [
-        BucketSpec(tuple(idx), params[idx[0]].dtype, sum(params[i].numel() for i in idx))
+        BucketSpec(tuple(idx), params[idx[0]].dtype, sum(local(params[i]).numel() for i in idx))
         for idx in order
     ]

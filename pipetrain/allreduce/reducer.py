@@ -47,6 +47,7 @@ import torch.distributed as dist
 from pipetrain.allreduce.buckets import BucketSpec, assign_buckets
 from pipetrain.allreduce.algorithms import Step, flat_steps, hierarchical_steps
 from pipetrain.allreduce.hierarchy import Hierarchy, build_hierarchy_groups
+from pipetrain.allreduce.local import local
 
 MiB = 1 << 20
 ALGORITHMS = ("hybrid", "flat", "hierarchical", "per-tensor")
@@ -61,7 +62,7 @@ class _Bucket:
         offset = 0
         for p in self.params:
             self.offsets.append(offset)
-            offset += p.numel()
+            offset += local(p).numel()
         padded = -(-offset // pad_to) * pad_to
         device = self.params[0].device
         self.buffer = torch.zeros(padded, dtype=spec.dtype, device=device)
@@ -79,13 +80,13 @@ class _Bucket:
 
     def view(self, k: int) -> torch.Tensor:
         p = self.params[k]
-        return self.buffer[self.offsets[k] : self.offsets[k] + p.numel()]
+        return self.buffer[self.offsets[k] : self.offsets[k] + local(p).numel()]
 
     def fill(self, k: int, grad: torch.Tensor | None) -> None:
         if grad is None:
             self.view(k).zero_()  # this replica produced no gradient: it contributes zeros
         else:
-            self.view(k).copy_(grad.reshape(-1))
+            self.view(k).copy_(local(grad).reshape(-1))
         self.ready[k] = True
         self.pending -= 1
 
@@ -329,11 +330,10 @@ class GradientReducer:
         self._complete_round()
         for bucket in self.buckets:
             for k, p in enumerate(bucket.params):
-                reduced = bucket.comm[bucket.offsets[k] : bucket.offsets[k] + p.numel()].view_as(p)
+                reduced = bucket.comm[bucket.offsets[k] : bucket.offsets[k] + local(p).numel()].view_as(local(p))
                 if p.grad is None:
-                    p.grad = reduced.to(p.dtype, copy=True)
-                else:
-                    p.grad.copy_(reduced)
+                    p.grad = torch.zeros_like(p)
+                local(p.grad).copy_(reduced)
         self._note_gradient_bytes()
         self._reset_round()
 
@@ -352,7 +352,7 @@ class GradientReducer:
 
     def _note_gradient_bytes(self) -> None:
         # Measured when the reduced gradients are in place: the moment the optimizer steps them.
-        self.gradient_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        self.gradient_bytes = sum(local(p.grad).nbytes for p in self.params if p.grad is not None)
 
     def abandon(self) -> None:
         """Forget the round in progress (the backward that filled it raised). A reduction already on the wire

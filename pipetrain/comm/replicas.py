@@ -16,6 +16,7 @@ from pipetrain.allreduce.sharding import shard_owners
 from pipetrain.allreduce.slices import shards_evenly, step_slices
 from pipetrain.optim import smoothed_update
 from pipetrain.runtime.batching import batch_size
+from pipetrain.runtime.local_shards import local_bytes
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.stage import StageRuntime
 from pipetrain.runtime.staleness import PREDICTING
@@ -122,7 +123,7 @@ class StageReducer:
         self.params = [p for s in stages for p in trainable(s.module)]
         self.stage = stages[0].index
         self.counter = counter
-        self.payload = sum(p.numel() * p.element_size() for p in self.params)
+        self.payload = sum(local_bytes(p) for p in self.params)  # a tensor-parallel rank sends its blocks
         common = dict(bucket_bytes=int(settings.bucket_mb * MiB), hierarchy=hierarchy, algorithm=settings.algorithm,
                       compress=COMPRESS[settings.compress],
                       choose_hierarchical=bucket_choice(settings.cluster, hierarchy))
