@@ -42,6 +42,8 @@ RULES = (
          why="the gradient reducer is a standalone library"),
     Rule("pipetrain.optim", ("pipetrain",), allowed=("pipetrain.optim",),
          why="optimizers know nothing of pipelines"),
+    Rule("pipetrain.tensor_parallel", ("pipetrain",), allowed=("pipetrain.tensor_parallel",),
+         why="splitting a stage graph over tensor-parallel ranks knows nothing of pipelines: the assembly applies it"),
     Rule("pipetrain.runtime", ("pipetrain",), allowed=("pipetrain.runtime", "pipetrain.optim"),
          why="one device's runtime does not cross devices: pipetrain.comm builds on it, not the reverse"),
     Rule("pipetrain.comm", ("pipetrain",),

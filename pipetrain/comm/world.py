@@ -116,7 +116,8 @@ class World:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         if self.size != stages * data_parallel * T:
-            grid = f"stages x data_parallel x tensor_parallel = {stages} x {data_parallel} x {T}"
+            grid = (f"stages x data_parallel x tensor_parallel = {stages} x {data_parallel} x {T}" if T > 1
+                    else f"stages x data_parallel = {stages} x {data_parallel}")
             raise ValueError(
                 f"the world has {self.size} processes but {grid} = {stages * data_parallel * T}; launch with "
                 f"--nproc-per-node (x nodes) = {stages * data_parallel * T} or change stages/data_parallel"
