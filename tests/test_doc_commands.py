@@ -116,6 +116,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
     "python examples/benchmarks/bench_zero.py": Run(
         "all ranks' wire bytes per step", append="--width 32 --depth 1 --seq 4 --batch 4 --steps 1 --replicas 1",
         slow=True),
+    # tensor-parallel.md
+    "python examples/benchmarks/bench_tensor_parallel.py": Run("inserted", append="--steps 1 --models mlp", slow=True),
     # language-models.md
     "python examples/huggingface.py --weights DIR --lora 8 --optimizer adam --save-pretrained out/adapter": Covered(
         "tests/test_examples_torchrun.py::test_huggingface_example_fine_tunes_its_saved_model_under_torchrun"),

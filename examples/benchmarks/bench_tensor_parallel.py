@@ -1,0 +1,148 @@
+"""Tensor parallelism on this machine: the two ways to run a split stage, side by side on 2 gloo ranks.
+
+One captured stage (pipetrain's graph of the model) runs a forward and backward per step three ways:
+
+- ``whole``: every rank runs the stage unsplit (the reference, and the time without tensor parallelism);
+- ``inserted``: pipetrain's rewrite (pipetrain.tensor_parallel): each rank holds its blocks as local tensors and
+  the graph calls Megatron-LM's all-reduces where the plan's layers need them;
+- ``dtensor``: the same blocks as DTensor parameters and the captured graph unchanged, DTensor's sharding
+  propagation choosing every operation's layout and collective (``implicit_replication`` for the graph's plain
+  tensors), as torch's ``parallelize_module`` would run an eager model.
+
+Printed per model: ms per step (median of ``--steps``), the ratio to ``whole``, and the largest difference of the
+loss from ``whole``'s; an error where a way does not run.
+
+    python examples/benchmarks/bench_tensor_parallel.py            # docs/tensor-parallel.md's figures (~1 min)
+    python examples/benchmarks/bench_tensor_parallel.py --steps 1 --models mlp  # seconds
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+WAYS = ("whole", "inserted", "dtensor")
+
+
+def models() -> dict[str, tuple[str, nn.Module, Any]]:
+    """The models compared: what each is, the model and one micro-batch of its inputs."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))])
+    llama = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024,
+                                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                               max_position_embeddings=128, tie_word_embeddings=False))
+    return {"mlp": ("4 pairs, 1024 -> 4096 -> 1024", mlp, torch.randn(64, 1024)),
+            "llama": ("hidden 256, 8 heads, 4 kv heads", llama, torch.randint(0, 512, (8, 128)))}
+
+
+def stage_of(model: nn.Module, x: Any) -> tuple[nn.Module, Any]:
+    """The model captured by pipetrain as one stage (a graph of ATen or module calls) and its traced graph."""
+    import pipetrain
+
+    pipe = pipetrain.wrap(model, x, stages=1, micro_batches=1, engine="local", profile=False,
+                          loss_fn=lambda out, y: out.float().square().mean())
+    return copy.deepcopy(pipe.held_stages[0].module), pipe.plan.graph.module
+
+
+def dtensor_stage(stage: nn.Module, plan, lanes: int) -> nn.Module:
+    """``stage`` with the plan's layers as DTensor parameters (Shard(0) colwise, Shard(1) rowwise), graph unchanged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (lanes,))
+    placed = copy.deepcopy(stage)
+    for name, p in list(placed.named_parameters()):
+        style = plan.style_of(name.rpartition(".")[0])
+        placement = {"colwise": Shard(0), "colwise_gather_output": Shard(0), "embedding_rowwise": Shard(0),
+                     "rowwise": Shard(1) if name.endswith("weight") else Replicate()}.get(style, Replicate())
+        owner, _, attr = name.rpartition(".")
+        setattr(placed.get_submodule(owner), attr,
+                nn.Parameter(distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)))
+    return placed
+
+
+def one_step(stage: nn.Module, x: Any) -> float:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        out = stage(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out = getattr(out, "logits", out)
+        if isinstance(out, DTensor):
+            out = out.full_tensor()
+        loss = out.float().square().mean()
+        loss.backward()
+    return loss.item()
+
+
+def rank_main(rank: int, world: int, port: int, steps: int, chosen: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from pipetrain.tensor_parallel import Lanes, choose_plan, split_module
+    from pipetrain.tensor_parallel.automatic import linear_pairs
+    from pipetrain.tensor_parallel.shapes import whole_shapes
+
+    for name, (what, model, x) in models().items():
+        if name not in chosen:
+            continue
+        whole, graph = stage_of(model, x)
+        plan = choose_plan(model, None) or linear_pairs(whole, world)
+        inserted = copy.deepcopy(whole)
+        split_module(inserted, plan, Lanes(dist.group.WORLD, world, rank), whole_shapes(graph, x), "stage 0",
+                     torch.device("cpu"))
+        row = {}
+        reference = None
+        for way, stage in (("whole", whole), ("inserted", inserted), ("dtensor", None)):
+            try:
+                stage = stage if stage is not None else dtensor_stage(whole, plan, world)
+                loss = one_step(stage, x)
+                reference = loss if reference is None else reference
+                times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    one_step(stage, x)
+                    times.append(time.perf_counter() - start)
+                row[way] = (statistics.median(times) * 1e3, abs(loss - reference))
+            except Exception as error:  # noqa: BLE001 - a way that does not run is a result, printed
+                where = error.__traceback__
+                while where.tb_next is not None:
+                    where = where.tb_next
+                row[way] = (f"{type(error).__name__} {(str(error).splitlines() or [''])[0][:110]} "
+                            f"(in {where.tb_frame.f_code.co_name} of {os.path.basename(where.tb_frame.f_code.co_filename)})")
+        if rank == 0:
+            print(f"\n{name} ({what})")
+            base = row["whole"][0]
+            for way in WAYS:
+                value = row[way]
+                print(f"  {way:9s} " + (f"{value[0]:8.1f} ms/step  x{value[0] / base:5.2f}  |loss - whole| "
+                                        f"{value[1]:.1e}" if isinstance(value, tuple) else f"does not run: {value}"))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per way (the median is printed)")
+    parser.add_argument("--models", nargs="+", choices=("mlp", "llama"), default=["mlp", "llama"])
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print("2 gloo ranks on this machine (T=2), one thread each; a step = one forward and backward of one micro-batch")
+    mp.spawn(rank_main, args=(2, port, args.steps, args.models), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
