@@ -48,7 +48,7 @@ RULES = (
          why="one device's runtime does not cross devices: pipetrain.comm builds on it, not the reverse"),
     Rule("pipetrain.comm", ("pipetrain",),
          allowed=("pipetrain.comm", "pipetrain.runtime", "pipetrain.allreduce", "pipetrain.options",
-                  "pipetrain.optim"),
+                  "pipetrain.optim", "pipetrain.tensor_parallel"),
          why="communication sits between the runtime and the face"),
     Rule("pipetrain.assembly", ("pipetrain.runner", "pipetrain.pipeline", "pipetrain.api", "pipetrain.checkpoint",
                                 "pipetrain.cli", "pipetrain.apps"),

@@ -101,6 +101,7 @@ def scenarios(rank: int, world: int, root: str) -> dict:
         out[name, "fraction"] = held_fraction(pipe)
         out[name, "losses"] = [pipe.step(x, y) for x, y in steps[:STEPS]]
         out[name, "state"] = pipe.state_dict()
+        out[name, "bytes"] = pipe.last_result.comm_bytes
         pipe.save(Path(root) / f"{name}-t2")
         pipe.close()
         # Resume across T: the T=2 checkpoint at T=1 (2 stages x 2 replicas on the same 4 ranks), and a T=1 one
@@ -206,6 +207,19 @@ def test_three_adamw_steps_equal_the_unsplit_model(ranks, name):
     assert_close_states(gathered(ranks, (name, "state")), want)
     for result in ranks:
         assert result[name, "losses"] == pytest.approx(losses, abs=TOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_boundary_values_cross_once_per_stage_pair(ranks, name):
+    """Each lane sends 1/T of a boundary value and the receiving lanes all-gather it: the bytes between the stages,
+    summed over the lanes, are the unsplit pipeline's (the local engine's count), not T times them."""
+    local = wrap(name, engine="local", tensor_parallel=1)
+    for x, y in MODELS[name][2][:STEPS]:
+        local.step(x, y)
+    whole = local.last_result.comm_bytes
+    for kind in ("activations", "activation_grads"):
+        assert sum(whole[kind]) > 0
+        assert ranks[0][name, "bytes"][kind] == whole[kind], kind
 
 
 @pytest.mark.parametrize("name", MODELS)

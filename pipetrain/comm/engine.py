@@ -249,8 +249,14 @@ class DistributedEngine:
         with peers_answer(SETTING_UP):
             links = world.link_groups(topology, self.receive_ahead)
             tied_groups = world.tied_groups(topology, tied)
+        lanes = None
+        if world.tensor_parallel > 1:  # boundary values cross once per stage pair, each lane sending 1/T
+            from pipetrain.tensor_parallel import Lanes
+
+            lanes = Lanes(world.tensor_group, world.tensor_parallel, world.lane)
         transport = DistributedTransport(topology, lambda v: world.rank_of(topology.position_of(v)), links,
-                                         world.device, counter, self.dynamic_shapes, self.timeout, self.receive_ahead)
+                                         world.device, counter, self.dynamic_shapes, self.timeout, self.receive_ahead,
+                                         lanes)
         tied_sync = DistributedTiedSync(tied, stages, tied_groups, counter)
         # Every lane of the last stage computes the same loss: lane 0 reports it; per-stage numbers are averaged over
         # the stage's replicas and lanes.

@@ -9,7 +9,7 @@ on one link for one micro-batch: activations src -> dst, gradients dst -> src.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Hashable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from pipetrain.runtime.devices import to_device
 from pipetrain.runtime.metrics import CommCounter
 from pipetrain.runtime.topology import ACT, GRAD, Link, Message, Topology
 from schedules.nccl_order import Op, link_comm
+
+if TYPE_CHECKING:
+    from pipetrain.tensor_parallel import Lanes
 
 
 COMM_KIND = {ACT: "activations", GRAD: "activation_grads"}
@@ -102,8 +105,9 @@ class DistributedTransport:
 
     def __init__(self, topology: Topology, rank_of: Callable[[int], int], groups: dict[Hashable, Any],
                  device: torch.device, counter: CommCounter, dynamic_shapes: bool = False,
-                 timeout: float = 30.0, receive_ahead: bool = True):
+                 timeout: float = 30.0, receive_ahead: bool = True, lanes: Lanes | None = None):
         self.topology = topology
+        self.lanes = lanes
         # Looked up for every message: evaluated once per stage here.
         self.rank_of = [rank_of(v) for v in range(topology.num_stages)].__getitem__
         self.device = device
@@ -218,6 +222,7 @@ class DistributedTransport:
             tensors = [v.contiguous() for v in leaves if isinstance(v, torch.Tensor)]
         else:
             tensors = [g.contiguous() for g in m.values]
+        tensors = [self._lane_part(t) for t in tensors]
         message = self._message(kind, link, m.micro_batch)
         works = _Posted()
         for i, t in enumerate(tensors):
@@ -256,8 +261,25 @@ class DistributedTransport:
         message = self._message(kind, link, m.micro_batch)
         works = _Posted()
         for i, b in enumerate(buffers):
-            works = _Batch.add(table, comm, dist.P2POp(dist.irecv, b, peer, group), self._op(False, peer, message, i))
+            works = _Batch.add(table, comm, dist.P2POp(dist.irecv, self._lane_part(b), peer, group),
+                               self._op(False, peer, message, i))
         return works, buffers, (described, spec), self._recorded(message, len(buffers))
+
+    def _lane_part(self, t: torch.Tensor) -> torch.Tensor:
+        """What crosses the link of ``t`` (a boundary value, whole and the same on every tensor-parallel lane): this
+        lane's 1/T of its elements, which the receiving lanes all-gather (`_gather_lanes`), so the stages exchange
+        each value once, not once per lane; ``t`` itself without lanes or where its size does not divide."""
+        if self.lanes is None or t.numel() == 0 or t.numel() % self.lanes.size:
+            return t
+        return t.view(-1).chunk(self.lanes.size)[self.lanes.rank]
+
+    def _gather_lanes(self, buffers: list[torch.Tensor]) -> None:
+        """Each buffer whole from the lanes' parts (a collective of the stage's lanes, which take their messages
+        in the same order)."""
+        for b in buffers:
+            part = self._lane_part(b)
+            if part is not b:
+                dist.all_gather_into_tensor(b.view(-1), part.clone(), group=self.lanes.group)
 
     def _op(self, send: bool, peer: int, message: tuple, part: int | None = None) -> Op | None:
         """The op a recording test replays (part: which tensor of a payload); None when nothing records."""
@@ -313,6 +335,8 @@ class DistributedTransport:
             raise RuntimeError(f"schedule error: {kind} of micro-batch {micro_batch} taken before it was received")
         works, buffers, (described, spec), recorded = self.posted.pop(key)
         self._wait(works, link, kind, micro_batch, recorded)
+        if self.lanes is not None:
+            self._gather_lanes(buffers)
         if kind == GRAD:
             return buffers
         if spec.is_leaf():  # the common case of one tensor: no tree to rebuild
