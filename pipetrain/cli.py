@@ -78,6 +78,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=(*RECOMPUTE, "auto"), default="auto",
                    help="activation recomputation of every stage, as wrap(recompute=...); auto (default) tries none, "
                         "except-last, always per layout and takes the fastest that fits")
+    p.add_argument("--tensor-parallel", type=_tensor_parallel, default=1, metavar="auto|T",
+                   help="T: ranks each stage's matrices are split over Megatron-style, as wrap(tensor_parallel=T), "
+                        "on one node (T divides its devices; 1, 2, 4, 8 with 8 per node); auto searches every such "
+                        "T (default 1: none)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE), default="adam",
                    help="the optimizer whose state is priced: fp32 copies per parameter sgd 0, sgd-momentum 1, "
                         "lars 1, adam and adamw 2 (default adam: 16 bytes per parameter with weights and gradients)")
@@ -92,6 +96,15 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "pipetrain keeps them")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
     return p
+
+
+def _tensor_parallel(text: str) -> int | str:
+    """--tensor-parallel's value: "auto" or a whole number >= 1 (the search checks it divides the devices per node)."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number >= 1 of ranks, got {text!r}")
+    return int(text)
 
 
 def _plan_model(args: argparse.Namespace):
@@ -167,18 +180,23 @@ def _run_plan(args: argparse.Namespace) -> int:
                              reduction=reduction, max_stages=args.max_stages, optimizer=args.optimizer,
                              param_scale=FP32 / params[0].element_size(),  # fp32 under every precision
                              zeros=SEARCHED_ZERO if args.zero == "auto" else (int(args.zero),),
-                             recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,))
+                             recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,),
+                             tensor_parallel=args.tensor_parallel)
     how = "measured here" if args.profile else "estimated (profile=False)"
     print(f"global batch {args.batch_size}, costs {how}; cluster {cluster.name}: "
           f"{cluster.nodes} x {cluster.devices_per_node} devices, speed {cluster.speed:g}; "
-          f"reduction {reduction.label()}; optimizer {args.optimizer}, zero {args.zero}, recompute {args.recompute}; "
-          f"best of {len(layouts)} shapes (stages x replicas x micro-batches x schedule)")
+          f"reduction {reduction.label()}; optimizer {args.optimizer}, zero {args.zero}, recompute {args.recompute}"
+          f"{f', tensor parallel {args.tensor_parallel}' if args.tensor_parallel != 1 else ''}; "
+          f"best of {len(layouts)} shapes (stages x replicas x micro-batches x schedule"
+          f"{' x T' if args.tensor_parallel != 1 else ''})")
     if not layouts[0].fits:  # fitting layouts rank first: none fits
         fixes = ["more devices (--nodes)", "a smaller --batch-size"]
         if args.recompute != "auto":
             fixes.append("--recompute auto")
         if args.zero != "auto":
             fixes.append("--zero auto")
+        if args.tensor_parallel != "auto":
+            fixes.append("--tensor-parallel auto")
         if meta:  # a language model from its config
             fixes += ["a shorter --seq-len"] + (["--dtype bf16"] if args.dtype in (None, "fp32") else [])
         raise SystemExit(f"pipetrain plan: {describe_no_fit(layouts, cluster)}; fix: {', '.join(fixes[:-1])} "
@@ -186,7 +204,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(format_ranking(layouts, args.top))
     print(explain_choice(layouts, cluster))
     best = layouts[0]
-    print(f"\nbest layout (stages {best.stages}, replicas {best.replicas}, micro-batches {best.micro_batches}, "
+    tp = f", tensor parallel {best.tensor_parallel}" if best.tensor_parallel > 1 else ""
+    print(f"\nbest layout (stages {best.stages}, replicas {best.replicas}{tp}, micro-batches {best.micro_batches}, "
           f"{best.schedule}, zero={best.zero}, recompute={best.recompute}): predicted memory per device of each stage")
     print(format_stage_memory(best, cluster))
     return 0

@@ -25,7 +25,7 @@ SIZE = r"[\d.]+ [kMGT]?B"
 PRINTED = 5e-4
 STAGE_ROW = re.compile(rf"^\s*(\d+)\s+\d+-\d+\s+({SIZE})\s+({SIZE})\s+({SIZE})\s+({SIZE})\s+(\d+)\s+({SIZE})\s+\S+$",
                        re.M)
-RANK_ROW = re.compile(r"^\s*\d+\s+(\d+)\s+\d+\s+\d+\s+\d+\s+\S+\s+([\d.]+)\s+.*\s(yes|NO)$", re.M)
+RANK_ROW = re.compile(r"^\s*\d+\s+(\d+)\s+\d+\s+\d+\s+\d+\s+\d+\s+\S+\s+([\d.]+)\s+.*\s(yes|NO)$", re.M)
 
 
 def _bytes(text: str) -> float:
