@@ -95,11 +95,18 @@ def test_allreduce_time_per_rowwise_matrix_by_hand():
     # micro-batches of 8 samples = 2 x the profiled 4: each all-reduce moves 2 x 100 kB; a ring over 2 ranks
     # takes 2 (T - 1) latency + 2 (T - 1) / T x bytes / bandwidth
     ring = 2 * 1e-5 + 2 * 1 / 2 * 2e5 / 1e9
+    # the boundary (add0a and down0, 100 kB each at the profiled batch: 4e5 bytes) crosses as 1/T per rank and
+    # the receiving ranks all-gather it: (T - 1) latency + (T - 1) / T x bytes / bandwidth, in stage 1's forward
+    # and, for its gradient, in stage 0's backward
+    gather = 1e-5 + 1 / 2 * 4e5 / 1e9
     # stage 0 (embed to the first layer's second add): 8 nodes; stage 1: 10; two rowwise matrices each
     costs = lay.result.sim.costs
-    assert costs.forward == pytest.approx([8 * 1e-2 * 2 / 2 + 2 * ring, 10 * 1e-2 * 2 / 2 + 2 * ring], rel=1e-12)
-    assert costs.backward == pytest.approx([(1e-2 + 7 * 2e-2) * 2 / 2 + 2 * ring, 10 * 2e-2 * 2 / 2 + 2 * ring],
-                                           rel=1e-12)
+    assert costs.forward == pytest.approx([8 * 1e-2 * 2 / 2 + 2 * ring, 10 * 1e-2 * 2 / 2 + 2 * ring + gather],
+                                          rel=1e-12)
+    assert costs.backward == pytest.approx([(1e-2 + 7 * 2e-2) * 2 / 2 + 2 * ring + gather,
+                                            10 * 2e-2 * 2 / 2 + 2 * ring], rel=1e-12)
+    # two lanes of 2 ranks per node: the stages' lanes are neighbours on the node's link, each sending half
+    assert costs.comm == pytest.approx([1e-5 + 4e5 / 2 / 1e9], rel=1e-12)
     # recomputed, a backward runs the forward again, its all-reduces too
     again = evaluate_layout(g, cluster(per_node=4), [0, 8, 18], tensor_parallel=2, recompute="always", **shape)
     with pytest.raises(ValueError, match=r"2 stages x 1 replicas x T=2 need 4 devices but cluster 'custom' has 2"):

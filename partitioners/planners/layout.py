@@ -41,7 +41,7 @@ from ..graph import CostGraph
 from ..algorithms import SegmentCosts, optimal_cuts
 from .stage_state import (OPTIMIZER_STATE, RECOMPUTE, StageMemory, format_bytes, recomputed_share,
                           schedule_moments, stage_peak)
-from .tensor_parallel import activation_share, allreduce_seconds, degrees, is_split, rowwise_bytes
+from .tensor_parallel import activation_share, allgather_seconds, allreduce_seconds, degrees, is_split, rowwise_bytes
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # beyond 32, at most this many micro-batches per stage: more only shrink the micro-batch further. A stage of T
@@ -170,15 +170,20 @@ class _Model:
              cluster: Cluster | None = None) -> StageWork:
         """StageWork of positions [i, j) for micro-batches `scale` x the profiled size on one of T ranks;
         `recomputed`: the share of micro-batches whose forward runs again before their backward (with its
-        all-reduces). T > 1 needs the cluster, whose node links carry the all-reduces."""
+        all-reduces; its input is kept, not received again). T > 1 needs the cluster, whose node links carry
+        the all-reduces and the all-gathers of what each rank receives 1/T of (tensor_parallel.py)."""
         forward, backward, grads, ready, sent, rowwise = self._work(i, j, tensor_parallel)
         t = tensor_parallel
-        # in profiled-device seconds, as compute: the simulator divides both by the cluster's speed
-        reduce = allreduce_seconds(rowwise, scale, t, cluster) * cluster.speed if t > 1 else 0.0
+        # in profiled-device seconds, as compute: the simulator divides them by the cluster's speed
+        reduce = gather_in = gather_out = 0.0
+        if t > 1:
+            reduce = allreduce_seconds(rowwise, scale, t, cluster) * cluster.speed
+            gather_in = allgather_seconds(self.segment(i, j)["received"] * scale, t, cluster) * cluster.speed
+            gather_out = allgather_seconds(sent * scale, t, cluster) * cluster.speed  # the sent values' gradients
         # memory is priced by stage_state.py (evaluate_layout), not by the simulator
-        return StageWork(forward=forward * scale / t + reduce,
-                         backward=(backward + recomputed * forward) * scale / t + (1.0 + recomputed) * reduce,
-                         grad_bytes=grads, ready_fraction=ready, send_bytes=sent * scale,
+        backward = (backward + recomputed * forward) * scale / t + (1.0 + recomputed) * reduce + gather_out
+        return StageWork(forward=forward * scale / t + reduce + gather_in, backward=backward,
+                         grad_bytes=grads, ready_fraction=ready, send_bytes=sent * scale / t,
                          # the runtime's first stage has no input gradient to split off (zb-h1)
                          weight_fraction=0.0 if i == 0 else 0.5)
 

@@ -14,7 +14,10 @@ stage are consecutive, so on one node. Priced here, per stage and per rank of it
 - compute: forward and backward seconds / T (matmul-dominated);
 - communication: one all-reduce of the block's output after each rowwise matrix in the forward (attention's
   o_proj, the MLP's down_proj) and one of the gradient entering the block's colwise matrices in the backward,
-  each a ring over the T ranks on the node's links: 2*(T-1)*latency + 2*(T-1)/T * bytes / intra_bandwidth.
+  each a ring over the T ranks on the node's links: 2*(T-1)*latency + 2*(T-1)/T * bytes / intra_bandwidth;
+- boundary values (whole and the same on every rank of a stage): each rank sends 1/T of a value to its lane of
+  the next stage and the receiving ranks all-gather it on the node's links, (T-1)*latency + (T-1)/T * bytes /
+  intra_bandwidth, in the receiver's forward (activations) or backward (their gradients), as the runtime does.
 
 A rowwise matrix is found in the graph as a matmul using a 2-D parameter whose output, through views and
 dropout only, is added to the residual stream: one per attention block and one per MLP block. The
@@ -102,6 +105,15 @@ def _reaches_add(g: nx.DiGraph, name: str) -> bool:
         if op in ADD_OPS or (op in PASS_THROUGH_OPS and _reaches_add(g, user)):
             return True
     return False
+
+
+def allgather_seconds(nbytes: float, tensor_parallel: int, cluster: Cluster) -> float:
+    """Seconds of a ring all-gather of a boundary value of `nbytes` over the T ranks of a stage (its node's links);
+    0 when nothing is received."""
+    if nbytes <= 0:
+        return 0.0
+    t = tensor_parallel
+    return (t - 1) * cluster.intra_latency + (t - 1) / t * nbytes / cluster.intra_bandwidth
 
 
 def allreduce_seconds(rowwise: Sequence[float], scale: float, tensor_parallel: int, cluster: Cluster) -> float:
