@@ -29,6 +29,11 @@ DEFAULT_BANDWIDTH = 1e10  # bytes/s between stages when the caller gives none
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
 
+# Node attribute: the node's value must not cross a stage boundary (no stage starts after it and at or before its
+# last user).
+STAYS_IN_STAGE = "stays_in_stage"
+
+
 @dataclass
 class Chain:
     """Per-position arrays of a graph in a fixed topological order."""
@@ -82,10 +87,11 @@ class Chain:
                 out_bytes[i] = max((g.edges[name, u].get("bytes", 0) for u in g.successors(name)),
                                    default=0)
         # A tuple of tensors (e.g. nn.LSTM's output) is not cut through: stages exchange
-        # tensors, so cuts wait until its getitem users have unpacked it.
+        # tensors, so cuts wait until its getitem users have unpacked it. Nor is a value marked
+        # STAYS_IN_STAGE (a tensor split over tensor-parallel ranks: stages exchange whole ones).
         blocked = np.zeros(n + 2)
         for i, a in enumerate(attr):
-            if a.get("kind") == "container" and last[i] > i:
+            if (a.get("kind") == "container" or a.get(STAYS_IN_STAGE)) and last[i] > i:
                 blocked[i + 1] += 1
                 blocked[last[i] + 1] -= 1
         cuttable = np.cumsum(blocked)[: n + 1] == 0

@@ -74,6 +74,46 @@ VARIANTS = {**{s: dict(schedule=s) for s in SCHEDULES},
             "bf16": dict(precision="bf16", optimizer=sgd), "fp16": dict(precision="fp16", optimizer=sgd)}
 
 
+GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=32)
+FAMILIES = {  # more decoder families, each split by its own plan (OPT: the automatic one), one SGD step each
+    # per-head q/k RMSNorms: whole weights reading split heads, their gradients summed over the ranks
+    "qwen3": lambda: hf.Qwen3ForCausalLM(hf.Qwen3Config(**GQA, head_dim=8)),
+    # fused qkv and gate_up, gathered; o_proj and down_proj cut their whole inputs (rowwise_split_input)
+    "phi3": lambda: hf.Phi3ForCausalLM(hf.Phi3Config(**GQA, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                     attention_dropout=0.0)),
+    # fused per-head qkv cut into q, k, v (chunk), vocabulary-split embedding
+    "gpt-neox": lambda: hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)),
+    # no plan of its own: fc1/fc2 pairs; the head tied to the embedding on the other stage stays whole
+    "opt": lambda: hf.OPTForCausalLM(hf.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)),
+}
+
+
+def family_step(name: str, ids: torch.Tensor, pipeline: bool) -> dict[str, torch.Tensor]:
+    """Family ``name`` after one SGD step on ``ids``: split (2 stages x T=2) or unsplit."""
+    torch.manual_seed(0)
+    model = FAMILIES[name]()
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
+    if pipeline:
+        pipe = wrap_unprofiled(model, {"input_ids": ids}, stages=2, micro_batches=1, tensor_parallel=2,
+                               engine="distributed", loss_fn=token_loss, optimizer=optimizer)
+        pipe.step({"input_ids": ids}, ids)
+        state = pipe.state_dict()
+        pipe.close()
+        return state
+    opt = optimizer(model.parameters())
+    token_loss(model(input_ids=ids), ids).backward()
+    opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+FAMILY_IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+
+
 def wrap(name: str, **options) -> pipetrain.Pipeline:
     build, loss, steps = MODELS[name]
     settings = dict(stages=2, micro_batches=MICRO, tensor_parallel=2, optimizer=adamw, loss_fn=loss,
@@ -127,6 +167,15 @@ def scenarios(rank: int, world: int, root: str) -> dict:
             pipe.step(x, y)
         out[variant] = pipe.state_dict(), pipe.last_result.grad_norm
         pipe.close()
+    for name in FAMILIES:
+        out["family", name] = family_step(name, FAMILY_IDS, pipeline=True)
+    try:
+        gpt2 = hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32))
+        wrap_unprofiled(gpt2, {"input_ids": FAMILY_IDS}, stages=2, micro_batches=1, tensor_parallel=2,
+                        engine="distributed", loss_fn=token_loss)
+        out["nothing split"] = None
+    except TensorParallelError as error:
+        out["nothing split"] = str(error)
     try:
         wrap("llama", tp_plan={"layers.*.self_attn.q_proj": "colwise"})
         out["refused"] = None
@@ -267,6 +316,19 @@ def test_each_tensor_rank_holds_about_half_its_stage(ranks, name):
 def test_a_checkpoint_resumes_at_another_tensor_parallel_size(ranks, name, direction):
     want, _, _ = reference(name, STEPS + 1)
     assert_close_states(gathered(ranks, (name, direction)), want)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_other_decoder_families_split_by_their_own_plans(ranks, name):
+    assert_close_states(gathered(ranks, ("family", name)), family_step(name, FAMILY_IDS, pipeline=False))
+
+
+def test_a_model_with_nothing_to_split_is_refused_with_what_to_pass(ranks):
+    """GPT-2's projections are Conv1D, not nn.Linear, and it declares no plan: nothing would be split."""
+    messages = {result["nothing split"] for result in ranks}
+    assert len(messages) == 1
+    (message,) = messages
+    assert message is not None and "splits no layer" in message and "tp_plan=" in message, message
 
 
 def test_a_plan_that_leaves_a_split_unpaired_is_refused_on_every_rank(ranks):

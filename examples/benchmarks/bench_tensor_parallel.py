@@ -99,7 +99,7 @@ def rank_main(rank: int, world: int, port: int, steps: int, chosen: list[str]) -
         if name not in chosen:
             continue
         whole, graph = stage_of(model, x)
-        plan = choose_plan(model, None) or linear_pairs(whole, world)
+        plan = choose_plan(model, None) or linear_pairs(whole, world)  # one stage: nothing tied to another
         inserted = copy.deepcopy(whole)
         split_module(inserted, plan, Lanes(dist.group.WORLD, world, rank), whole_shapes(graph, x), "stage 0",
                      torch.device("cpu"))

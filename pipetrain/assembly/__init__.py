@@ -19,7 +19,7 @@ from pipetrain.assembly.checkpointing import checkpointing_off, honour_model_che
 from pipetrain.assembly.fingerprint import differences, fingerprint
 from pipetrain.assembly.schedule_book import ScheduleBook
 from pipetrain.assembly.stages import build_stages, build_steppers
-from pipetrain.assembly.tensor_split import stage_splitter
+from pipetrain.assembly.tensor_split import keep_split_values_in_stages, stage_splitter
 from pipetrain.comm.engine import Connections, Engine, select_engine
 from pipetrain.options import PipelineOptions
 from pipetrain.pretrained import PretrainedLayout
@@ -111,6 +111,7 @@ def make_plan(model: nn.Module, example_inputs: Any, options: PipelineOptions, e
         graph = partitioners.trace_for_training(model, example_inputs, profile=options.profile and decides,
                                                 autocast=precision.autocast_dtype)
     engine.agree_on_setup(fingerprint(options, graph, example_inputs), differences)
+    keep_split_values_in_stages(model, example_inputs, graph, options)  # every rank: a refusal is everyone's
     plan = None
     if decides:
         method = list(options.partitioner) if isinstance(options.partitioner, (list, tuple)) else options.partitioner

@@ -17,7 +17,8 @@ from pipetrain.tensor_parallel.automatic import linear_pairs
 from pipetrain.tensor_parallel.placement import Lanes, ParameterSplit, TensorParallelError, split_stage
 from pipetrain.tensor_parallel.styles import TensorParallelPlan, model_plan
 
-__all__ = ["Lanes", "ParameterSplit", "TensorParallelError", "TensorParallelPlan", "choose_plan", "split_module"]
+__all__ = ["Lanes", "ParameterSplit", "TensorParallelError", "TensorParallelPlan", "choose_plan", "split_module",
+           "stage_plan"]
 
 
 def choose_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> TensorParallelPlan | None:
@@ -31,13 +32,20 @@ def choose_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> TensorPa
     return None
 
 
-def split_module(module: fx.GraphModule, plan: TensorParallelPlan | None, lanes: Lanes,
+def stage_plan(module: fx.GraphModule, plan: TensorParallelPlan | None, lanes: int,
+               tied: frozenset[str] = frozenset()) -> TensorParallelPlan:
+    """The plan for one stage: the model's (``plan``), else the automatic one of its own graph (``tied``: names of
+    its parameters another stage holds a copy of, kept whole)."""
+    return plan if plan is not None else linear_pairs(module, lanes, tied)
+
+
+def split_module(module: fx.GraphModule, chosen: TensorParallelPlan, lanes: Lanes,
                  shapes: dict[str, tuple[int, ...]], where: str, device: torch.device) -> dict[str, ParameterSplit]:
-    """Make ``module`` (a stage, its parameters whole) the part this tensor-parallel rank runs, in place; returns how
-    each parameter was cut. Raises TensorParallelError, naming the node, where the plan cannot be run exactly."""
+    """Make ``module`` (a stage, its parameters whole) the part this tensor-parallel rank runs, as ``chosen`` plans it,
+    in place; returns how each parameter was cut. Raises TensorParallelError, naming the node, where the plan cannot
+    be run exactly."""
     from pipetrain.tensor_parallel.parameters import cut_parameters, lanes_mesh  # DTensor: ~1 s to import, T > 1 only
 
-    chosen = plan if plan is not None else linear_pairs(module, lanes.size)
     splits = split_stage(module, chosen, lanes, shapes, where)
     if not splits and any(True for _ in module.parameters()):
         warnings.warn(f"{where}: {chosen.source} splits none of its layers, so each of its {lanes.size} tensor-parallel "

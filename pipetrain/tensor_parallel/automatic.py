@@ -20,21 +20,25 @@ from pipetrain.tensor_parallel.styles import COLWISE, COLWISE_GATHERED, ROWWISE,
 SOURCE = "the automatic plan (pairs of linear layers, the others gathered)"
 
 
-def linear_pairs(module: fx.GraphModule, lanes: int) -> TensorParallelPlan:
+def linear_pairs(module: fx.GraphModule, lanes: int, tied: frozenset[str] = frozenset()) -> TensorParallelPlan:
     """The colwise/rowwise pairs of consecutive linear layers in a stage graph, and its other linear layers colwise
-    and gathered where their outputs divide over ``lanes`` ranks, as a plan naming each layer."""
+    and gathered where their outputs divide over ``lanes`` ranks, as a plan naming each layer. Layers whose weight
+    is in ``tied`` (a copy another stage holds too, such as a language model's head tied to its embedding) stay
+    whole: the other copy is not split by this stage's plan."""
     patterns: dict[str, str] = {}
     alone: list[str] = []
+    shared = {id(module.get_parameter(name)) for name in tied}  # by identity: a tied tensor has several names
+    whole = lambda layer: id(module.get_parameter(f"{layer}.weight")) in shared  # noqa: E731
     for node in module.graph.nodes:
         first = _linear_layer(module, node)
-        if first is None or first in patterns:
+        if first is None or first in patterns or whole(first):
             continue
         alone.append(first)
         value = node
         while len(value.users) == 1:
             (user,) = value.users
             second = _linear_layer(module, user)
-            if second is not None:
+            if second is not None and not whole(second):
                 divides = module.get_parameter(f"{first}.weight").shape[0] % lanes == 0
                 if user.args[0] is value and second not in patterns and divides:
                     patterns[first], patterns[second] = COLWISE, ROWWISE

@@ -24,16 +24,20 @@ def lanes_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
 
 
 def cut_parameters(module: nn.Module, splits: dict[str, ParameterSplit], mesh: DeviceMesh) -> None:
-    """Replace each split parameter of ``module`` by this rank's block of it, a DTensor on ``mesh`` (every rank holds
-    the whole tensor and keeps its block: no communication)."""
+    """Replace each split parameter of ``module`` by this rank's block of it, a DTensor on ``mesh``, under every name it
+    has (a tied one stays tied). Every rank holds the whole tensor and keeps its block: no communication."""
+    aliases: dict[int, list[str]] = {}
+    for alias, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(alias)
     for name, split in splits.items():
         if split.dim is None:
             continue
-        owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        whole = getattr(owner, attr)
-        block = distribute_tensor(whole.detach(), mesh, [Shard(split.dim)], src_data_rank=None)
-        setattr(owner, attr, nn.Parameter(block, requires_grad=whole.requires_grad))
+        whole = module.get_parameter(name)
+        block = nn.Parameter(distribute_tensor(whole.detach(), mesh, [Shard(split.dim)], src_data_rank=None),
+                             requires_grad=whole.requires_grad)
+        for alias in aliases[id(whole)]:
+            owner_name, _, attr = alias.rpartition(".")
+            setattr(module.get_submodule(owner_name) if owner_name else module, attr, block)
 
 
 def is_split(t: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from partitioners.modes import TrainingSwitch
 from pipetrain.tensor_parallel.collectives import GatherLanes, SumOverLanes, ToLanes, VocabularyLookup
 from pipetrain.tensor_parallel.styles import (COLWISE, COLWISE_GATHERED, REPLICATE, ROWWISE, VOCABULARY,
                                               TensorParallelPlan)
@@ -70,25 +71,39 @@ def split_stage(module: fx.GraphModule, plan: TensorParallelPlan, lanes: Lanes, 
     return _Splitter(module, plan, lanes, shapes, where).run()
 
 
+def split_values(module: fx.GraphModule, plan: TensorParallelPlan, lanes: Lanes, shapes: dict[str, tuple[int, ...]],
+                 where: str) -> set[str]:
+    """The names of ``module``'s nodes whose values the plan leaves split (rewriting ``module``, a throwaway copy):
+    a stage boundary must not carry them."""
+    splitter = _Splitter(module, plan, lanes, shapes, where, whole_outputs=False)
+    splitter.run()
+    return {splitter.replaced.get(node, node.name) for node in splitter.split}
+
+
 class _Splitter:
     def __init__(self, module: fx.GraphModule, plan: TensorParallelPlan, lanes: Lanes,
-                 shapes: dict[str, tuple[int, ...]], where: str):
+                 shapes: dict[str, tuple[int, ...]], where: str, whole_outputs: bool = True):
         self.gm, self.graph, self.plan, self.lanes, self.where = module, module.graph, plan, lanes, where
+        self.whole_outputs = whole_outputs  # a stage's outputs must be whole (not checked for the whole model)
         self.shapes = dict(shapes)
         self.split: dict[fx.Node, int] = {}  # node -> its split dimension, counted from the right (negative)
         self.whole_to_lanes: dict[fx.Node, fx.Node] = {}
         self.started: dict[fx.Node, str] = {}  # a colwise layer's output -> the layer (named in refusals)
+        self.replaced: dict[fx.Node, str] = {}  # a planned layer's rewritten call -> the name of the call it replaced
+        self.pieces: set[fx.Node] = set()  # chunk/split calls on split values: their items are split alike
         self.params: dict[str, ParameterSplit] = {}
         self._modules = 0
 
     # ----- the walk -------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, ParameterSplit]:
         self._inline_layers()
+        self.styles = self._parameter_styles()
         for node in list(self.graph.nodes):
             if node.op in ("placeholder", "get_attr"):
                 continue
             if node.op == "output":
-                self._check_outputs(node)
+                if self.whole_outputs:
+                    self._check_outputs(node)
                 continue
             planned = self._planned_layer(node)
             if planned is not None:
@@ -127,8 +142,32 @@ class _Splitter:
             self.graph.erase_node(node)
 
     # ----- planned layers -------------------------------------------------------------------------------------------
+    def _parameter_styles(self) -> dict[int, tuple[str, str, str]]:
+        """id of each planned parameter -> (its name, the layer whose plan splits it, style). A tied parameter has
+        several names (a language model's embedding and head): it is split if any of its layers is planned, and
+        refused where two plans cut it differently."""
+        styles: dict[int, tuple[str, str, str]] = {}
+        names = {id(p): name for name, p in self.gm.named_parameters()}  # the canonical (first) name
+        for alias, param in self.gm.named_parameters(remove_duplicate=False):
+            layer, _, kind = alias.rpartition(".")
+            style = self.plan.style_of(layer)
+            if style == REPLICATE or kind not in ("weight", "bias"):
+                continue
+            found = styles.get(id(param))
+            if found is not None and _split_dim(found[2], kind) != _split_dim(style, kind):
+                raise TensorParallelError(
+                    f"{self.where}: {names[id(param)]!r} is tied to {alias!r}, and {self.plan.source} cuts them "
+                    f"differently ({found[1]!r}: {found[2]}, {layer!r}: {style}); give both the same style, or "
+                    f"tp_plan={{{layer!r}: 'replicate', {found[1]!r}: 'replicate'}}")
+            if found is None:
+                styles[id(param)] = (names[id(param)], layer, style)
+        return styles
+
     def _planned_layer(self, node: fx.Node) -> tuple[str, str] | None:
-        """(the layer's module name, its style) for a call of a planned linear or embedding layer's weight."""
+        """(the layer's name, how this call runs split) for a linear or embedding call on a planned weight. The
+        weight's cut decides: one split by rows (output features, vocabulary) runs as a vocabulary lookup in an
+        embedding call and as a colwise matmul in a linear one (gathered, for a weight the plan gathers or a tied
+        embedding used as a head); one split by columns runs rowwise."""
         if node.target is aten.linear.default:
             weight = node.args[1]
         elif node.target is aten.embedding.default:
@@ -137,32 +176,36 @@ class _Splitter:
             return None
         if not isinstance(weight, fx.Node) or weight.op != "get_attr":
             return None
-        layer = str(weight.target).rpartition(".")[0]
-        style = self.plan.style_of(layer)
-        return None if style == REPLICATE else (layer, style)
+        planned = self.styles.get(id(_attribute(self.gm, str(weight.target))))
+        if planned is None:
+            return None
+        _, layer, style = planned
+        if node.target is aten.embedding.default:
+            if style == ROWWISE:
+                raise TensorParallelError(f"{self.where}: {self.plan.source} cuts {layer!r} by columns (rowwise), but "
+                                          f"the model looks rows up in it ({node.format_node()}); give it "
+                                          "'embedding_rowwise' or 'replicate'")
+            return layer, VOCABULARY
+        return layer, COLWISE_GATHERED if style == VOCABULARY else style
 
     def _split_layer(self, node: fx.Node, layer: str, style: str) -> None:
         T = self.lanes.size
         linear = node.target is aten.linear.default
-        if linear == (style == VOCABULARY):
-            kind = "nn.Embedding (a lookup)" if style == VOCABULARY else "nn.Linear (a matmul)"
-            raise TensorParallelError(f"{self.where}: {self.plan.source} gives {layer!r} the style {style!r}, which "
-                                      f"splits an {kind}, but the model uses it in {node.format_node()}; give it a style "
-                                      "for what it is, or 'replicate'")
-        weight = self.gm.get_parameter(f"{layer}.weight")
+        weight_node = node.args[1 if linear else 0]
+        weight = self.gm.get_parameter(str(weight_node.target))
         dim = 1 if style == ROWWISE else 0
         if weight.shape[dim] % T:
             what = {0: "output features" if linear else "vocabulary rows", 1: "input features"}[dim]
             raise TensorParallelError(f"{self.where}: {layer!r} ({style}) has {weight.shape[dim]} {what}, which do not "
                                       f"divide over tensor_parallel={T} ranks; use a tensor_parallel that divides "
                                       f"{weight.shape[dim]}, or tp_plan={{{layer!r}: 'replicate'}}")
-        self.params[f"{layer}.weight"] = ParameterSplit(style, dim)
+        self._record(weight_node, style, dim)
         has_bias = linear and len(node.args) > 2 and node.args[2] is not None
         if has_bias:
-            self.params[f"{layer}.bias"] = ParameterSplit(style, None if style == ROWWISE else 0)
+            self._record(node.args[2], style, None if style == ROWWISE else 0)
         g = self.graph
         with g.inserting_before(node):
-            local_weight = g.call_method("to_local", (node.args[1 if linear else 0],))
+            local_weight = g.call_method("to_local", (weight_node,))
             if style == VOCABULARY:
                 ids = node.args[1]
                 self._require_whole(ids, node, "reads its ids")
@@ -174,11 +217,14 @@ class _Splitter:
                                     (local_weight, ids, *node.args[2:]), dict(node.kwargs))
             elif style == ROWWISE:
                 x = node.args[0]
-                if self.split.get(x) != -1:
+                if x not in self.split:  # a whole input: each rank multiplies its block of the features
+                    width = weight.shape[1] // T
+                    x = g.call_method("narrow", (self._to_lanes(x), -1, self.lanes.rank * width, width))
+                elif self.split[x] != -1:
                     raise TensorParallelError(
-                        f"{self.where}: {layer!r} is rowwise, so it reads features split over the tensor-parallel "
-                        f"ranks, but its input {x} is {self._describe(x)}; make the layer that feeds it colwise, or "
-                        f"tp_plan={{{layer!r}: 'replicate'}}")
+                        f"{self.where}: {layer!r} is rowwise, so it reads its input features split over the "
+                        f"tensor-parallel ranks, but its input {x} is {self._describe(x)}; make the layer that feeds "
+                        f"it colwise, or tp_plan={{{layer!r}: 'replicate'}}")
                 out = g.call_module(self._add(SumOverLanes(self.lanes.group)),
                                     (g.call_function(aten.linear.default, (x, local_weight)),))
                 if has_bias:
@@ -195,30 +241,42 @@ class _Splitter:
                     self.started[out] = layer
         if node.name in self.shapes:
             self.shapes[out.name] = self.shapes[node.name]
+        self.replaced[out] = node.name
         node.replace_all_uses_with(out)
         g.erase_node(node)
 
+    def _record(self, attr: fx.Node, style: str, dim: int | None) -> None:
+        """How the parameter ``attr`` reads is cut, under its canonical name (a tied one: the same for every use)."""
+        name = self.styles[id(_attribute(self.gm, str(attr.target)))][0]
+        found = self.params.get(name)
+        if found is not None and found.dim != dim:
+            raise TensorParallelError(f"{self.where}: {name!r} is used by layers that cut it differently ({found.style} "
+                                      f"and {style}); keep them whole with tp_plan= (style 'replicate')")
+        self.params.setdefault(name, ParameterSplit(style, dim))
+
     def _check_planned_uses(self) -> None:
-        """A planned parameter is read by its layer's call alone (a tied copy used elsewhere would read a slice)."""
+        """A split parameter is read by split calls alone (a tied copy used whole elsewhere would read a block)."""
         for node in self.graph.nodes:
-            split = self.params.get(str(node.target))
-            if node.op == "get_attr" and split is not None and split.dim is not None:
-                for user in node.users:
-                    if not (user.op == "call_method" and user.target == "to_local"):
-                        raise TensorParallelError(
-                            f"{self.where}: parameter {node.target!r} is split ({split.style}) but "
-                            f"{user.format_node()} also reads it whole (a tied weight?); keep its layer whole with "
-                            f"tp_plan={{{str(node.target).rpartition('.')[0]!r}: 'replicate'}}")
+            if node.op != "get_attr":
+                continue
+            planned = self.styles.get(id(_attribute(self.gm, str(node.target))))
+            split = self.params.get(planned[0]) if planned is not None else None
+            if split is None or split.dim is None:
+                continue
+            for user in node.users:
+                if not (user.op == "call_method" and user.target == "to_local"):
+                    raise TensorParallelError(
+                        f"{self.where}: parameter {node.target!r} is split ({split.style}) but {user.format_node()} "
+                        f"also reads it whole; keep its layer whole with tp_plan={{{planned[1]!r}: 'replicate'}}")
 
     def _check_all_placed(self) -> None:
         """Every parameter of a planned layer was split: a layer the graph calls in another form (not one linear or
         embedding call) is refused rather than silently kept whole."""
-        for name, _ in self.gm.named_parameters():
-            layer = name.rpartition(".")[0]
-            if self.plan.style_of(layer) != REPLICATE and name not in self.params:
+        for name, layer, style in self.styles.values():
+            if name not in self.params:
                 raise TensorParallelError(
-                    f"{self.where}: {self.plan.source} splits {layer!r} ({self.plan.style_of(layer)}), but the stage "
-                    f"does not use its parameter {name!r} in one linear or embedding call; keep it whole with "
+                    f"{self.where}: {self.plan.source} splits {layer!r} ({style}), but the stage does not use its "
+                    f"parameter {name!r} in one linear or embedding call; keep it whole with "
                     f"tp_plan={{{layer!r}: 'replicate'}}")
 
     # ----- operations on split values -------------------------------------------------------------------------------
@@ -240,7 +298,8 @@ class _Splitter:
                  "expand": self._expand, "slice": self._along_other, "narrow": self._along_other,
                  "select": self._select, "cat": self._cat, "scaled_dot_product_attention": self._attention,
                  "matmul": self._batched, "bmm": self._batched, "linear": self._replicated_linear,
-                 "sym_size": self._size, "size": self._size}
+                 "sym_size": self._size, "size": self._size, "chunk": self._pieces, "split": self._pieces,
+                 "split_with_sizes": self._pieces, "getitem": self._piece, "stack": self._stack}
         if name in _REDUCTIONS:
             return self._reduction
         if name in _SOFTMAXES:
@@ -355,6 +414,21 @@ class _Splitter:
             raise self._refusal(node, "it indexes the split dimension")
         self.split[node] = (a - (dim < a)) - (n - 1)
 
+    def _pieces(self, node: fx.Node) -> None:
+        """chunk / split along another dimension than the split one: every piece is split as the input is."""
+        x = node.args[0]
+        n = self._ndim(x, node)
+        dim = int(node.args[2]) if len(node.args) > 2 else int(node.kwargs.get("dim", 0))
+        if dim % n == self.split[x] + n:
+            raise self._refusal(node, "it cuts the split dimension into pieces")
+        self.split[node] = self.split[x]
+        self.pieces.add(node)
+
+    def _piece(self, node: fx.Node) -> None:
+        if node.args[0] not in self.pieces:
+            raise self._refusal(node, "it indexes a split tensor")
+        self.split[node] = self.split[node.args[0]]
+
     def _cat(self, node: fx.Node) -> None:
         parts = node.args[0]
         if any(p not in self.split for p in parts) or len({self.split[p] for p in parts}) > 1:
@@ -365,6 +439,16 @@ class _Splitter:
         if dim % n == d + n:
             raise self._refusal(node, "it joins along the split dimension")
         self.split[node] = d
+
+    def _stack(self, node: fx.Node) -> None:
+        """Tensors split alike, stacked along a new dimension: the split moves left of it or stays."""
+        parts = node.args[0]
+        if any(p not in self.split for p in parts) or len({self.split[p] for p in parts}) > 1:
+            raise self._refusal(node, "it stacks split and whole tensors (or tensors split differently)")
+        n = self._ndim(parts[0], node)
+        a = self.split[parts[0]] + n
+        new = (int(node.args[1]) if len(node.args) > 1 else int(node.kwargs.get("dim", 0))) % (n + 1)
+        self.split[node] = (a + (new <= a)) - (n + 1)
 
     def _attention(self, node: fx.Node) -> None:
         q, k, v = node.args[:3]
@@ -507,7 +591,11 @@ def op_name(module: nn.Module, node: fx.Node) -> str:
     if node.op == "call_method":
         return str(t)
     if node.op == "call_module":
-        return type(module.get_submodule(t)).__name__
+        layer = module.get_submodule(t)
+        if isinstance(layer, TrainingSwitch):  # a call made to follow train()/eval(): what it calls
+            t = layer.fn
+        else:
+            return type(layer).__name__
     if isinstance(t, torch._ops.OpOverload):
         return t._schema.name.split("::")[-1]
     return getattr(t, "__name__", str(t))
@@ -515,12 +603,19 @@ def op_name(module: nn.Module, node: fx.Node) -> str:
 
 def is_elementwise(module: nn.Module, node: fx.Node, name: str | None = None) -> bool:
     """Whether ``node`` computes each output element from the same element of its inputs (or changes its dtype)."""
-    if node.op == "call_module":
+    if node.op == "call_module" and not isinstance(module.get_submodule(node.target), TrainingSwitch):
         return isinstance(module.get_submodule(node.target), _ELEMENTWISE_MODULES)
     if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
         return True
     return (name or op_name(module, node)) in _ELEMENTWISE_NAMES or node.target in (
         operator.add, operator.sub, operator.mul, operator.truediv, operator.neg)
+
+
+def _split_dim(style: str, kind: str) -> int | None:
+    """The dimension a style cuts a layer's ``kind`` ("weight" or "bias") along (None: whole)."""
+    if style == ROWWISE:
+        return 1 if kind == "weight" else None
+    return 0
 
 
 def _attribute(module: nn.Module, target: str) -> Any:

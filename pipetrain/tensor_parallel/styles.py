@@ -14,14 +14,15 @@ from typing import Mapping
 from torch import nn
 
 COLWISE = "colwise"  # nn.Linear: output features split (weight rows); its output stays split
-ROWWISE = "rowwise"  # nn.Linear: input features split (weight columns); partial outputs summed over the ranks
+ROWWISE = "rowwise"  # nn.Linear: input features split (weight columns; a whole input cut); partial outputs summed
 COLWISE_GATHERED = "colwise_gather_output"  # colwise, then its output gathered whole (HF: a language-model head)
 VOCABULARY = "embedding_rowwise"  # nn.Embedding: the vocabulary split; each rank looks up its rows, summed
 REPLICATE = "replicate"  # every rank holds the whole layer
 
 # HF's names for what pipetrain does under another name. A replicated layer that reads a split tensor (Qwen3's
 # per-head q/k norms) gets its gradient summed over the ranks wherever it is used: no style needed for that.
-ALIASES = {"colwise_rep": COLWISE_GATHERED, "replicated_with_grad_allreduce": REPLICATE, "replicated": REPLICATE}
+ALIASES = {"colwise_rep": COLWISE_GATHERED, "rowwise_split_input": ROWWISE,
+           "replicated_with_grad_allreduce": REPLICATE, "replicated": REPLICATE}
 STYLES = (COLWISE, ROWWISE, COLWISE_GATHERED, VOCABULARY, REPLICATE)
 LAYER_OF_STYLE = {COLWISE: nn.Linear, ROWWISE: nn.Linear, COLWISE_GATHERED: nn.Linear, VOCABULARY: nn.Embedding}
 
