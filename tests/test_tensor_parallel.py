@@ -18,11 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as hf
+from safetensors.torch import save_file
 from torch import nn
 
 import pipetrain
 from dist_harness import run_world
-from helpers import wrap_unprofiled
+from helpers import capture_once, wrap_unprofiled
 from runtime_models import data, make
 from pipetrain.tensor_parallel import TensorParallelError
 
@@ -32,14 +33,15 @@ TOL = 1e-5
 MICRO = 2
 STEPS = 3
 VOCAB, SEQ = 64, 8
+LLAMA_CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+
+
 
 
 def llama() -> nn.Module:
     torch.manual_seed(0)
-    config = hf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                            tie_word_embeddings=False)
-    return hf.LlamaForCausalLM(config)
+    return hf.LlamaForCausalLM(hf.LlamaConfig(**LLAMA_CONFIG))
 
 
 def token_loss(out, target: torch.Tensor) -> torch.Tensor:
@@ -114,12 +116,16 @@ def family_step(name: str, ids: torch.Tensor, pipeline: bool) -> dict[str, torch
 FAMILY_IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
 
 
+CAPTURES: dict = {}  # each model is captured once per process (torch.export takes most of a tiny Llama's wrap)
+
+
 def wrap(name: str, **options) -> pipetrain.Pipeline:
     build, loss, steps = MODELS[name]
     settings = dict(stages=2, micro_batches=MICRO, tensor_parallel=2, optimizer=adamw, loss_fn=loss,
                     engine="distributed")
     settings.update(options)
-    return wrap_unprofiled(build(), _first_micro_batch(steps[0][0]), **settings)
+    with pytest.MonkeyPatch.context() as patch, capture_once(patch, CAPTURES, ("tensor-parallel", name)):
+        return wrap_unprofiled(build(), _first_micro_batch(steps[0][0]), **settings)
 
 
 def _first_micro_batch(x):
@@ -133,8 +139,33 @@ def held_fraction(pipe: pipetrain.Pipeline) -> float:
     return local / sum(p.nbytes for p in params)
 
 
+def meta_build(weights: str) -> dict:
+    """The Llama built on the meta device and read from ``weights`` at 2 stages x T=2: what its rank allocated
+    while its stage was made (peak bytes of floating tensors), against its own blocks, the largest whole tensor and
+    the whole stage; then its state after the same steps as the other scenarios."""
+    from test_zero3 import PeakBytes
+
+    with torch.device("meta"):
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(**LLAMA_CONFIG))
+    steps = MODELS["llama"][2]
+    with PeakBytes() as counter:
+        pipe = wrap_unprofiled(model, _first_micro_batch(steps[0][0]), stages=2, micro_batches=MICRO,
+                               tensor_parallel=2, optimizer=adamw, loss_fn=token_loss, engine="distributed",
+                               weights=weights)
+    tensors = [*(p for rt in pipe.held_stages.values() for p in rt.module.parameters()),
+               *(b for rt in pipe.held_stages.values() for b in rt.module.buffers())]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    made = {"peak": counter.peak, "own": sum(t.nbytes for t in local), "whole": sum(t.nbytes for t in tensors),
+            "largest": max(t.nbytes for t in tensors)}
+    for x, y in steps[:STEPS]:
+        pipe.step(x, y)
+    state = pipe.state_dict()
+    pipe.close()
+    return {"made": made, "state": state}
+
+
 def scenarios(rank: int, world: int, root: str) -> dict:
-    out: dict = {}
+    out: dict = {"meta": meta_build(str(Path(root) / "llama.safetensors"))}
     for name in MODELS:
         steps = MODELS[name][2]
         pipe = wrap(name)
@@ -198,6 +229,8 @@ def hybrid_scenarios(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("tensor_parallel")
+    # what the meta-device build reads, tensor by tensor (safetensors: no whole file loaded at once)
+    save_file({k: v.contiguous() for k, v in llama().state_dict().items()}, str(root / "llama.safetensors"))
     return run_world(4, "test_tensor_parallel", "scenarios", root, str(root))
 
 
@@ -231,12 +264,13 @@ def reference(name: str, steps: int, max_norm: float | None = None, autocast: to
     return {k: v.detach() for k, v in model.state_dict().items()}, losses, norm
 
 
-def gathered(ranks: list[dict], key, index: int | None = None) -> dict[str, torch.Tensor]:
-    """The pipeline's whole state from the ranks (``result[key][index]`` when it is a tuple), after checking that
-    every rank of a stage holds the same."""
+def gathered(ranks: list[dict], key, index: int | None = None, key_in: str | None = None) -> dict[str, torch.Tensor]:
+    """The pipeline's whole state from the ranks (``result[key][index]`` when it is a tuple, ``result[key][key_in]``
+    when a dict), after checking that every rank of a stage holds the same."""
     state: dict[str, torch.Tensor] = {}
     for result in ranks:
-        for k, v in (result[key] if index is None else result[key][index]).items():
+        found = result[key] if index is None else result[key][index]
+        for k, v in (found if key_in is None else found[key_in]).items():
             if k in state:
                 assert torch.equal(state[k], v), (key, k)
             state[k] = v
@@ -329,6 +363,19 @@ def test_a_model_with_nothing_to_split_is_refused_with_what_to_pass(ranks):
     assert len(messages) == 1
     (message,) = messages
     assert message is not None and "splits no layer" in message and "tp_plan=" in message, message
+
+
+def test_a_meta_device_build_makes_only_each_ranks_blocks_and_trains_exactly(ranks):
+    """Each rank cut its stage's meta parameters first, then made and read only its blocks, one whole tensor in
+    host memory at a time: its peak is its blocks and buffers, plus the whole tensor being read and the block cut
+    from it before it is copied in (1/T of it), below its whole stage's bytes (which the build would hold at once
+    if it made the stage before cutting it)."""
+    want, _, _ = reference("llama", STEPS)
+    assert_close_states(gathered(ranks, "meta", index=None, key_in="state"), want)
+    for rank, result in enumerate(ranks):
+        made = result["meta"]["made"]
+        bound = made["own"] + made["largest"] + made["largest"] // 2 + 1024
+        assert made["own"] <= made["peak"] <= bound < made["whole"], (rank, made)
 
 
 def test_a_plan_that_leaves_a_split_unpaired_is_refused_on_every_rank(ranks):

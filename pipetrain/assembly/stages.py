@@ -79,6 +79,12 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         modules = {v: plan.build_stage(v) for v in devices}
         engine.check_replicas_read_alike({v: tensors.materialise_shards(m, devices[v], shard)
                                           for v, m in modules.items()})
+    elif split is not None and tensors.without_data:  # each tensor-parallel rank makes its blocks only
+        modules = {v: plan.build_stage(v) for v in devices}
+        digests = {v: tensors.materialise_shards(m, devices[v], functools.partial(_split_at, split, v))
+                   for v, m in modules.items()}
+        engine.check_lanes_read_alike(digests)
+        engine.check_replicas_read_alike(digests)
     else:
         modules = {v: tensors.materialise(plan.build_stage(v), device) for v, device in devices.items()}
         # Before any optimizer, policy or compiled graph sees the tensors: they start as replica 0's.
@@ -116,6 +122,10 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed,
                                  schedulers=schedulers, graph_backward=graphs)
     return stages
+
+
+def _split_at(split: Callable[[nn.Module, int], None], v: int, module: nn.Module) -> None:
+    split(module, v)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, factory: Callable) -> torch.optim.lr_scheduler.LRScheduler:

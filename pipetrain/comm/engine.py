@@ -130,6 +130,9 @@ class LocalEngine:
     def start_lanes_equal(self, modules: dict[int, nn.Module], same_source: bool) -> None:
         """One process runs no tensor-parallel ranks."""
 
+    def check_lanes_read_alike(self, digests: dict[int, str]) -> None:
+        """One process runs no tensor-parallel ranks."""
+
     def connect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
         counter = CommCounter(topology.num_stages)
         stage_devices = [self.devices[topology.position_of(v)] for v in range(topology.num_stages)]
@@ -223,6 +226,12 @@ class DistributedEngine:
         """A stage's tensor-parallel ranks start from lane 0's whole tensors, before each cuts its blocks."""
         if self.world.tensor_parallel > 1:
             start_replicas_equal(modules, self.world.tensor_group, same_source)
+
+    def check_lanes_read_alike(self, digests: dict[int, str]) -> None:
+        """A model without data, split: each lane made its own blocks from the source; the whole tensors they read
+        must be the same."""
+        if self.world.tensor_parallel > 1:
+            check_replicas_read_alike(digests, self.world.tensor_group)
 
     def check_replicas_read_alike(self, digests: dict[int, str]) -> None:
         """zero=3 built each replica's shards from the source: the whole tensors they saw must be the same."""

@@ -48,12 +48,13 @@ def start_replicas_equal(modules: dict[int, nn.Module], group: dist.ProcessGroup
 
 
 def check_replicas_read_alike(digests: dict[int, str], group: dist.ProcessGroup) -> None:
-    """zero=3 on a model without data: every replica made only its own shards, so none holds another's to send;
-    the digests of the whole tensors each read (``StageTensors.materialise_shards``) must agree instead."""
+    """A sharded build of a model without data (zero=3, tensor parallelism): every rank of ``group`` made only its own
+    shards, so none holds another's to send; the digests of the whole tensors each read
+    (``StageTensors.materialise_shards``) must agree instead."""
     with peers_answer("the replicas' initial weights (digests of the whole tensors each replica read)"):
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, digests, group=group)
     if any(d != gathered[0] for d in gathered):
         raise RuntimeError("the replicas of a stage read different initial tensors from the same source (a weights= "
-                           "file that differs between machines?), and zero=3 keeps no whole copy to send them: "
-                           "give every machine the same checkpoint")
+                           "file that differs between machines?), and a sharded build (zero=3, tensor_parallel) "
+                           "keeps no whole copy to send them: give every machine the same checkpoint")

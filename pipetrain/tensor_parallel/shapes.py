@@ -53,11 +53,13 @@ def _concrete(size: Any) -> int:
 def whole_shapes(module: fx.GraphModule, example_inputs: Any) -> dict[str, tuple[int, ...]]:
     """Node name -> shape of the tensor it computes when ``module`` (a traced model) runs on ``example_inputs``."""
     inputs = partitioners.placeholder_values(module, example_inputs)
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type != "meta"),
-                  torch.device("cpu"))
+    # A model captured on the meta device names that device in its graph (arange(device=...)): run it there.
+    on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+    device = torch.device("meta") if on_meta else next(
+        (t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type != "meta"), torch.device("cpu"))
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = [(torch.empty(t.shape, dtype=t.dtype, device=device) if t.device.type == "meta" else mode.from_tensor(t))
-                if isinstance(t, torch.Tensor) else t for t in inputs]
+        fake = [(torch.empty(t.shape, dtype=t.dtype, device=device) if on_meta or t.device.type == "meta"
+                 else mode.from_tensor(t)) if isinstance(t, torch.Tensor) else t for t in inputs]
         run = _FakeRun(module, mode, device)
         run.run(*fake)
     return run.shapes

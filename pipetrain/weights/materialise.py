@@ -88,13 +88,13 @@ class StageTensors:
         return stage
 
     def materialise_shards(self, stage: nn.Module, device: torch.device, shard: Callable[[nn.Module], None]) -> str:
-        """zero=3 on a model without data: ``shard`` (FSDP2's ``fully_shard``) cuts ``stage``'s meta parameters,
-        then only this rank's shard of each is made on ``device`` and filled, from the checkpoint or the
-        initialiser, one whole tensor in host memory at a time. Returns a digest of the whole tensors (names,
+        """A model without data, sharded: ``shard`` (FSDP2's ``fully_shard`` for zero=3, tensor parallelism's split)
+        cuts ``stage``'s meta parameters into DTensors, then only this rank's shard of each is made on ``device``
+        and filled, from the checkpoint or the initialiser, one whole tensor in host memory at a time. Returns a digest of the whole tensors (names,
         values), which every replica of the stage computes alike when they read the same source."""
         retarget_devices(stage, device)
         shard(stage)
-        stage.to_empty(device=device)  # FSDP2 makes each parameter's local shard; the buffers whole
+        stage.to_empty(device=device)  # each DTensor parameter's local shard is made; the buffers whole
         targets: dict[str, Any] = {}
         made: dict[int, Any] = {}
         for name, t in _state(stage).items():
