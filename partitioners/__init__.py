@@ -10,6 +10,7 @@ from .partition import partition
 from .plan import Plan
 from .trace import placeholder_values, trace
 
-__all__ = ["CostGraph", "DEFAULT_BANDWIDTH", "STAYS_IN_STAGE", "Layout", "MemoryModel", "PartitionError", "Plan", "TraceError",
+__all__ = ["CostGraph", "DEFAULT_BANDWIDTH", "STAYS_IN_STAGE",
+           "Layout", "MemoryModel", "PartitionError", "Plan", "TraceError",
            "evaluate_layout", "format_ranking", "partition", "plan_replicas", "plan_layout", "search_layouts",
            "placeholder_values", "trace", "trace_for_training"]

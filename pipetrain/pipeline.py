@@ -162,7 +162,8 @@ class Pipeline:
         parts, world = self._parts, self._parts.engine.world
         return write_pretrained(path, {v: rt.module for v, rt in parts.stages.items()}, parts.pretrained,
                                 parts.plan.tied_groups(), world.control if world is not None else None,
-                                writes=world is None or (world.replica, world.lane) == (0, 0), max_shard_size=max_shard_size,
+                                writes=world is None or (world.replica, world.lane) == (0, 0),
+                                max_shard_size=max_shard_size,
                                 merge_adapters=merge_adapters)
 
     def _checkpoint_view(self) -> ckpt.PipelineView:

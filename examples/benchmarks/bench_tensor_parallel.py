@@ -38,7 +38,8 @@ def models() -> dict[str, tuple[str, nn.Module, Any]]:
     import transformers as hf
 
     torch.manual_seed(0)
-    mlp = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))])
+    mlp = nn.Sequential(*[layer for _ in range(4)
+                          for layer in (nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))])
     llama = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024,
                                                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                                                max_position_embeddings=128, tie_word_embeddings=False))
@@ -121,7 +122,8 @@ def rank_main(rank: int, world: int, port: int, steps: int, chosen: list[str]) -
                 while where.tb_next is not None:
                     where = where.tb_next
                 row[way] = (f"{type(error).__name__} {(str(error).splitlines() or [''])[0][:110]} "
-                            f"(in {where.tb_frame.f_code.co_name} of {os.path.basename(where.tb_frame.f_code.co_filename)})")
+                            f"(in {where.tb_frame.f_code.co_name} of "
+                            f"{os.path.basename(where.tb_frame.f_code.co_filename)})")
         if rank == 0:
             print(f"\n{name} ({what})")
             base = row["whole"][0]

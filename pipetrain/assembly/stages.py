@@ -139,7 +139,8 @@ def make_scheduler(optimizer: torch.optim.Optimizer, factory: Callable) -> torch
 
 
 def build_steppers(stages: dict[int, StageRuntime], topology: Topology, connections: Connections,
-                   options: PipelineOptions, tied: list[list[tuple[int, str]]], engine: Engine) -> dict[int, OptimizerStep]:
+                   options: PipelineOptions, tied: list[list[tuple[int, str]]],
+                   engine: Engine) -> dict[int, OptimizerStep]:
     """Per pipeline position this process runs: what its STEP action does."""
     positions = sorted({topology.position_of(v) for v in stages})
     process_stages = [(v, rt.module) for v, rt in sorted(stages.items())]

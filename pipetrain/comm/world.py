@@ -185,13 +185,14 @@ class World:
     def describe_rank(self, rank: int, stage: str) -> str:
         """``rank`` in messages: its stage (``stage``, described by the caller), replica and lane."""
         replica, _, lane = self.place_of(rank)
-        return f"rank {rank} ({stage}, replica {replica}" + (f", tensor rank {lane})" if self.tensor_parallel > 1 else ")")
+        lane_text = f", tensor rank {lane}" if self.tensor_parallel > 1 else ""
+        return f"rank {rank} ({stage}, replica {replica}{lane_text})"
 
     def link_groups(self, topology: Topology, receive_ahead: bool) -> dict[Hashable, object]:
-        """This replica's (and lane's) process groups for the links between stages on different pipeline positions, keyed by
-        ``schedules.nccl_order.link_comm``: one per direction of every link when receives are posted
-        ahead; else one per link between adjacent stages, one per direction of a skip connection or of
-        an interleaved pipeline's link."""
+        """This replica's (and lane's) process groups for the links between stages on different pipeline positions,
+        keyed by ``schedules.nccl_order.link_comm``: one per direction of every link when receives are posted
+        ahead; else one per link between adjacent stages, one per direction of a skip connection or of an
+        interleaved pipeline's link."""
         mine = {}
         chunks = topology.num_stages // topology.positions
         for replica, lane in itertools.product(range(self.data_parallel), range(self.tensor_parallel)):

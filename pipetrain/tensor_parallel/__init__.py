@@ -48,8 +48,8 @@ def split_module(module: fx.GraphModule, chosen: TensorParallelPlan, lanes: Lane
 
     splits = split_stage(module, chosen, lanes, shapes, where)
     if not splits and any(True for _ in module.parameters()):
-        warnings.warn(f"{where}: {chosen.source} splits none of its layers, so each of its {lanes.size} tensor-parallel "
-                      "ranks holds and computes it whole; pass tp_plan= naming its layers (Hugging Face's vocabulary, "
+        warnings.warn(f"{where}: {chosen.source} splits none of its layers, so each of its {lanes.size} "
+                      "tensor-parallel ranks holds and computes it whole; pass tp_plan= naming its layers (Hugging Face's vocabulary, "
                       "e.g. {'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}) to split it",
                       stacklevel=2)
     cut_parameters(module, splits, lanes_mesh(lanes.group, device))

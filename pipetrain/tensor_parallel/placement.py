@@ -250,8 +250,8 @@ class _Splitter:
         name = self.styles[id(_attribute(self.gm, str(attr.target)))][0]
         found = self.params.get(name)
         if found is not None and found.dim != dim:
-            raise TensorParallelError(f"{self.where}: {name!r} is used by layers that cut it differently ({found.style} "
-                                      f"and {style}); keep them whole with tp_plan= (style 'replicate')")
+            raise TensorParallelError(f"{self.where}: {name!r} is used by layers that cut it differently "
+                                      f"({found.style} and {style}); keep them whole with tp_plan= (style 'replicate')")
         self.params.setdefault(name, ParameterSplit(style, dim))
 
     def _check_planned_uses(self) -> None:

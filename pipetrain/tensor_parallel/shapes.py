@@ -19,9 +19,9 @@ import partitioners
 class _FakeRun(fx.Interpreter):
     """Runs the graph on fake tensors; parameters and buffers (real or meta) enter as fake tensors on ``device``."""
 
-    def __init__(self, module: fx.GraphModule, mode: FakeTensorMode, device: torch.device):
+    def __init__(self, module: fx.GraphModule, device: torch.device):
         super().__init__(module)
-        self.mode, self.device = mode, device
+        self.device = device
         self.shapes: dict[str, tuple[int, ...]] = {}
 
     def run_node(self, node: fx.Node) -> Any:
@@ -53,13 +53,15 @@ def _concrete(size: Any) -> int:
 def whole_shapes(module: fx.GraphModule, example_inputs: Any) -> dict[str, tuple[int, ...]]:
     """Node name -> shape of the tensor it computes when ``module`` (a traced model) runs on ``example_inputs``."""
     inputs = partitioners.placeholder_values(module, example_inputs)
-    # A model captured on the meta device names that device in its graph (arange(device=...)): run it there.
-    on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-    device = torch.device("meta") if on_meta else next(
-        (t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type != "meta"), torch.device("cpu"))
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = [(torch.empty(t.shape, dtype=t.dtype, device=device) if on_meta or t.device.type == "meta"
-                 else mode.from_tensor(t)) if isinstance(t, torch.Tensor) else t for t in inputs]
-        run = _FakeRun(module, mode, device)
+    # The graph names the device it was captured on (arange(device=...)): every tensor runs there.
+    named = {a for node in module.graph.nodes for a in (*node.args, *node.kwargs.values())
+             if isinstance(a, torch.device)}
+    meta = torch.device("meta")
+    device = meta if meta in named else next(iter(named), next(
+        (t.device for t in inputs if isinstance(t, torch.Tensor) and t.device != meta), torch.device("cpu")))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = [torch.empty(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t
+                for t in inputs]
+        run = _FakeRun(module, device)
         run.run(*fake)
     return run.shapes

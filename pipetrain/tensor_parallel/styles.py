@@ -44,8 +44,8 @@ class TensorParallelPlan:
                     f"(HF's {', '.join(sorted(ALIASES))} too). Pass wrap(..., tp_plan={{{pattern!r}: 'replicate'}}) "
                     "to keep that layer whole, or a colwise/rowwise pair for it")
             self.patterns[pattern] = style
-        self._compiled = [(re.compile(("^" if exact else r"(?:^|.*\.)") + r"\.".join("[^.]+" if part == "*" else re.escape(part)
-                                                                for part in pattern.split(".")) + "$"), style)
+        prefix = "^" if exact else r"(?:^|.*\.)"
+        self._compiled = [(re.compile(prefix + _components(pattern) + "$"), style)
                           for pattern, style in self.patterns.items()]
 
     def style_of(self, module_name: str) -> str:
@@ -57,6 +57,11 @@ class TensorParallelPlan:
 
     def __repr__(self) -> str:
         return f"TensorParallelPlan({self.patterns!r}, source={self.source!r})"
+
+
+def _components(pattern: str) -> str:
+    """A dotted pattern as a regular expression: ``*`` is one name component, the rest literal."""
+    return r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
 
 
 def model_plan(model: nn.Module) -> Mapping[str, str] | None:
