@@ -222,7 +222,8 @@ class DistributedTransport:
             tensors = [v.contiguous() for v in leaves if isinstance(v, torch.Tensor)]
         else:
             tensors = [g.contiguous() for g in m.values]
-        tensors = [self._lane_part(t) for t in tensors]
+        if self.lanes is not None:  # tensor-parallel lanes each send 1/T of a whole value
+            tensors = [self._lane_part(t) for t in tensors]
         message = self._message(kind, link, m.micro_batch)
         works = _Posted()
         for i, t in enumerate(tensors):
@@ -261,15 +262,16 @@ class DistributedTransport:
         message = self._message(kind, link, m.micro_batch)
         works = _Posted()
         for i, b in enumerate(buffers):
-            works = _Batch.add(table, comm, dist.P2POp(dist.irecv, self._lane_part(b), peer, group),
+            part = b if self.lanes is None else self._lane_part(b)
+            works = _Batch.add(table, comm, dist.P2POp(dist.irecv, part, peer, group),
                                self._op(False, peer, message, i))
         return works, buffers, (described, spec), self._recorded(message, len(buffers))
 
     def _lane_part(self, t: torch.Tensor) -> torch.Tensor:
         """What crosses the link of ``t`` (a boundary value, whole and the same on every tensor-parallel lane): this
         lane's 1/T of its elements, which the receiving lanes all-gather (`_gather_lanes`), so the stages exchange
-        each value once, not once per lane; ``t`` itself without lanes or where its size does not divide."""
-        if self.lanes is None or t.numel() == 0 or t.numel() % self.lanes.size:
+        each value once, not once per lane; ``t`` itself where its size does not divide."""
+        if t.numel() == 0 or t.numel() % self.lanes.size:
             return t
         return t.view(-1).chunk(self.lanes.size)[self.lanes.rank]
 
