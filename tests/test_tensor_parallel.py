@@ -284,12 +284,17 @@ def assert_close_states(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
             torch.testing.assert_close(got[k], v, rtol=0, atol=TOL, msg=k)
 
 
+def assert_trained_like_the_unsplit_model(results: list[dict], name: str) -> None:
+    """Every rank's losses, and the ranks' parameters together, are the unsplit model's after STEPS steps."""
+    want, losses, _ = reference(name, STEPS)
+    assert_close_states(gathered(results, (name, "state")), want)
+    for result in results:
+        assert result[name, "losses"] == pytest.approx(losses, abs=TOL)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_three_adamw_steps_equal_the_unsplit_model(ranks, name):
-    want, losses, _ = reference(name, STEPS)
-    assert_close_states(gathered(ranks, (name, "state")), want)
-    for result in ranks:
-        assert result[name, "losses"] == pytest.approx(losses, abs=TOL)
+    assert_trained_like_the_unsplit_model(ranks, name)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -308,10 +313,7 @@ def test_boundary_values_cross_once_per_stage_pair(ranks, name):
 @pytest.mark.parametrize("name", MODELS)
 def test_with_data_parallel_replicas_too(hybrid_ranks, name):
     """2 x 2 x 2: each replica's half of the mini-batch, its gradients averaged over the replicas lane by lane."""
-    want, losses, _ = reference(name, STEPS)
-    assert_close_states(gathered(hybrid_ranks, (name, "state")), want)
-    for result in hybrid_ranks:
-        assert result[name, "losses"] == pytest.approx(losses, abs=TOL)
+    assert_trained_like_the_unsplit_model(hybrid_ranks, name)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("bf16", "fp16")])
