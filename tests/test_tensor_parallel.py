@@ -25,6 +25,7 @@ import pipetrain
 from dist_harness import run_world
 from helpers import capture_once, wrap_unprofiled
 from runtime_models import data, make
+from pipetrain.runtime.local_shards import local
 from pipetrain.tensor_parallel import TensorParallelError
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
@@ -52,16 +53,20 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
+def lars(params):
+    return pipetrain.optim.LARS(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 MODELS = {  # name -> (builder, loss, mini-batches of (inputs, targets))
     "llama": (llama, token_loss,
-              [({"input_ids": ids}, ids) for ids in torch.randint(0, VOCAB, (STEPS + 1, 4, SEQ),
+              [({"input_ids": ids}, ids) for ids in torch.randint(0, VOCAB, (STEPS + 2, 4, SEQ),
                                                                   generator=torch.Generator().manual_seed(1))]),
     "mlp": (lambda: make("mlp"), F.cross_entropy,
-            [data("mlp", 8, seed=1 + i) for i in range(STEPS + 1)]),
+            [data("mlp", 8, seed=1 + i) for i in range(STEPS + 2)]),
 }
 
 
@@ -215,14 +220,45 @@ def scenarios(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def hybrid_scenarios(rank: int, world: int) -> dict:
-    """2 stages x 2 replicas x 2 tensor ranks (8 ranks)."""
+def optimizer_fraction(pipe: pipetrain.Pipeline) -> float:
+    """Elements of AdamW's first moments this rank keeps over those of its blocks of its stage's parameters."""
+    kept = sum(local(state["exp_avg"]).numel() for rt in pipe.held_stages.values()
+               for state in rt.optimizer.state.values() if "exp_avg" in state)
+    return kept / sum(local(p).numel() for rt in pipe.held_stages.values() for p in rt.module.parameters())
+
+
+def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
+    """2 stages x 2 replicas x 2 tensor ranks (8 ranks); ZeRO-1 and ZeRO-2 over each lane's replicas, and
+    checkpoints between them and unsplit pipelines."""
     out = {}
     for name in MODELS:
-        pipe = wrap(name, data_parallel=2)
-        out[name, "losses"] = [pipe.step(x, y) for x, y in MODELS[name][2][:STEPS]]
-        out[name, "state"] = pipe.state_dict()
-        pipe.close()
+        steps = MODELS[name][2]
+        for zero in (0, 1, 2):
+            pipe = wrap(name, data_parallel=2, zero=zero)
+            out[name, "losses", zero] = [pipe.step(x, y) for x, y in steps[:STEPS]]
+            out[name, "state", zero] = pipe.state_dict()
+            out[name, "optimizer fraction", zero] = optimizer_fraction(pipe)
+            if zero == 2:
+                pipe.save(Path(root) / f"{name}-zero2")
+            pipe.close()
+        # The ZeRO-2 tensor-parallel checkpoint resumed without either (4 stages x 2 replicas), and an unsplit
+        # one resumed with both.
+        resumed = wrap(name, tensor_parallel=1, stages=4, data_parallel=2)
+        resumed.load(Path(root) / f"{name}-zero2")
+        resumed.step(*steps[STEPS])
+        resumed.save(Path(root) / f"{name}-plain")
+        out[name, "zero2 t2 -> t1"] = resumed.state_dict()
+        resumed.close()
+        resumed = wrap(name, data_parallel=2, zero=1)
+        resumed.load(Path(root) / f"{name}-plain")
+        resumed.step(*steps[STEPS + 1])
+        out[name, "t1 -> zero1 t2"] = resumed.state_dict()
+        resumed.close()
+    pipe = wrap("mlp", data_parallel=2, zero=2, optimizer=lars)  # whole tensors (blocks) owned by one replica each
+    for x, y in MODELS["mlp"][2][:STEPS]:
+        pipe.step(x, y)
+    out["lars zero2"] = pipe.state_dict()
+    pipe.close()
     return out
 
 
@@ -236,7 +272,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def hybrid_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_world(8, "test_tensor_parallel", "hybrid_scenarios", tmp_path_factory.mktemp("tensor_parallel_hybrid"))
+    root = tmp_path_factory.mktemp("tensor_parallel_hybrid")
+    return run_world(8, "test_tensor_parallel", "hybrid_scenarios", root, str(root))
 
 
 def reference(name: str, steps: int, max_norm: float | None = None, autocast: torch.dtype | None = None,
@@ -284,12 +321,12 @@ def assert_close_states(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
             torch.testing.assert_close(got[k], v, rtol=0, atol=TOL, msg=k)
 
 
-def assert_trained_like_the_unsplit_model(results: list[dict], name: str) -> None:
+def assert_trained_like_the_unsplit_model(results: list[dict], name: str, *zero: int) -> None:
     """Every rank's losses, and the ranks' parameters together, are the unsplit model's after STEPS steps."""
     want, losses, _ = reference(name, STEPS)
-    assert_close_states(gathered(results, (name, "state")), want)
+    assert_close_states(gathered(results, (name, "state", *zero)), want)
     for result in results:
-        assert result[name, "losses"] == pytest.approx(losses, abs=TOL)
+        assert result[(name, "losses", *zero)] == pytest.approx(losses, abs=TOL)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -311,9 +348,32 @@ def test_boundary_values_cross_once_per_stage_pair(ranks, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_with_data_parallel_replicas_too(hybrid_ranks, name):
-    """2 x 2 x 2: each replica's half of the mini-batch, its gradients averaged over the replicas lane by lane."""
-    assert_trained_like_the_unsplit_model(hybrid_ranks, name)
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_with_data_parallel_replicas_and_zero_too(hybrid_ranks, name, zero):
+    """2 x 2 x 2: each replica's half of the mini-batch, its gradients averaged over the replicas lane by lane;
+    under ZeRO each replica steps an even half of its lane's blocks and keeps AdamW's state for that half alone
+    (the split tensors' blocks are what ZeRO cuts, not the whole tensors)."""
+    assert_trained_like_the_unsplit_model(hybrid_ranks, name, zero)
+    fractions = [result[name, "optimizer fraction", zero] for result in hybrid_ranks]
+    want = 1.0 if zero == 0 else 0.5
+    assert fractions == pytest.approx([want] * len(fractions), abs=0.02), fractions
+
+
+def test_zero_with_an_optimizer_reading_whole_tensors(hybrid_ranks):
+    """LARS's trust ratio reads a tensor's norm: ZeRO gives each replica whole blocks to step, and the norm of a
+    split tensor is taken over its blocks on every lane."""
+    want, _, _ = reference("mlp", STEPS, optimizer=lars)
+    assert_close_states(gathered(hybrid_ranks, "lars zero2"), want)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_zero_checkpoints_resume_across_tensor_parallel_sizes(hybrid_ranks, name):
+    """ZeRO-2 at T=2 saved, resumed at T=1 without ZeRO on twice the stages, saved again, resumed at T=2 with
+    ZeRO-1: the replicas' slices of each lane's blocks are put together whole, and cut again, exactly."""
+    want, _, _ = reference(name, STEPS + 1)
+    assert_close_states(gathered(hybrid_ranks, (name, "zero2 t2 -> t1")), want)
+    want, _, _ = reference(name, STEPS + 2)
+    assert_close_states(gathered(hybrid_ranks, (name, "t1 -> zero1 t2")), want)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("bf16", "fp16")])

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from pipetrain.allreduce.algorithms import Step
 from pipetrain.allreduce.buckets import BucketSpec
 from pipetrain.allreduce.hierarchy import Hierarchy
+from pipetrain.allreduce.local import local
 from pipetrain.allreduce.reducer import GradientReducer, _Bucket
 from pipetrain.allreduce.slices import slice_of
 
@@ -57,20 +58,20 @@ class _ShardedBucket(_Bucket):
         offset = 0
         for p in self.params:
             self.offsets.append(offset)
-            offset += p.numel()
+            offset += local(p).numel()
         if owners is None:
             share = -(-offset // parts)  # padded to a multiple of the group: equal ranges
             self.segment = [share] * parts
         else:
-            self.segment = [sum(p.numel() for p in self.params if owners[id(p)] == r) for r in range(parts)]
+            self.segment = [sum(local(p).numel() for p in self.params if owners[id(p)] == r) for r in range(parts)]
         ahead = sorted(range(parts), key=lambda r: position[r])
         self.start = {r: sum(self.segment[q] for q in ahead[:ahead.index(r)]) for r in range(parts)}
         self.numel, self.dtype, self.device, self.sent_as = sum(self.segment), spec.dtype, self.params[0].device, compress
         self.payload = offset  # elements of tensors: the rest of ``numel`` is padding
         self.me, self.parts, self.per_node, self.hierarchy = me, parts, per_node, hierarchy
         lo, hi = self.start[me], self.start[me] + self.segment[me]
-        self.mine = [(k, max(lo - o, 0), min(hi - o, p.numel())) for k, (p, o) in enumerate(zip(self.params, self.offsets))
-                     if o < hi and o + p.numel() > lo]
+        self.mine = [(k, max(lo - o, 0), min(hi - o, local(p).numel()))
+                     for k, (p, o) in enumerate(zip(self.params, self.offsets)) if o < hi and o + local(p).numel() > lo]
         self.buffer: torch.Tensor | None = None
         self.comm: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None  # this replica's reduced range, in the bucket's dtype
@@ -221,9 +222,9 @@ class ShardedReducer(GradientReducer):
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                elif not p.grad.is_contiguous():
+                elif not local(p.grad).is_contiguous():
                     p.grad = p.grad.contiguous()
-                p.grad.view(-1)[lo:hi].copy_(reduced)
+                local(p.grad).view(-1)[lo:hi].copy_(reduced)
         self._note_gradient_bytes()
         self._reset_round()
 
@@ -235,7 +236,7 @@ class ShardedReducer(GradientReducer):
             for k, lo, hi in b.mine:
                 t, p = self._stepped[b_i, k], b.params[k]
                 if t is not p and id(p) in self._in_param:
-                    t.grad = None if p.grad is None else p.grad.view(-1)[lo:hi]
+                    t.grad = None if p.grad is None else local(p.grad).view(-1)[lo:hi]
                 if t.grad is not None:
                     out.append((t, p))
         return out
@@ -244,18 +245,18 @@ class ShardedReducer(GradientReducer):
         # The parameters' gradients and the ranges held apart from them (ZeRO-2's).
         apart = [t.grad for (b_i, k), t in self._stepped.items()
                  if t.grad is not None and id(self.buckets[b_i].params[k]) not in self._in_param]
-        self.gradient_bytes = sum(g.numel() * g.element_size()
-                                  for g in [p.grad for p in self.params if p.grad is not None] + apart)
+        self.gradient_bytes = sum(local(g).nbytes for g in [p.grad for p in self.params if p.grad is not None] + apart)
 
     @torch.no_grad()
     def gather(self) -> None:
         """Copy every owner's (updated) range into every replica: the all-gather after the step, one bucket
         after the other (each waits for the last, not overlapped with the next forward)."""
         for b, full in self._gathered(lambda t: t.detach()):
-            whole = {k for k, lo, hi in b.mine if hi - lo == b.params[k].numel()}  # stepped in place already
+            whole = {k for k, lo, hi in b.mine if hi - lo == local(b.params[k]).numel()}  # stepped in place already
             for k, p in enumerate(b.params):
                 if k not in whole:
-                    p.copy_(full[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p))
+                    block = local(p)
+                    block.copy_(full[b.offsets[k]:b.offsets[k] + block.numel()].view_as(block))
 
     @torch.no_grad()
     def gather_values(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -265,13 +266,14 @@ class ShardedReducer(GradientReducer):
         out = {}
         for b, full in self._gathered(value_of):
             for k, p in enumerate(b.params):
-                out[id(p)] = full[b.offsets[k]:b.offsets[k] + p.numel()].view_as(p)
+                block = local(p)
+                out[id(p)] = full[b.offsets[k]:b.offsets[k] + block.numel()].view_as(block)
         return out
 
     def _gathered(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[_ShardedBucket, torch.Tensor]]:
         """Per bucket, the flat buffer of every owner's ``value_of`` of the tensors it steps."""
         for b_i, b in enumerate(self.buckets):
-            mine = [value_of(self._stepped[b_i, k]).reshape(-1).to(b.dtype) for k, _, _ in b.mine]
+            mine = [local(value_of(self._stepped[b_i, k])).reshape(-1).to(b.dtype) for k, _, _ in b.mine]
             held = sum(hi - lo for _, lo, hi in b.mine)
             mine.append(torch.zeros(b.segment[b.me] - held, dtype=b.dtype, device=b.device))  # padding
             packed = torch.cat(mine)
@@ -281,9 +283,9 @@ class ShardedReducer(GradientReducer):
                 self.sent_bytes += (self.size - 1) * packed.numel() * packed.element_size()
                 _gather(packed, full, b.segment, b.me, self.group).wait()
             else:
-                local = b.local_segments()
-                start = sum(local[:h.local_rank])
-                region = full[start:start + local[h.local_rank]]
+                in_node = b.local_segments()
+                start = sum(in_node[:h.local_rank])
+                region = full[start:start + in_node[h.local_rank]]
                 if h.inter is not None:
                     self.sent_bytes += (h.nodes - 1) * packed.numel() * packed.element_size()
                     _gather(packed, region, b.node_segments(h.local_rank), h.node, h.inter).wait()
@@ -291,7 +293,7 @@ class ShardedReducer(GradientReducer):
                     region.copy_(packed)
                 if h.intra_gather is not None:
                     self.sent_bytes += (h.per_node - 1) * region.numel() * region.element_size()
-                    _gather(region.clone(), full, local, h.local_rank, h.intra_gather).wait()
+                    _gather(region.clone(), full, in_node, h.local_rank, h.intra_gather).wait()
             yield b, full
 
     def padding_bytes(self) -> int:

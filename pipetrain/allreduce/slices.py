@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from pipetrain.allreduce.local import local
+
 # Exact classes (a subclass may override step() with a per-tensor rule), each checked elementwise: every
 # per-parameter state tensor has the parameter's shape, the others are step counts (0-dim).
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -39,15 +41,17 @@ def shards_evenly(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Opti
 
 
 def slice_of(param: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Elements ``start:stop`` of ``param`` flattened, as a tensor the optimizer steps in place of it (the same
-    object again for the same range, so a reducer rebuilt after a failed step finds the optimizer's own)."""
+    """Elements ``start:stop`` of ``param`` flattened (of this rank's block of it, when tensor parallelism splits
+    it), as a tensor the optimizer steps in place of it (the same object again for the same range, so a reducer
+    rebuilt after a failed step finds the optimizer's own)."""
     existing = _SLICES.get(param)
     if existing is not None and existing.pipetrain_slice[1:] == (start, stop):
         return existing
-    if not param.is_contiguous():
+    block = local(param)  # a tensor-parallel rank's block of a split parameter: its replicas share that block
+    if not block.is_contiguous():
         raise ValueError(f"zero: a parameter of shape {tuple(param.shape)} is not contiguous, so a flat slice of "
                          "it cannot be a view; make it contiguous (param.data = param.data.contiguous()) before wrap")
-    piece = param.detach().view(-1)[start:stop]
+    piece = block.detach().view(-1)[start:stop]
     piece.pipetrain_slice = (weakref.ref(param), start, stop)
     _SLICES[param] = piece
     return piece
@@ -60,9 +64,9 @@ def source_of(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
 
 
 def cut_state(state: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
-    """A whole tensor's optimizer state cut to elements ``start:stop``: per-element tensors are sliced (copies),
-    step counts (0-dim) and other values kept."""
-    return {k: v.reshape(-1)[start:stop].clone() if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+    """A whole tensor's optimizer state cut to elements ``start:stop`` (of this rank's block of it when the state
+    is sharded): per-element tensors are sliced (copies), step counts (0-dim) and other values kept."""
+    return {k: local(v).reshape(-1)[start:stop].clone() if isinstance(v, torch.Tensor) and v.dim() > 0 else v
             for k, v in state.items()}
 
 

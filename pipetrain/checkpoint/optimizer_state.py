@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pipetrain.allreduce.local import local
 from pipetrain.allreduce.slices import cut_state, source_of
 from pipetrain.checkpoint.errors import CheckpointError
 from pipetrain.runtime.staleness.corrections import BASE_KEY
@@ -30,8 +31,8 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: dict
         for t in g["params"]:
             source = source_of(t)
             name = names[id(t if source is None else source[0])]
-            if source is not None:
-                slices[name] = (source[1], tuple(source[0].shape))
+            if source is not None:  # the shape of what the slice was cut from: a tensor-parallel block, or whole
+                slices[name] = (source[1], tuple(local(source[0]).shape))
             if t in optimizer.state:
                 state[name] = optimizer.state[t]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

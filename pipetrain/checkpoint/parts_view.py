@@ -1,15 +1,16 @@
 """What a checkpoint saves and restores of a running pipeline: its parts seen as a ``PipelineView``."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from pipetrain.assembly import Parts
 from pipetrain.checkpoint.optimizer_state import merge_optimizer_shares
 from pipetrain.checkpoint.view import CheckpointRole, PipelineView, StageState, agree_alone
 from pipetrain.comm.peers import peers_answer
-from pipetrain.runtime.local_shards import whole
+from pipetrain.runtime.local_shards import is_dtensor, local, whole
 
 
 def pipeline_view(parts: Parts, updates: int, streaming: bool) -> PipelineView:
@@ -21,8 +22,13 @@ def pipeline_view(parts: Parts, updates: int, streaming: bool) -> PipelineView:
     if world is None:
         role = CheckpointRole(True, True, "local", agree_alone, streaming, 0)
     else:
-        merge = _merge_over(world.data_parallel_group, parts.options.zero) if parts.options.zero else \
-            _merge_lanes(world.lane) if world.tensor_parallel > 1 else None
+        merge = None
+        if parts.options.zero and world.tensor_parallel > 1:
+            merge = _merge_blocks_over(world.data_parallel_group, world.lane, parts)
+        elif parts.options.zero:
+            merge = _merge_over(world.data_parallel_group, parts.options.zero)
+        elif world.tensor_parallel > 1:
+            merge = _merge_lanes(world.lane)
         role = CheckpointRole(world.replica == 0 and world.lane == 0, world.rank == 0, "distributed",
                               parts.engine.consensus.decide, streaming, world.rank, merge)
     return PipelineView(parts.plan, parts.options, updates, stages, role, parts.pretrained)
@@ -34,6 +40,34 @@ def _merge_lanes(lane: int) -> Callable[[dict], dict | None]:
     def merge(share: dict) -> dict | None:
         whole_share = {**share, "state": {name: {k: whole(t) for k, t in state.items()}
                                           for name, state in share["state"].items()}}
+        return whole_share if lane == 0 else None
+    return merge
+
+
+def _merge_blocks_over(group: dist.ProcessGroup, lane: int, parts: Parts) -> Callable[[dict], dict | None]:
+    """ZeRO 1/2 with tensor parallelism: each lane's replicas hold slices of its blocks (or, for an optimizer
+    stepping whole tensors, whole blocks): merged into the lane's blocks on replica 0, whose lanes then all-gather
+    the blocks of the split tensors whole onto lane 0, which writes the stage."""
+    params = {name: p for rt in parts.stages.values() for name, p in rt.module.named_parameters(remove_duplicate=False)}
+    over_replicas = _merge_over(group, 1)
+
+    def joined(name: str, t: Any) -> Any:
+        p = params.get(name)
+        if not isinstance(t, torch.Tensor) or not is_dtensor(p) or t.shape != local(p).shape:
+            return t  # a whole (unsplit) tensor's state, or a step count
+        from torch.distributed.tensor import DTensor  # imported already: `p` is one
+
+        return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride()).full_tensor()
+
+    def merge(share: dict) -> dict | None:
+        mine = {**share, "state": {n: {k: local(t) if isinstance(t, torch.Tensor) else t for k, t in st.items()}
+                                   for n, st in share["state"].items()}}
+        blocks = over_replicas(mine)
+        if blocks is None:  # not replica 0: its shares are merged there
+            return None
+        whole_share = {**blocks, "state": {n: {k: joined(n, t) for k, t in st.items()}
+                                           for n, st in blocks["state"].items()}}
         return whole_share if lane == 0 else None
     return merge
 
