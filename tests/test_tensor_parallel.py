@@ -27,6 +27,7 @@ from helpers import capture_once, wrap_unprofiled
 from runtime_models import data, make
 from pipetrain.runtime.local_shards import local
 from pipetrain.tensor_parallel import TensorParallelError
+from pipetrain.tensor_parallel.randomness import LaneDraws
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
@@ -144,6 +145,44 @@ def held_fraction(pipe: pipetrain.Pipeline) -> float:
     return local / sum(p.nbytes for p in params)
 
 
+class DroppingMLP(nn.Module):
+    """Two MLP blocks with dropout on their split hidden features, and on the whole output of the first."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down, self.up2, self.down2 = nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 64), nn.Linear(64, 4)
+        self.hidden_drop, self.out_drop, self.hidden_drop2 = nn.Dropout(0.5), nn.Dropout(0.25), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.out_drop(self.down(self.hidden_drop(F.gelu(self.up(x)))))
+        return self.down2(self.hidden_drop2(F.gelu(self.up2(h))))  # GELU: no zeros but those dropout makes
+
+
+DROPOUT_BATCH = (torch.randn(8, 16, generator=torch.Generator().manual_seed(3)),
+                 torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(4)))
+
+
+def dropout_runs() -> dict:
+    """The dropping MLP at 2 stages x T=2, two SGD steps, with and without recomputation: its state, and the masks
+    (zeros of the output) of the dropouts on split values in this rank's stage, in the order they ran."""
+    out = {}
+    x, y = DROPOUT_BATCH
+    for recompute in ("none", "always"):
+        pipe = wrap_unprofiled(DroppingMLP(), x[:4], stages=2, micro_batches=2, tensor_parallel=2, recompute=recompute,
+                               engine="distributed", loss_fn=F.cross_entropy, optimizer=sgd)
+        masks: list[torch.Tensor] = []
+        for rt in pipe.held_stages.values():
+            for layer in rt.module.modules():
+                if isinstance(layer, LaneDraws):
+                    layer.register_forward_hook(lambda layer, args, output: masks.append(output.detach() == 0))
+        for _ in range(2):
+            pipe.step(x, y)
+        out[recompute] = {"state": pipe.state_dict(), "masks": masks}
+        pipe.close()
+    return out
+
+
 def meta_build(weights: str) -> dict:
     """The Llama built on the meta device and read from ``weights`` at 2 stages x T=2: what its rank allocated
     while its stage was made (peak bytes of floating tensors), against its own blocks, the largest whole tensor and
@@ -170,7 +209,7 @@ def meta_build(weights: str) -> dict:
 
 
 def scenarios(rank: int, world: int, root: str) -> dict:
-    out: dict = {"meta": meta_build(str(Path(root) / "llama.safetensors"))}
+    out: dict = {"meta": meta_build(str(Path(root) / "llama.safetensors")), "dropout": dropout_runs()}
     for name in MODELS:
         steps = MODELS[name][2]
         pipe = wrap(name)
@@ -438,6 +477,25 @@ def test_a_meta_device_build_makes_only_each_ranks_blocks_and_trains_exactly(ran
         made = result["meta"]["made"]
         bound = made["own"] + made["largest"] + made["largest"] // 2 + 1024
         assert made["own"] <= made["peak"] <= bound < made["whole"], (rank, made)
+
+
+def test_dropout_on_split_values_draws_its_own_mask_on_each_lane(ranks):
+    """A dropout on split hidden features drops each lane's block by a mask of its own (the same mask on every block
+    would correlate what the unsplit model drops independently), while the dropout on the whole output draws alike
+    on both lanes (`gathered` checks that the lanes of a stage hold the same whole weights, which a lane-dependent
+    mask there would break); a recomputed forward draws the same masks again, so training with recomputation is
+    bit for bit training without it."""
+    for stage in (0, 1):  # ranks 2 * stage and 2 * stage + 1: lanes 0 and 1 of the stage
+        lanes = [ranks[2 * stage + lane]["dropout"]["none"]["masks"] for lane in (0, 1)]
+        assert len(lanes[0]) == len(lanes[1]) == 4  # 2 steps x 2 micro-batches, one split dropout per stage
+        for first, second in zip(*lanes):
+            assert first.shape == second.shape == (4, 32)
+            assert not torch.equal(first, second)
+            assert 0.25 < first.float().mean().item() < 0.75  # p = 0.5: 128 elements, 4 standard deviations
+    states = {recompute: gathered([r["dropout"][recompute] for r in ranks], "state") for recompute in ("none", "always")}
+    assert states["none"].keys() == states["always"].keys()
+    for name, value in states["none"].items():
+        assert torch.equal(value, states["always"][name]), name
 
 
 def test_a_plan_that_leaves_a_split_unpaired_is_refused_on_every_rank(ranks):

@@ -24,6 +24,7 @@ from torch import nn
 
 from partitioners.modes import TrainingSwitch
 from pipetrain.tensor_parallel.collectives import GatherLanes, SumOverLanes, ToLanes, VocabularyLookup
+from pipetrain.tensor_parallel.randomness import RANDOM_NAMES, LaneDraws
 from pipetrain.tensor_parallel.styles import (COLWISE, COLWISE_GATHERED, REPLICATE, ROWWISE, VOCABULARY,
                                               TensorParallelPlan)
 
@@ -112,6 +113,7 @@ class _Splitter:
                 self._follow(node)
         self._check_planned_uses()
         self._check_all_placed()
+        self._draw_per_lane()
         self.graph.lint()
         self.gm.recompile()
         return self.params
@@ -278,6 +280,22 @@ class _Splitter:
                     f"{self.where}: {self.plan.source} splits {layer!r} ({style}), but the stage does not use its "
                     f"parameter {name!r} in one linear or embedding call; keep it whole with "
                     f"tp_plan={{{layer!r}: 'replicate'}}")
+
+    def _draw_per_lane(self) -> None:
+        """Random operations on split values (dropout, attention's dropout) draw from a state of the lane's own."""
+        for node in [n for n in self.split if n.op in ("call_function", "call_module")]:
+            if self._op_name(node) not in RANDOM_NAMES:
+                continue
+            operation = self.gm.get_submodule(node.target) if node.op == "call_module" else node.target
+            with self.graph.inserting_before(node):
+                drawn = self.graph.call_module(self._add(LaneDraws(operation, self.lanes.rank)), node.args, node.kwargs)
+            drawn.meta = dict(node.meta)
+            node.replace_all_uses_with(drawn)
+            self.graph.erase_node(node)
+            self.split[drawn] = self.split.pop(node)
+            self.replaced[drawn] = self.replaced.pop(node, node.name)
+            if node.name in self.shapes:
+                self.shapes[drawn.name] = self.shapes[node.name]
 
     # ----- operations on split values -------------------------------------------------------------------------------
     def _follow(self, node: fx.Node) -> None:
