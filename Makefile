@@ -18,11 +18,11 @@ demo: $(STAMP)
 	$(BIN)/python -m pipetrain.cli demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 4 --dist loadfile
 
 # The everyday path: every test but those marked slow (CI runs `make test`, all of them).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -n 4 --dist loadfile -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs
