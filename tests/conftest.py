@@ -15,11 +15,12 @@ def one_thread():
 
 
 # Longest files first. `make test` runs `--dist loadfile`: each file goes whole to one of the 4 workers, in
-# collection order as they free up (4 on 2 cores: the launching tests leave a core idle while processes start,
-# and a fresh clone's suite ran 909 s with 4 workers against 1,031 s with 2 in the same hour). xdist would order the files by their number of tests, which put the
-# few-test files that launch torchrun or benchmark scripts (a minute or two each) last, where the run's end
-# waited on them with the other workers out of work. The cost of a test is its duration in the last run that ran it (pytest's
-# cache), else a guess from its marker; the order only affects how well the workers stay balanced.
+# collection order as they free up (4 on 2 cores: the launching tests leave a core idle while processes start, and a
+# fresh clone's suite ran 909 s with 4 workers against 1,031 s with 2 in the same hour). xdist would order the files
+# by their number of tests, which put the few-test files that launch torchrun or benchmark scripts (a minute or two
+# each) last, where the run's end waited on them with the other workers out of work. The cost of a test is its
+# duration in the last run that ran it (pytest's cache), else a guess from its marker; the order only affects how
+# well the workers stay balanced.
 SECONDS_KEY = "pipetrain/test_seconds"
 GUESS = {True: 10.0, False: 0.2}  # seconds: a test marked slow (spawns ranks or processes), any other
 measured: dict[str, float] = {}  # this run's seconds per test (setup, call and teardown)
