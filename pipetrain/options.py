@@ -283,15 +283,13 @@ class PipelineOptions:
         if self.engine == "local":
             raise ValueError(f"tensor_parallel={T} runs one process per tensor-parallel rank: launch with torchrun "
                              "(engine='distributed' or 'auto')")
-        refused = {"schedule='async-1f1b'": self.schedule == "async-1f1b", "zero=3": self.zero == 3,
-                   "compile": bool(self.compile)}
+        refused = {"schedule='async-1f1b'": self.schedule == "async-1f1b", "compile": bool(self.compile)}
         why = {"schedule='async-1f1b'": "its staleness policies keep and swap whole weight versions",
-               "zero=3": "FSDP2 would have to shard the tensor-parallel blocks over a second dimension of their mesh",
                "compile": "the compiled graphs would have to trace the tensor-parallel collectives"}
         for what, refuse in refused.items():
             if refuse:
                 raise ValueError(f"tensor_parallel={T} with {what} is not supported yet: {why[what]}; use "
-                                 f"tensor_parallel=1 with it, or a synchronous schedule, zero 0-2 and compile=False "
+                                 f"tensor_parallel=1 with it, or a synchronous schedule and compile=False "
                                  "with tensor parallelism")
 
     def _check_fully_sharded(self) -> None:

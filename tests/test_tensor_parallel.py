@@ -27,6 +27,7 @@ from helpers import capture_once, wrap_unprofiled
 from runtime_models import data, make
 from pipetrain.runtime.local_shards import local
 from pipetrain.tensor_parallel import TensorParallelError
+from pipetrain.tensor_parallel.parameters import is_split
 from pipetrain.tensor_parallel.randomness import LaneDraws
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
@@ -183,7 +184,7 @@ def dropout_runs() -> dict:
     return out
 
 
-def meta_build(weights: str) -> dict:
+def meta_build(weights: str, **options) -> dict:
     """The Llama built on the meta device and read from ``weights`` at 2 stages x T=2: what its rank allocated
     while its stage was made (peak bytes of floating tensors), against its own blocks, the largest whole tensor and
     the whole stage; then its state after the same steps as the other scenarios."""
@@ -195,7 +196,7 @@ def meta_build(weights: str) -> dict:
     with PeakBytes() as counter:
         pipe = wrap_unprofiled(model, _first_micro_batch(steps[0][0]), stages=2, micro_batches=MICRO,
                                tensor_parallel=2, optimizer=adamw, loss_fn=token_loss, engine="distributed",
-                               weights=weights)
+                               weights=weights, **options)
     tensors = [*(p for rt in pipe.held_stages.values() for p in rt.module.parameters()),
                *(b for rt in pipe.held_stages.values() for b in rt.module.buffers())]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
@@ -259,11 +260,14 @@ def scenarios(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def optimizer_fraction(pipe: pipetrain.Pipeline) -> float:
-    """Elements of AdamW's first moments this rank keeps over those of its blocks of its stage's parameters."""
+def held_fractions(pipe: pipetrain.Pipeline) -> tuple[float, float]:
+    """Elements of its stage's parameters, and of AdamW's first moments, this rank keeps, over those of its lane's
+    blocks (1/T of a split tensor, a whole one)."""
+    params = [p for rt in pipe.held_stages.values() for p in rt.module.parameters()]
+    blocks = sum(p.numel() // 2 if is_split(p) else p.numel() for p in params)
     kept = sum(local(state["exp_avg"]).numel() for rt in pipe.held_stages.values()
                for state in rt.optimizer.state.values() if "exp_avg" in state)
-    return kept / sum(local(p).numel() for rt in pipe.held_stages.values() for p in rt.module.parameters())
+    return sum(local(p).numel() for p in params) / blocks, kept / blocks
 
 
 def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
@@ -272,14 +276,19 @@ def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
     out = {}
     for name in MODELS:
         steps = MODELS[name][2]
-        for zero in (0, 1, 2):
+        for zero in (0, 1, 2, 3):
             pipe = wrap(name, data_parallel=2, zero=zero)
             out[name, "losses", zero] = [pipe.step(x, y) for x, y in steps[:STEPS]]
             out[name, "state", zero] = pipe.state_dict()
-            out[name, "optimizer fraction", zero] = optimizer_fraction(pipe)
-            if zero == 2:
-                pipe.save(Path(root) / f"{name}-zero2")
+            out[name, "fractions", zero] = held_fractions(pipe)
+            if zero >= 2:
+                pipe.save(Path(root) / f"{name}-zero{zero}")
             pipe.close()
+        resumed = wrap(name, tensor_parallel=1, stages=4, data_parallel=2, zero=1)
+        resumed.load(Path(root) / f"{name}-zero3")
+        resumed.step(*steps[STEPS])
+        out[name, "zero3 t2 -> t1"] = resumed.state_dict()
+        resumed.close()
         # The ZeRO-2 tensor-parallel checkpoint resumed without either (4 stages x 2 replicas), and an unsplit
         # one resumed with both.
         resumed = wrap(name, tensor_parallel=1, stages=4, data_parallel=2)
@@ -293,6 +302,7 @@ def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
         resumed.step(*steps[STEPS + 1])
         out[name, "t1 -> zero1 t2"] = resumed.state_dict()
         resumed.close()
+    out["meta zero3"] = meta_build(str(Path(root) / "llama.safetensors"), data_parallel=2, zero=3)
     pipe = wrap("mlp", data_parallel=2, zero=2, optimizer=lars)  # whole tensors (blocks) owned by one replica each
     for x, y in MODELS["mlp"][2][:STEPS]:
         pipe.step(x, y)
@@ -312,6 +322,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.fixture(scope="module")
 def hybrid_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("tensor_parallel_hybrid")
+    save_file({k: v.contiguous() for k, v in llama().state_dict().items()}, str(root / "llama.safetensors"))
     return run_world(8, "test_tensor_parallel", "hybrid_scenarios", root, str(root))
 
 
@@ -387,15 +398,29 @@ def test_boundary_values_cross_once_per_stage_pair(ranks, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_with_data_parallel_replicas_and_zero_too(hybrid_ranks, name, zero):
     """2 x 2 x 2: each replica's half of the mini-batch, its gradients averaged over the replicas lane by lane;
     under ZeRO each replica steps an even half of its lane's blocks and keeps AdamW's state for that half alone
-    (the split tensors' blocks are what ZeRO cuts, not the whole tensors)."""
+    (the split tensors' blocks are what ZeRO cuts, not the whole tensors), and under zero=3 (FSDP2 over the
+    replica dimension of the stage's (replica, lane) mesh) half of the blocks themselves."""
     assert_trained_like_the_unsplit_model(hybrid_ranks, name, zero)
-    fractions = [result[name, "optimizer fraction", zero] for result in hybrid_ranks]
-    want = 1.0 if zero == 0 else 0.5
-    assert fractions == pytest.approx([want] * len(fractions), abs=0.02), fractions
+    params, moments = zip(*(result[name, "fractions", zero] for result in hybrid_ranks))
+    assert moments == pytest.approx([1.0 if zero == 0 else 0.5] * len(moments), abs=0.02), moments
+    assert params == pytest.approx([0.5 if zero == 3 else 1.0] * len(params), abs=0.02), params
+
+
+def test_a_meta_device_build_under_zero3_makes_only_each_ranks_shards_and_trains_exactly(hybrid_ranks):
+    """Built on the meta device and read from a file at 2 x 2 x 2 with zero=3: each rank cuts its lane's blocks, FSDP2
+    shards them over the replicas, then only the rank's shards are made and read, one whole tensor in host memory at
+    a time: its peak is its shards, plus that tensor and the pieces cut from it (its lane's block, then the shard of
+    that), below its whole stage's bytes."""
+    want, _, _ = reference("llama", STEPS)
+    assert_close_states(gathered(hybrid_ranks, "meta zero3", key_in="state"), want)
+    for rank, result in enumerate(hybrid_ranks):
+        made = result["meta zero3"]["made"]
+        assert made["own"] <= made["peak"] <= made["own"] + 3 * made["largest"] + 1024 < made["whole"], (rank, made)
+        assert made["own"] <= made["whole"] // 4 + 1024, (rank, made)  # a quarter: 1/T of the blocks, 1/D of those
 
 
 def test_zero_with_an_optimizer_reading_whole_tensors(hybrid_ranks):
@@ -408,9 +433,11 @@ def test_zero_with_an_optimizer_reading_whole_tensors(hybrid_ranks):
 @pytest.mark.parametrize("name", MODELS)
 def test_zero_checkpoints_resume_across_tensor_parallel_sizes(hybrid_ranks, name):
     """ZeRO-2 at T=2 saved, resumed at T=1 without ZeRO on twice the stages, saved again, resumed at T=2 with
-    ZeRO-1: the replicas' slices of each lane's blocks are put together whole, and cut again, exactly."""
+    ZeRO-1: the replicas' slices of each lane's blocks are put together whole, and cut again, exactly; and ZeRO-3
+    at T=2 resumed at T=1 with ZeRO-1."""
     want, _, _ = reference(name, STEPS + 1)
     assert_close_states(gathered(hybrid_ranks, (name, "zero2 t2 -> t1")), want)
+    assert_close_states(gathered(hybrid_ranks, (name, "zero3 t2 -> t1")), want)
     want, _, _ = reference(name, STEPS + 2)
     assert_close_states(gathered(hybrid_ranks, (name, "t1 -> zero1 t2")), want)
 

@@ -44,9 +44,8 @@ def test_options_refuse_what_tensor_parallelism_does_not_run():
         pipetrain.PipelineOptions(tp_plan={"fc": "colwise"})
     with pytest.raises(ValueError, match="torchrun"):
         pipetrain.PipelineOptions(tensor_parallel=2, engine="local")
-    with pytest.raises(ValueError, match="tensor_parallel=2 with zero=3"):
-        pipetrain.PipelineOptions(tensor_parallel=2, data_parallel=2, zero=3)
-    pipetrain.PipelineOptions(tensor_parallel=2, data_parallel=2, zero=2)  # ZeRO-1/2 cut the lanes' blocks
+    with pytest.raises(ValueError, match="tensor_parallel=2 with compile"):
+        pipetrain.PipelineOptions(tensor_parallel=2, compile=True)
 
 
 def traced(model: nn.Module, x) -> partitioners.CostGraph:

@@ -73,12 +73,21 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     if options.zero == 3:  # FSDP2 shards every tensor evenly over the stage's replicas; no owners
         from pipetrain.comm.fully_sharded import replica_mesh, shard_module  # FSDP2: ~1 s to import, zero=3 only
 
-        mesh = replica_mesh(engine.world.data_parallel_group, engine.world.hierarchy, engine.world.device)
+        if options.tensor_parallel > 1:  # the lanes' blocks sharded over the replicas: the 2-D mesh's other dimension
+            mesh = engine.world.replica_lane_mesh()
+            mesh = mesh[mesh.mesh_dim_names[0]]
+        else:
+            mesh = replica_mesh(engine.world.data_parallel_group, engine.world.hierarchy, engine.world.device)
         shard = functools.partial(shard_module, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
+    if shard is not None and split is not None:  # zero=3 over tensor-parallel blocks: cut, then sharded
+        shard = functools.partial(_split_then_shard, split, shard)
     if shard is not None and tensors.without_data:  # each rank makes its shards only, never a whole stage
         modules = {v: plan.build_stage(v) for v in devices}
-        engine.check_replicas_read_alike({v: tensors.materialise_shards(m, devices[v], shard)
-                                          for v, m in modules.items()})
+        digests = {v: tensors.materialise_shards(m, devices[v], functools.partial(shard, v=v) if split is not None
+                                                 else shard) for v, m in modules.items()}
+        if split is not None:
+            engine.check_lanes_read_alike(digests)
+        engine.check_replicas_read_alike(digests)
     elif split is not None and tensors.without_data:  # each tensor-parallel rank makes its blocks only
         modules = {v: plan.build_stage(v) for v in devices}
         digests = {v: tensors.materialise_shards(m, devices[v], functools.partial(_split_at, split, v))
@@ -91,10 +100,13 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         engine.start_replicas_equal(modules, same_source=tensors.without_data or options.weights is not None)
         if split is not None:  # a stage's lanes cut their blocks from the same whole tensors
             engine.start_lanes_equal(modules, same_source=tensors.without_data or options.weights is not None)
-            for v, module in modules.items():
+        for v, module in modules.items():
+            if shard is not None and split is not None:
+                shard(module, v=v)
+            elif shard is not None:
+                shard(module)
+            elif split is not None:
                 split(module, v)
-        for module in modules.values() if shard is not None else ():
-            shard(module)
     owners: dict[int, list[int]] = {}
     if options.zero and not shards_evenly(options.optimizer):
         # Whole tensors owned (an optimizer that reads whole tensors; an elementwise one is built over every
@@ -122,6 +134,12 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         stages[v] = StageRuntime(v, V, module, optimizer, policy, device, options.loss_fn, autocast_dtype, options.seed,
                                  schedulers=schedulers, graph_backward=graphs)
     return stages
+
+
+def _split_then_shard(split: Callable[[nn.Module, int], None], shard: Callable[[nn.Module], None], module: nn.Module,
+                      v: int) -> None:
+    split(module, v)
+    shard(module)
 
 
 def _split_at(split: Callable[[nn.Module, int], None], v: int, module: nn.Module) -> None:

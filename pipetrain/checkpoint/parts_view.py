@@ -23,9 +23,9 @@ def pipeline_view(parts: Parts, updates: int, streaming: bool) -> PipelineView:
         role = CheckpointRole(True, True, "local", agree_alone, streaming, 0)
     else:
         merge = None
-        if parts.options.zero and world.tensor_parallel > 1:
+        if parts.options.zero and world.tensor_parallel > 1 and parts.options.zero < 3:
             merge = _merge_blocks_over(world.data_parallel_group, world.lane, parts)
-        elif parts.options.zero:
+        elif parts.options.zero:  # zero=3 with tensor parallelism too: its DTensors are gathered over both dimensions
             merge = _merge_over(world.data_parallel_group, parts.options.zero)
         elif world.tensor_parallel > 1:
             merge = _merge_lanes(world.lane)

@@ -153,11 +153,33 @@ class World:
                         self._made += [found.intra_reduce, found.intra_gather, found.inter]
         # A stage's tensor-parallel ranks: the all-reduces of its split layers (pipetrain.tensor_parallel).
         self.tensor_group = None
+        self._replica_lane_mesh = None
         for replica in range(data_parallel) if T > 1 else ():
             for d in range(stages):
                 group = self._group([self.rank_of(d, replica, lane) for lane in range(T)])
                 if (replica, d) == (self.replica, self.position):
                     self.tensor_group = group
+
+    def replica_lane_mesh(self):
+        """zero=3 with tensor parallelism: the 2-D DeviceMesh of this rank's stage, (replica, tensor-parallel lane),
+        made once. The lanes cut the parameters over its lane dimension and FSDP2 shards the blocks over its replica
+        dimension: FSDP2 takes a tensor-parallel DTensor only on a mesh whose root is its own. The dimensions are named
+        after their groups, as `pipetrain.comm.fully_sharded` names its meshes' (DTensor's caches key meshes by ranks
+        and names: a closed pipeline's groups must not be found again)."""
+        if self._replica_lane_mesh is None:
+            if self.hierarchy is not None and self.hierarchy.nodes > 1:
+                raise ValueError("zero=3 with tensor_parallel > 1 shards over a stage's replicas on one node only, and "
+                                 "its replicas span several nodes here (HSDP): use allreduce='flat', or zero=2 with "
+                                 "tensor parallelism across nodes")
+            from torch.distributed.device_mesh import DeviceMesh  # DTensor: ~1 s to import, zero=3 with T > 1 only
+
+            layout = torch.tensor([[self.rank_of(self.position, replica, lane) for lane in range(self.tensor_parallel)]
+                                   for replica in range(self.data_parallel)])
+            self._replica_lane_mesh = DeviceMesh.from_group(
+                [self.data_parallel_group, self.tensor_group], self.device.type, mesh=layout,
+                mesh_dim_names=(f"shard-{self.data_parallel_group.group_name}",
+                                f"tensor-{self.tensor_group.group_name}"))
+        return self._replica_lane_mesh
 
     def _group(self, ranks: list[int]):
         # Collectives on our groups give up after the same bound as point-to-point waits.

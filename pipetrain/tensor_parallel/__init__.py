@@ -7,7 +7,7 @@ from `styles` (wrap's ``tp_plan=`` or the model's own) or `automatic`.
 from __future__ import annotations
 
 import warnings
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.fx as fx
@@ -16,6 +16,9 @@ from torch import nn
 from pipetrain.tensor_parallel.automatic import linear_pairs
 from pipetrain.tensor_parallel.placement import Lanes, ParameterSplit, TensorParallelError, split_stage
 from pipetrain.tensor_parallel.styles import TensorParallelPlan, model_plan
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Lanes", "ParameterSplit", "TensorParallelError", "TensorParallelPlan", "choose_plan", "split_module",
            "stage_plan"]
@@ -40,10 +43,12 @@ def stage_plan(module: fx.GraphModule, plan: TensorParallelPlan | None, lanes: i
 
 
 def split_module(module: fx.GraphModule, chosen: TensorParallelPlan, lanes: Lanes,
-                 shapes: dict[str, tuple[int, ...]], where: str, device: torch.device) -> dict[str, ParameterSplit]:
+                 shapes: dict[str, tuple[int, ...]], where: str, device: torch.device,
+                 mesh: DeviceMesh | None = None) -> dict[str, ParameterSplit]:
     """Make ``module`` (a stage, its parameters whole) the part this tensor-parallel rank runs, as ``chosen`` plans it,
-    in place; returns how each parameter was cut. Raises TensorParallelError, naming the node, where the plan cannot
-    be run exactly."""
+    in place; returns how each parameter was cut. ``mesh``: the lanes' one-dimensional mesh the blocks live on (None:
+    one made over ``lanes.group``; under zero=3, a dimension of the stage's (replica, lane) mesh). Raises
+    TensorParallelError, naming the node, where the plan cannot be run exactly."""
     from pipetrain.tensor_parallel.parameters import cut_parameters, lanes_mesh  # DTensor: ~1 s to import, T > 1 only
 
     splits = split_stage(module, chosen, lanes, shapes, where)
@@ -52,5 +57,5 @@ def split_module(module: fx.GraphModule, chosen: TensorParallelPlan, lanes: Lane
                       "tensor-parallel ranks holds and computes it whole; pass tp_plan= naming its layers (Hugging Face's vocabulary, "
                       "e.g. {'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}) to split it",
                       stacklevel=2)
-    cut_parameters(module, splits, lanes_mesh(lanes.group, device))
+    cut_parameters(module, splits, mesh if mesh is not None else lanes_mesh(lanes.group, device))
     return splits
