@@ -14,6 +14,8 @@ on the same stages. ``--lora R`` fine-tunes LoRA adapters of rank R (peft) on th
     python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness spectrain --precision fp32
     torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2 --save-pretrained out/gpt2
     torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2 --weights out/gpt2   # fine-tune it
+    torchrun --standalone --nproc-per-node 8 examples/huggingface.py --model llama --stages 2 --data-parallel 2 \
+        --tensor-parallel 2 --zero 3
     python examples/huggingface.py --stages 2 --weights out/gpt2 --lora 8 --optimizer adam --save-pretrained out/adapter
 
 With ``--weights DIR`` (a Hugging Face directory: ``config.json`` and safetensors) the model is built from the
@@ -137,6 +139,11 @@ def main(argv: list[str] | None = None) -> None:
                         "(0: no clipping)")
     parser.add_argument("--warmup", type=int, default=10, help="updates of linear learning-rate warm-up, then a "
                         "cosine decay to 0 at the last update")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T", help="split each stage's attention "
+                        "and MLP over T ranks by the model's own tp_plan (torchrun: stages x data-parallel x T "
+                        "processes)")
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="shard optimizer state (1), "
+                        "gradients (2) and parameters (3, FSDP2) over the --data-parallel replicas")
     parser.set_defaults(precision="bf16")
     args = parser.parse_args(argv)
     c = config_from_args(args)
@@ -167,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                           optimizer=optimizer_factory(c.optimizer, lr, c.momentum),
                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                               opt, warmup_then_cosine(args.warmup, updates)),
-                          max_grad_norm=args.max_grad_norm or None)
+                          max_grad_norm=args.max_grad_norm or None, tensor_parallel=args.tensor_parallel,
+                          zero=args.zero)
     val_log = None
     if c.logdir and is_rank_zero():
         from torch.utils.tensorboard import SummaryWriter

@@ -118,6 +118,9 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         slow=True),
     # tensor-parallel.md
     "python examples/benchmarks/bench_tensor_parallel.py": Run("inserted", append="--steps 1 --models mlp", slow=True),
+    "torchrun --standalone --nproc-per-node 4 examples/huggingface.py --model llama --stages 2 --tensor-parallel 2": Run(
+        "max val accuracy", append="--epochs 1 --train-samples 64 --val-samples 16 --batch-size 16 --no-progress",
+        process=True, slow=True),
     # language-models.md
     "python examples/huggingface.py --weights DIR --lora 8 --optimizer adam --save-pretrained out/adapter": Covered(
         "tests/test_examples_torchrun.py::test_huggingface_example_fine_tunes_its_saved_model_under_torchrun"),

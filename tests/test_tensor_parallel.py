@@ -121,6 +121,26 @@ def family_step(name: str, ids: torch.Tensor, pipeline: bool) -> dict[str, torch
 
 
 FAMILY_IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+PADDING = torch.tensor([[1] * SEQ, [1] * (SEQ - 3) + [0] * 3])  # the second sequence padded: a real attention mask
+
+
+def padded_llama_step(pipeline: bool) -> dict[str, torch.Tensor]:
+    """The Llama after one SGD step on FAMILY_IDS with PADDING as its attention mask (the causal-and-padding mask the
+    model builds on stage 0 reaches the attention of stage 1 across the boundary): split (2 stages x T=2) or not."""
+    model = llama()
+    inputs = {"input_ids": FAMILY_IDS, "attention_mask": PADDING}
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
+    if pipeline:
+        pipe = wrap_unprofiled(model, inputs, stages=2, micro_batches=1, tensor_parallel=2, engine="distributed",
+                               loss_fn=token_loss, optimizer=optimizer)
+        pipe.step(inputs, FAMILY_IDS)
+        state = pipe.state_dict()
+        pipe.close()
+        return state
+    opt = optimizer(model.parameters())
+    token_loss(model(**inputs), FAMILY_IDS).backward()
+    opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 CAPTURES: dict = {}  # each model is captured once per process (torch.export takes most of a tiny Llama's wrap)
@@ -245,6 +265,7 @@ def scenarios(rank: int, world: int, root: str) -> dict:
         pipe.close()
     for name in FAMILIES:
         out["family", name] = family_step(name, FAMILY_IDS, pipeline=True)
+    out["padded"] = padded_llama_step(pipeline=True)
     try:
         gpt2 = hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32))
         wrap_unprofiled(gpt2, {"input_ids": FAMILY_IDS}, stages=2, micro_batches=1, tensor_parallel=2,
@@ -483,6 +504,11 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_size(ranks, name, direc
 @pytest.mark.parametrize("name", FAMILIES)
 def test_other_decoder_families_split_by_their_own_plans(ranks, name):
     assert_close_states(gathered(ranks, ("family", name)), family_step(name, FAMILY_IDS, pipeline=False))
+
+
+def test_an_attention_mask_received_from_the_previous_stage(ranks):
+    """The mask a stage receives enters its graph detached: its shape (broadcast over heads) is its input's."""
+    assert_close_states(gathered(ranks, "padded"), padded_llama_step(pipeline=False))
 
 
 def test_a_model_with_nothing_to_split_is_refused_with_what_to_pass(ranks):

@@ -96,6 +96,17 @@ def test_key_value_heads_that_do_not_divide_are_refused():
         split_stage(graph.module, plan, UNRUN, whole_shapes(graph.module, IDS), "stage 0")
 
 
+def test_a_batch_of_one_keeps_the_heads_split_through_the_reshapes():
+    """With one sequence the attention's output (1, heads, s, d) reshapes into shapes whose leading 1s also match the
+    sizes before the heads: the split stays on the heads (the first place that divides), not on a size-1 dimension."""
+    one = {"input_ids": IDS["input_ids"][:1]}
+    model = llama(kv_heads=2)
+    graph = traced(model, one)
+    plan = TensorParallelPlan(model.tp_plan, "the model's tp_plan")
+    splits = split_stage(graph.module, plan, UNRUN, whole_shapes(graph.module, one), "stage 0")
+    assert splits["model.layers.0.self_attn.o_proj.weight"].dim == 1
+
+
 def test_the_split_values_of_a_plan_start_no_stage():
     """Marked, the values between a colwise layer and its rowwise partner never cross a stage boundary; unmarked,
     an even split by node count (uniform) starts a stage among them."""

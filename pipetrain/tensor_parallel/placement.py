@@ -38,6 +38,7 @@ _ELEMENTWISE_NAMES = frozenset({
     "_to_copy", "type_as", "contiguous", "clone", "detach", "alias", "lift_fresh_copy", "erf"})
 _ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU, nn.ELU,
                         nn.Softplus, nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Softsign)
+_SAME_TENSOR = frozenset({"detach", "clone", "contiguous", "alias"})  # a value with its input's shape
 _RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten"})
 _REDUCTIONS = frozenset({"mean", "sum", "amax", "amin", "var", "std", "logsumexp", "norm"})
 _SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax"})
@@ -347,8 +348,14 @@ class _Splitter:
             raise self._refusal(node, "its shapes are unknown")
         a = self.split[x] + len(before)
         prefix = math.prod(before[:a])
-        e = next((e for e in range(len(after) + 1) if math.prod(after[:e]) == prefix), None)
         T = self.lanes.size
+        # The split goes where the sizes before it multiply to the same. Sizes of 1 make several places match: those
+        # before it in ``before`` (a batch of 1) are passed over as often in ``after``; a 1 of its own (one key/value
+        # head cut from the split features) stays, and is refused below.
+        e = next((e for e in range(len(after) + 1) if math.prod(after[:e]) == prefix), None)
+        ones = sum(1 for size in before[:a] if size == 1)
+        while e is not None and e < len(after) and after[e] == 1 and ones:
+            e, ones = e + 1, ones - 1
         if e is None or e == len(after) or after[e] % T:
             raise self._refusal(node, f"it reshapes {before} (split along dimension {a}) to {after}, which does not "
                                       f"keep a dimension divisible by {T} in the same place (e.g. attention heads or "
@@ -475,7 +482,7 @@ class _Splitter:
                                       f"their heads dimension (found {[self._describe(t) for t in (q, k, v)]})")
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, fx.Node):
-            shape = self.shapes.get(mask.name)
+            shape = self._shape(mask)
             if mask in self.split or shape is None or (len(shape) >= 3 and shape[-3] != 1):
                 raise self._refusal(node, "its attention mask differs per head")
         self.split[node] = -3
@@ -567,7 +574,11 @@ class _Splitter:
         if x.op == "get_attr":
             value = _attribute(self.gm, str(x.target))
             return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-        return self.shapes.get(x.name)
+        found = self.shapes.get(x.name)
+        if found is None and x.op in ("call_method", "call_function") and self._op_name(x) in _SAME_TENSOR \
+                and x.args and isinstance(x.args[0], fx.Node):
+            return self._shape(x.args[0])  # a call the stage builder added (a received value detached): its input's
+        return found
 
     def _ndim(self, x: fx.Node, node: fx.Node) -> int:
         shape = self.shapes.get(x.name)
