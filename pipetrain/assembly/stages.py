@@ -79,20 +79,13 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         else:
             mesh = replica_mesh(engine.world.data_parallel_group, engine.world.hierarchy, engine.world.device)
         shard = functools.partial(shard_module, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
-    if shard is not None and split is not None:  # zero=3 over tensor-parallel blocks: cut, then sharded
-        shard = functools.partial(_split_then_shard, split, shard)
-    if shard is not None and tensors.without_data:  # each rank makes its shards only, never a whole stage
+    # What makes stage v's module this rank's part: its tensor-parallel blocks cut, then (zero=3) sharded.
+    cut = {v: _cutter(split, shard, v) for v in devices}
+    if tensors.without_data and (split is not None or shard is not None):  # each rank makes its part only
         modules = {v: plan.build_stage(v) for v in devices}
-        digests = {v: tensors.materialise_shards(m, devices[v], functools.partial(shard, v=v) if split is not None
-                                                 else shard) for v, m in modules.items()}
+        digests = {v: tensors.materialise_shards(m, devices[v], cut[v]) for v, m in modules.items()}
         if split is not None:
             engine.check_lanes_read_alike(digests)
-        engine.check_replicas_read_alike(digests)
-    elif split is not None and tensors.without_data:  # each tensor-parallel rank makes its blocks only
-        modules = {v: plan.build_stage(v) for v in devices}
-        digests = {v: tensors.materialise_shards(m, devices[v], functools.partial(_split_at, split, v))
-                   for v, m in modules.items()}
-        engine.check_lanes_read_alike(digests)
         engine.check_replicas_read_alike(digests)
     else:
         modules = {v: tensors.materialise(plan.build_stage(v), device) for v, device in devices.items()}
@@ -101,12 +94,8 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         if split is not None:  # a stage's lanes cut their blocks from the same whole tensors
             engine.start_lanes_equal(modules, same_source=tensors.without_data or options.weights is not None)
         for v, module in modules.items():
-            if shard is not None and split is not None:
-                shard(module, v=v)
-            elif shard is not None:
-                shard(module)
-            elif split is not None:
-                split(module, v)
+            if cut[v] is not None:
+                cut[v](module)
     owners: dict[int, list[int]] = {}
     if options.zero and not shards_evenly(options.optimizer):
         # Whole tensors owned (an optimizer that reads whole tensors; an elementwise one is built over every
@@ -136,14 +125,19 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     return stages
 
 
-def _split_then_shard(split: Callable[[nn.Module, int], None], shard: Callable[[nn.Module], None], module: nn.Module,
-                      v: int) -> None:
-    split(module, v)
-    shard(module)
+def _cutter(split: Callable[[nn.Module, int], None] | None, shard: Callable[[nn.Module], None] | None,
+            v: int) -> Callable[[nn.Module], None] | None:
+    """What makes stage ``v``'s module this rank's part (None: it stays whole)."""
+    if split is None:
+        return shard
+    return functools.partial(_split_then_shard, split, shard, v)
 
 
-def _split_at(split: Callable[[nn.Module, int], None], v: int, module: nn.Module) -> None:
+def _split_then_shard(split: Callable[[nn.Module, int], None], shard: Callable[[nn.Module], None] | None, v: int,
+                      module: nn.Module) -> None:
     split(module, v)
+    if shard is not None:
+        shard(module)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, factory: Callable) -> torch.optim.lr_scheduler.LRScheduler:
