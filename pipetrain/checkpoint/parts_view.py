@@ -34,12 +34,18 @@ def pipeline_view(parts: Parts, updates: int, streaming: bool) -> PipelineView:
     return PipelineView(parts.plan, parts.options, updates, stages, role, parts.pretrained)
 
 
+def _each_state_value(share: dict, value: Callable[[str, Any], Any]) -> dict:
+    """``share`` with each per-parameter optimizer state value t (of parameter ``name``) replaced by
+    ``value(name, t)`` for tensors (step counts that are numbers kept)."""
+    return {**share, "state": {name: {k: value(name, t) if isinstance(t, torch.Tensor) else t for k, t in state.items()}
+                               for name, state in share["state"].items()}}
+
+
 def _merge_lanes(lane: int) -> Callable[[dict], dict | None]:
     """Tensor-parallel checkpoints: each lane holds its blocks of the split tensors' optimizer state, all-gathered
     whole (every lane takes part) onto lane 0, which writes the stage."""
     def merge(share: dict) -> dict | None:
-        whole_share = {**share, "state": {name: {k: whole(t) for k, t in state.items()}
-                                          for name, state in share["state"].items()}}
+        whole_share = _each_state_value(share, lambda name, t: whole(t))
         return whole_share if lane == 0 else None
     return merge
 
@@ -53,7 +59,7 @@ def _merge_blocks_over(group: dist.ProcessGroup, lane: int, parts: Parts) -> Cal
 
     def joined(name: str, t: Any) -> Any:
         p = params.get(name)
-        if not isinstance(t, torch.Tensor) or not is_dtensor(p) or t.shape != local(p).shape:
+        if not is_dtensor(p) or t.shape != local(p).shape:
             return t  # a whole (unsplit) tensor's state, or a step count
         from torch.distributed.tensor import DTensor  # imported already: `p` is one
 
@@ -61,13 +67,10 @@ def _merge_blocks_over(group: dist.ProcessGroup, lane: int, parts: Parts) -> Cal
                                   stride=p.stride()).full_tensor()
 
     def merge(share: dict) -> dict | None:
-        mine = {**share, "state": {n: {k: local(t) if isinstance(t, torch.Tensor) else t for k, t in st.items()}
-                                   for n, st in share["state"].items()}}
-        blocks = over_replicas(mine)
+        blocks = over_replicas(_each_state_value(share, lambda name, t: local(t)))
         if blocks is None:  # not replica 0: its shares are merged there
             return None
-        whole_share = {**blocks, "state": {n: {k: joined(n, t) for k, t in st.items()}
-                                           for n, st in blocks["state"].items()}}
+        whole_share = _each_state_value(blocks, joined)
         return whole_share if lane == 0 else None
     return merge
 
@@ -77,8 +80,7 @@ def _merge_over(group: dist.ProcessGroup, zero: int) -> Callable[[dict], dict | 
     zero=3 every replica holds a shard of every tensor, all-gathered whole."""
     def merge(share: dict) -> dict | None:
         if zero == 3:
-            whole_share = {**share, "state": {name: {k: whole(t) for k, t in state.items()}
-                                              for name, state in share["state"].items()}}
+            whole_share = _each_state_value(share, lambda name, t: whole(t))
             return whole_share if dist.get_rank(group) == 0 else None
         shares = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
         with peers_answer("save: the replicas' ZeRO optimizer shares gathered onto replica 0 (every rank saves)"):

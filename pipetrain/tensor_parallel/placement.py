@@ -24,7 +24,7 @@ from torch import nn
 
 from partitioners.modes import TrainingSwitch
 from pipetrain.tensor_parallel.collectives import GatherLanes, SumOverLanes, ToLanes, VocabularyLookup
-from pipetrain.tensor_parallel.randomness import RANDOM_NAMES, LaneDraws
+from pipetrain.tensor_parallel.randomness import ATTENTIONS, DROPOUTS, LaneDraws
 from pipetrain.tensor_parallel.styles import (COLWISE, COLWISE_GATHERED, REPLICATE, ROWWISE, VOCABULARY,
                                               TensorParallelPlan)
 
@@ -285,7 +285,7 @@ class _Splitter:
     def _draw_per_lane(self) -> None:
         """Random operations on split values (dropout, attention's dropout) draw from a state of the lane's own."""
         for node in [n for n in self.split if n.op in ("call_function", "call_module")]:
-            if self._op_name(node) not in RANDOM_NAMES:
+            if not self._draws(node):
                 continue
             operation = self.gm.get_submodule(node.target) if node.op == "call_module" else node.target
             with self.graph.inserting_before(node):
@@ -297,6 +297,17 @@ class _Splitter:
             self.replaced[drawn] = self.replaced.pop(node, node.name)
             if node.name in self.shapes:
                 self.shapes[drawn.name] = self.shapes[node.name]
+
+    def _draws(self, node: fx.Node) -> bool:
+        """Whether ``node`` draws random numbers: a dropout, or an attention whose dropout_p follows train() (a
+        TrainingSwitch call) or is a constant other than 0."""
+        name = self._op_name(node)
+        if name in DROPOUTS:
+            return True
+        if name not in ATTENTIONS:
+            return False
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return node.op == "call_module" or p != 0.0
 
     # ----- operations on split values -------------------------------------------------------------------------------
     def _follow(self, node: fx.Node) -> None:

@@ -17,11 +17,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-# Dropout's ATen and functional names, its module classes, and attention (whose dropout_p draws inside it).
-RANDOM_NAMES = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-                          "dropout1d", "dropout2d", "dropout3d", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d",
-                          "AlphaDropout", "FeatureAlphaDropout", "scaled_dot_product_attention",
-                          "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"})
+# Dropout's ATen and functional names and its module classes.
+DROPOUTS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+                      "dropout1d", "dropout2d", "dropout3d", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d",
+                      "AlphaDropout", "FeatureAlphaDropout"})
+# Attention, which draws inside when its dropout_p is not 0 (argument 4).
+ATTENTIONS = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                        "_scaled_dot_product_efficient_attention"})
 
 _GOLDEN = 0x9E3779B97F4A7C15  # an odd constant far from small multiples: lanes' seeds far apart
 _SEEDS = 1 << 62
