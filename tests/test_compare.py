@@ -105,6 +105,31 @@ def test_method_suffixes_turn_on_the_delay_corrections():
             method_config(base, bad)
 
 
+def test_a_method_at_its_own_batch_size_trains_at_the_linearly_scaled_rate(tmp_path, capsys):
+    base = RunConfig(stages=4, micro_batches=8, lr=0.1, batch_size=64)
+    small = method_config(base, "nesterov+sm+bs=8", async_micro_batches=1)
+    assert (small.batch_size, small.micro_batches, small.stage_momentum) == (8, 1, True)
+    assert method_config(base, "data-parallel+bs=8").batch_size == 8  # the synchronous control takes it too
+    for bad in ("1f1b+sm+bs=8", "nesterov+bs=0", "nesterov+bs"):
+        with pytest.raises(ValueError):
+            method_config(base, bad)
+    # Through compare: each run's own rate is the grid's times 8 / 16, the table keys it by the grid's rate.
+    # Epochs to target against the control at the same batch, by --baseline.
+    assert main(["compare", *TINY, "--epochs", "1", "--logdir", str(tmp_path), "--methods",
+                 "1f1b,nesterov+bs=8,data-parallel+bs=8", "--baseline", "data-parallel+bs=8",
+                 "--async-micro-batches", "1", "--lr-grid", "0.02,0.04"]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "results.json").read_text())
+    for method, batch, factor in (("1f1b", 16, 1.0), ("nesterov+bs=8", 8, 0.5), ("data-parallel+bs=8", 8, 0.5)):
+        for r in record[method]["runs"]:
+            assert (r["config"]["batch_size"], r["config"]["lr"]) == (batch, pytest.approx(r["lr"] * factor))
+    assert "micro-batches, batch 8 |" in out and "linear scaling" in out
+    assert "x data-parallel+bs=8's epochs" in out
+    with pytest.raises(SystemExit, match="must be one of --methods and synchronous"):
+        main(["compare", *TINY, "--logdir", str(tmp_path / "bad"), "--methods", "1f1b,nesterov",
+              "--baseline", "nesterov"])
+
+
 def test_a_grid_reports_each_method_at_its_best_rate_over_seeds(tmp_path, capsys):
     argv = ["compare", *TINY, "--epochs", "1", "--logdir", str(tmp_path), "--methods", "1f1b,nesterov@0.5",
             "--lr-grid", "0.002,0.2", "--seeds", "2"]

@@ -11,6 +11,8 @@ pipeline, ``0,0,0,0`` synchronous Nesterov momentum, ``3,0,0,0`` the pipeline wi
 The momentum follows the chosen delays by stage_momentum's rule: ``--matched-to`` matches it to other delays
 (``--delays 0,0,0,0 --matched-to 3,2,1,0``: the pipeline's momentum windows without its delays),
 ``--window-powers`` grows the windows by other powers of 1 + D, ``--plain-momentum`` keeps the optimizer's.
+``--batch-size`` trains on smaller mini-batches (one per update, as async-1f1b at m = 1 with smaller micro-batches):
+the same delays in updates then lag fewer samples behind.
 
 docs/results.md (delay-matched momentum) quotes it.
 """
@@ -120,23 +122,24 @@ class DelayedMirror:
 
 def delayed_training(model_name: str, delays: list[int], lr: float, epochs: int, seed: int,
                      samples: int | None, stage_momentum: bool, matched_to: list[float] | None = None,
-                     power: float = 2.0) -> list[float]:
-    """Validation accuracy (%) per epoch of the zoo model trained by DelayedMirror on MNIST-1D, batch 64."""
+                     power: float = 2.0, batch: int = BATCH) -> list[float]:
+    """Validation accuracy (%) per epoch of the zoo model trained by DelayedMirror on MNIST-1D, mini-batches of
+    ``batch``."""
     train, val = load_dataset("mnist1d", split="train"), load_dataset("mnist1d", split="val")
     x, y = (t[:samples] for t in train.tensors) if samples else train.tensors
     x_val, y_val = val.tensors
     torch.manual_seed(seed)
     model = build_model(model_name, num_classes=10)
-    names = stage_parameter_names(model, x[:BATCH], len(delays))
+    names = stage_parameter_names(model, x[:batch], len(delays))
     mirror = DelayedMirror(model, names, delays, lr, stage_momentum, matched_to, power)
     order = torch.Generator().manual_seed(seed)
     accuracy = []
     for _ in range(epochs):
         model.train(), mirror.shadow.train()
         permutation = torch.randperm(len(x), generator=order)
-        for start in range(0, len(x) - BATCH + 1, BATCH):
-            batch = permutation[start:start + BATCH]
-            mirror.step(x[batch], y[batch])
+        for start in range(0, len(x) - batch + 1, batch):
+            chosen = permutation[start:start + batch]
+            mirror.step(x[chosen], y[chosen])
         model.eval()
         with torch.no_grad():
             accuracy.append(100 * (model(x_val).argmax(1) == y_val).float().mean().item())
@@ -156,6 +159,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.03)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=BATCH, help="samples per update (default %(default)s)")
     parser.add_argument("--train-samples", type=int, help="use only the first N training samples")
     parser.add_argument("--plain-momentum", action="store_true", help="every stage keeps momentum 0.9")
     parser.add_argument("--matched-to", type=_delays,
@@ -168,12 +172,13 @@ def main(argv: Iterable[str] | None = None) -> None:
     momentum = "momentum 0.9" if args.plain_momentum else "delay-matched momentum"
     if args.matched_to:
         momentum += f" (matched to delays {','.join(map(str, args.matched_to))})"
-    print(f"{args.model} / MNIST-1D, SGD lr {args.lr}, {momentum}, nesterov look-ahead, batch {BATCH}, "
+    print(f"{args.model} / MNIST-1D, SGD lr {args.lr}, {momentum}, nesterov look-ahead, batch {args.batch_size}, "
           f"{args.seeds} seeds: mean validation accuracy % by epoch, and the mean of the seeds' best")
     for delays in args.delays:
         for power in args.window_powers:
             curves = [delayed_training(args.model, delays, args.lr, args.epochs, seed, args.train_samples,
-                                       not args.plain_momentum, args.matched_to, power) for seed in range(args.seeds)]
+                                       not args.plain_momentum, args.matched_to, power, args.batch_size)
+                      for seed in range(args.seeds)]
             mean = [statistics.mean(c[e] for c in curves) for e in range(args.epochs)]
             best = [max(c) for c in curves]
             spread = f" ± {statistics.stdev(best):.1f}" if len(best) > 1 else ""

@@ -58,12 +58,16 @@ DC_LAMBDA, PIPEMARE_WARMUP = 2.0, 500  # "+dc" and "+pm" without a value: DC-ASG
 SUFFIXES = {"sc": "spike compensation (Kosson et al.)", "dc[=L]": f"DC-ASGD-a with lambda_0 L (default {DC_LAMBDA:g})",
             "pm[=T]": f"PipeMare's per-stage rates over T updates (default {PIPEMARE_WARMUP})",
             "sm": "delay-matched momentum per stage", "ef": "error feedback on the update (Zmushko et al.)",
-            "fo": "spectrain's forward-only variant"}
+            "fo": "spectrain's forward-only variant",
+            "bs=N": "mini-batches of N samples (at m = 1 the micro-batch), the rate scaled by N / --batch-size"}
+# +bs=N is the one suffix the synchronous methods take too: their run at the async method's batch size is the
+# control that separates what asynchrony costs from what the smaller batch changes.
 
 
 def parse_method(method: str) -> tuple[str, float, dict]:
     """``"spectrain@2"`` -> ("spectrain", 2.0, {}); ``"stash+sc+dc=1"`` -> ("stash", 1.0, the wrap options of
-    the corrections); a plain name has lookahead 1 and no corrections."""
+    the corrections); ``"nesterov+bs=8"`` -> ("nesterov", 1.0, {"batch_size": 8}); a plain name has lookahead 1
+    and no options."""
     head, *suffixes = method.split("+")
     name, _, lookahead = head.partition("@")
     if name not in METHODS:
@@ -85,12 +89,14 @@ def parse_method(method: str) -> tuple[str, float, dict]:
                 options["error_feedback"] = True
             elif key == "fo" and not value and name == "spectrain":
                 options["spectrain_variant"] = "forward-only"
+            elif key == "bs" and int(value) > 0:
+                options["batch_size"] = int(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"{method!r}: unknown suffix +{suffix}; async methods take "
                              + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items())) from None
-    if options and name in ("data-parallel", "1f1b"):
+    if set(options) - {"batch_size"} and name in ("data-parallel", "1f1b"):
         raise ValueError(f"{method!r}: the suffixes correct async-1f1b's delay; {name} has none")
     if not lookahead:
         return name, 1.0, options
@@ -106,10 +112,12 @@ def method_config(base: RunConfig, method: str, world: int | None = None,
                   async_micro_batches: int | None = None) -> RunConfig:
     """``base`` changed to train with ``method``; ``world`` is the torchrun world size (None: local engine).
 
-    The async methods split a mini-batch into ``async_micro_batches`` (default base.micro_batches).
+    The async methods split a mini-batch into ``async_micro_batches`` (default base.micro_batches). A method
+    with ``+bs=N`` trains on mini-batches of N samples at ``lr_scale(base, config)`` times the rate.
     """
     name, lookahead, corrections = parse_method(method)
-    c = dataclasses.replace(base, label=method, staleness="none", schedule="1f1b", lookahead=1.0)
+    batch = {"batch_size": corrections.pop("batch_size")} if "batch_size" in corrections else {}
+    c = dataclasses.replace(base, label=method, staleness="none", schedule="1f1b", lookahead=1.0, **batch)
     if name == "data-parallel":
         return dataclasses.replace(c, stages=1, micro_batches=1, data_parallel=world or 1)
     if name == "1f1b":
@@ -117,6 +125,12 @@ def method_config(base: RunConfig, method: str, world: int | None = None,
     m = base.micro_batches if async_micro_batches is None else async_micro_batches
     return dataclasses.replace(c, schedule="async-1f1b", staleness=name, micro_batches=m, lookahead=lookahead,
                                **corrections)
+
+
+def lr_scale(base: RunConfig, config: RunConfig) -> float:
+    """The factor on a grid's rate for a method trained at another batch size than ``base``'s: the linear
+    scaling rule (Goyal et al. 2017), so that one grid means the same rate per sample for every method."""
+    return config.resolved().batch_size / base.resolved().batch_size
 
 
 @dataclasses.dataclass
@@ -194,7 +208,8 @@ def compare(base: RunConfig, methods: Sequence[str], logdir: str | os.PathLike,
             for seed in seed_list:
                 label = f"{m} lr={lr:g} seed={seed}" if grid else m
                 where = run_directory(root, m, lr, seed, grid)
-                config = dataclasses.replace(c, lr=lr, seed=seed, label=label, logdir=str(where))
+                config = dataclasses.replace(c, lr=lr * lr_scale(base, c), seed=seed, label=label,
+                                             logdir=str(where))
                 try:
                     runs[(lr, seed)] = run(config)
                 except NonFiniteError as error:  # a rate too high for a method is a result, not the end of the grid
@@ -232,7 +247,7 @@ def measured_speed_label() -> str:
 
 
 def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None = None,
-                 margin: float = MARGIN) -> str:
+                 margin: float = MARGIN, baseline: str | None = None) -> str:
     """The SpecTrain paper's table (min train loss, min val loss, max val accuracy) at each method's best
     learning rate, mean +- standard deviation over the seeds, plus measured throughput and traffic and,
     given ``speed``, the predicted throughput; with a learning-rate grid, each rate's mean accuracy too.
@@ -247,16 +262,20 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
         head.append("val acc by lr")
     if speed is not None:
         head.append("predicted samples/s")
+    batches = {m: r.best[0].config.batch_size for m, r in results.items()}
+    # With +bs=N the methods' batches differ: the schedule column says each one's.
+    schedule = {m: r.best[0].config.describe() + (f", batch {batches[m]}" if len(set(batches.values())) > 1 else "")
+                for m, r in results.items()}
     rows = []
     for m, r in results.items():
         best = r.best
         predicted = [] if speed is None else [_rounded(speed.of_best(m, r))]
         if all(s.diverged for s in best):
-            rows.append([m, best[0].config.describe()] + (["-"] if grid else []) + ["diverged"] * 3 + ["-", "-"]
+            rows.append([m, schedule[m]] + (["-"] if grid else []) + ["diverged"] * 3 + ["-", "-"]
                         + (["every rate diverged"] if grid else []) + predicted)
             continue
         acc = spread([100 * _finite(s.max_val_accuracy) for s in best])
-        row = [m, best[0].config.describe(),
+        row = [m, schedule[m],
                pm(*spread([s.min_train_loss for s in best]), lambda v: f"{v:.4f}"),
                pm(*spread([s.min_val_loss for s in best]), lambda v: f"{v:.4f}"),
                pm(*acc, lambda v: f"{v:.2f}%"),
@@ -267,7 +286,7 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
             row.append(", ".join(f"{lr:g}: {statistics.fmean(100 * _finite(s.max_val_accuracy) for s in r.at(lr)):.1f}"
                                  for lr in r.lrs))
         rows.append(row + predicted)
-    targets = to_target({m: r.best_by_seed for m, r in results.items()}, margin)
+    targets = to_target({m: r.best_by_seed for m, r in results.items()}, margin, baseline)
     if targets is not None:
         head += ["epochs to target", f"x {targets.baseline}'s epochs (seeds)"]
         head += [] if speed is None else ["predicted time to target"]
@@ -275,6 +294,9 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
             row += _target_cells(targets.methods[m], None if speed is None else speed.of_best(m, r))
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    if grid and len(set(batches.values())) > 1:
+        lines.append("\nbest lr and val acc by lr: the grid's rates; a method at another batch trained at the rate "
+                     "times its batch over the grid's batch (linear scaling)")
     if seeds > 1:
         lines.append(f"\nmean ± sample standard deviation over {seeds} seeds, each method at its best learning rate")
     if not os.environ.get("WORLD_SIZE"):
@@ -415,6 +437,9 @@ def add_arguments_compare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-gap", type=float, default=100 * MARGIN, metavar="POINTS",
                         help="epochs to target aim at the sync baseline's best mean val accuracy minus this many "
                              "points (default: %(default)g)")
+    parser.add_argument("--baseline", help="the synchronous method (one of --methods) the others' epochs to target "
+                                           "are measured against, e.g. data-parallel+bs=8 (default: 1f1b, else "
+                                           "data-parallel)")
 
 
 def _numbers(text: str | None, kind: type, flag: str) -> list:
@@ -441,6 +466,10 @@ def config_from_compare_args(args: argparse.Namespace) -> tuple[RunConfig, list[
         raise ValueError(f"--methods is empty; choose from {', '.join(METHODS)}")
     for m in methods:
         parse_method(m)
+    if args.baseline is not None and (args.baseline not in methods
+                                      or parse_method(args.baseline)[0] not in ("data-parallel", "1f1b")):
+        raise ValueError(f"--baseline {args.baseline} must be one of --methods and synchronous (data-parallel or "
+                         "1f1b, with +bs=N if you like)")
     # Estimated layer costs: every method gets the same partition (timings are noisy). The logdir is
     # each run's own (see compare).
     return dataclasses.replace(config_from_args(args), profile=False), methods
@@ -479,7 +508,7 @@ def run_compare(args: argparse.Namespace) -> tuple[dict[str, MethodResult], Path
         for s in r.runs.values():
             print(s.line())
     print()
-    print(format_table(results, speed, args.target_gap / 100))
+    print(format_table(results, speed, args.target_gap / 100, args.baseline))
     print(f"\ncurves: {png}\nTensorBoard: tensorboard --logdir {args.logdir}")
     return results, png
 

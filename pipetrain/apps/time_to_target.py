@@ -147,11 +147,14 @@ class Targets:
     methods: dict[str, ToTarget]
 
 
-def to_target(best: Mapping[str, Mapping[int, RunSummary]], margin: float = MARGIN) -> Targets | None:
-    """Each method's runs at its best learning rate, by seed, measured against the baseline (baseline_of);
-    None without a baseline or when its every seed diverged at once. Curves span the longest run, so a
-    method that diverged early is "never" within the epochs the others trained."""
-    name = baseline_of(best)
+def to_target(best: Mapping[str, Mapping[int, RunSummary]], margin: float = MARGIN,
+              baseline: str | None = None) -> Targets | None:
+    """Each method's runs at its best learning rate, by seed, measured against ``baseline`` (default:
+    baseline_of); None without a baseline or when its every seed diverged at once. Curves span the longest run,
+    so a method that diverged early is "never" within the epochs the others trained."""
+    if baseline is not None and baseline not in best:
+        raise ValueError(f"the baseline {baseline!r} is not among the methods compared ({', '.join(best)})")
+    name = baseline or baseline_of(best)
     epochs = max((len(s.epochs) for runs in best.values() for s in runs.values()), default=0)
     goal = None if name is None else target(best[name].values(), epochs, margin)
     if goal is None:
