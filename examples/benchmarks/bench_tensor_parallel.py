@@ -33,18 +33,23 @@ from torch import nn
 WAYS = ("whole", "inserted", "dtensor")
 
 
-def models() -> dict[str, tuple[str, nn.Module, Any]]:
-    """The models compared: what each is, the model and one micro-batch of its inputs."""
-    import transformers as hf
-
+def models(chosen: list[str]) -> dict[str, tuple[str, nn.Module, Any]]:
+    """The chosen models: what each is, the model and one micro-batch of its inputs (transformers, seconds to
+    import in every rank, only when the Llama is chosen)."""
+    out = {}
     torch.manual_seed(0)
-    mlp = nn.Sequential(*[layer for _ in range(4)
-                          for layer in (nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))])
-    llama = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024,
-                                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                                               max_position_embeddings=128, tie_word_embeddings=False))
-    return {"mlp": ("4 pairs, 1024 -> 4096 -> 1024", mlp, torch.randn(64, 1024)),
-            "llama": ("hidden 256, 8 heads, 4 kv heads", llama, torch.randint(0, 512, (8, 128)))}
+    if "mlp" in chosen:
+        mlp = nn.Sequential(*[layer for _ in range(4)
+                              for layer in (nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))])
+        out["mlp"] = ("4 pairs, 1024 -> 4096 -> 1024", mlp, torch.randn(64, 1024))
+    if "llama" in chosen:
+        import transformers as hf
+
+        llama = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024,
+                                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                                   max_position_embeddings=128, tie_word_embeddings=False))
+        out["llama"] = ("hidden 256, 8 heads, 4 kv heads", llama, torch.randint(0, 512, (8, 128)))
+    return out
 
 
 def stage_of(model: nn.Module, x: Any) -> tuple[nn.Module, Any]:
@@ -96,9 +101,7 @@ def rank_main(rank: int, world: int, port: int, steps: int, chosen: list[str]) -
     from pipetrain.tensor_parallel.automatic import linear_pairs
     from pipetrain.tensor_parallel.shapes import whole_shapes
 
-    for name, (what, model, x) in models().items():
-        if name not in chosen:
-            continue
+    for name, (what, model, x) in models(chosen).items():
         whole, graph = stage_of(model, x)
         plan = choose_plan(model, None) or linear_pairs(whole, world)  # one stage: nothing tied to another
         inserted = copy.deepcopy(whole)
