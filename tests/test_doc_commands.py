@@ -117,7 +117,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "all ranks' wire bytes per step", append="--width 32 --depth 1 --seq 4 --batch 4 --steps 1 --replicas 1",
         slow=True),
     # tensor-parallel.md
-    "python examples/benchmarks/bench_tensor_parallel.py": Run("inserted", append="--steps 1 --models mlp", slow=True),
+    "python examples/benchmarks/bench_tensor_parallel.py": Run(
+        "inserted", append="--steps 1 --models mlp --width 256", slow=True),
     "torchrun --standalone --nproc-per-node 4 examples/huggingface.py --model llama --stages 2 --tensor-parallel 2": Run(
         "max val accuracy", append="--epochs 1 --train-samples 64 --val-samples 16 --batch-size 16 --no-progress",
         process=True, slow=True),

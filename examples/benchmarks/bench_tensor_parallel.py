@@ -13,7 +13,7 @@ Printed per model: ms per step (median of ``--steps``), the ratio to ``whole``, 
 loss from ``whole``'s; an error where a way does not run.
 
     python examples/benchmarks/bench_tensor_parallel.py            # docs/tensor-parallel.md's figures (~1 min)
-    python examples/benchmarks/bench_tensor_parallel.py --steps 1 --models mlp  # seconds
+    python examples/benchmarks/bench_tensor_parallel.py --steps 1 --models mlp --width 256  # seconds
 """
 from __future__ import annotations
 
@@ -33,15 +33,15 @@ from torch import nn
 WAYS = ("whole", "inserted", "dtensor")
 
 
-def models(chosen: list[str]) -> dict[str, tuple[str, nn.Module, Any]]:
+def models(chosen: list[str], width: int) -> dict[str, tuple[str, nn.Module, Any]]:
     """The chosen models: what each is, the model and one micro-batch of its inputs (transformers, seconds to
     import in every rank, only when the Llama is chosen)."""
     out = {}
     torch.manual_seed(0)
     if "mlp" in chosen:
         mlp = nn.Sequential(*[layer for _ in range(4)
-                              for layer in (nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))])
-        out["mlp"] = ("4 pairs, 1024 -> 4096 -> 1024", mlp, torch.randn(64, 1024))
+                              for layer in (nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))])
+        out["mlp"] = (f"4 pairs, {width} -> {4 * width} -> {width}", mlp, torch.randn(64, width))
     if "llama" in chosen:
         import transformers as hf
 
@@ -93,7 +93,7 @@ def one_step(stage: nn.Module, x: Any) -> float:
     return loss.item()
 
 
-def rank_main(rank: int, world: int, port: int, steps: int, chosen: list[str]) -> None:
+def rank_main(rank: int, world: int, port: int, steps: int, chosen: list[str], width: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -101,7 +101,7 @@ def rank_main(rank: int, world: int, port: int, steps: int, chosen: list[str]) -
     from pipetrain.tensor_parallel.automatic import linear_pairs
     from pipetrain.tensor_parallel.shapes import whole_shapes
 
-    for name, (what, model, x) in models(chosen).items():
+    for name, (what, model, x) in models(chosen, width).items():
         whole, graph = stage_of(model, x)
         plan = choose_plan(model, None) or linear_pairs(whole, world)  # one stage: nothing tied to another
         inserted = copy.deepcopy(whole)
@@ -141,12 +141,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per way (the median is printed)")
     parser.add_argument("--models", nargs="+", choices=("mlp", "llama"), default=["mlp", "llama"])
+    parser.add_argument("--width", type=int, default=1024, help="the MLP's width (its hidden layers are 4x)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     print("2 gloo ranks on this machine (T=2), one thread each; a step = one forward and backward of one micro-batch")
-    mp.spawn(rank_main, args=(2, port, args.steps, args.models), nprocs=2)
+    mp.spawn(rank_main, args=(2, port, args.steps, args.models, args.width), nprocs=2)
 
 
 if __name__ == "__main__":
