@@ -110,7 +110,11 @@ def test_a_method_at_its_own_batch_size_trains_at_the_linearly_scaled_rate(tmp_p
     small = method_config(base, "nesterov+sm+bs=8", async_micro_batches=1)
     assert (small.batch_size, small.micro_batches, small.stage_momentum) == (8, 1, True)
     assert method_config(base, "data-parallel+bs=8").batch_size == 8  # the synchronous control takes it too
-    for bad in ("1f1b+sm+bs=8", "nesterov+bs=0", "nesterov+bs"):
+    own = method_config(base, "nesterov+sm+m=1+bs=8")  # its own micro-batches, whatever --async-micro-batches says
+    assert (own.batch_size, own.micro_batches) == (8, 1)
+    assert method_config(base, "nesterov+m=2", async_micro_batches=1).micro_batches == 2
+    assert method_config(base, "1f1b+m=4").micro_batches == 4
+    for bad in ("1f1b+sm+bs=8", "nesterov+bs=0", "nesterov+bs", "data-parallel+m=2", "nesterov+m=0"):
         with pytest.raises(ValueError):
             method_config(base, bad)
     # Through compare: each run's own rate is the grid's times 8 / 16, the table keys it by the grid's rate.

@@ -59,9 +59,12 @@ SUFFIXES = {"sc": "spike compensation (Kosson et al.)", "dc[=L]": f"DC-ASGD-a wi
             "pm[=T]": f"PipeMare's per-stage rates over T updates (default {PIPEMARE_WARMUP})",
             "sm": "delay-matched momentum per stage", "ef": "error feedback on the update (Zmushko et al.)",
             "fo": "spectrain's forward-only variant",
-            "bs=N": "mini-batches of N samples (at m = 1 the micro-batch), the rate scaled by N / --batch-size"}
-# +bs=N is the one suffix the synchronous methods take too: their run at the async method's batch size is the
-# control that separates what asynchrony costs from what the smaller batch changes.
+            "bs=N": "mini-batches of N samples, the rate scaled by N / --batch-size",
+            "m=N": "N micro-batches per mini-batch (instead of --async-micro-batches / --micro-batches)"}
+# +bs=N and +m=N are the suffixes the synchronous methods take too (data-parallel: +bs only): their run at the
+# async method's batch size is the control that separates what asynchrony costs from what the smaller batch
+# changes. "nesterov+sm+m=1+bs=8" is async at one update per micro-batch of 8 samples.
+SIZES = ("batch_size", "micro_batches")
 
 
 def parse_method(method: str) -> tuple[str, float, dict]:
@@ -91,12 +94,14 @@ def parse_method(method: str) -> tuple[str, float, dict]:
                 options["spectrain_variant"] = "forward-only"
             elif key == "bs" and int(value) > 0:
                 options["batch_size"] = int(value)
+            elif key == "m" and int(value) > 0 and name != "data-parallel":
+                options["micro_batches"] = int(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"{method!r}: unknown suffix +{suffix}; async methods take "
                              + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items())) from None
-    if set(options) - {"batch_size"} and name in ("data-parallel", "1f1b"):
+    if set(options) - set(SIZES) and name in ("data-parallel", "1f1b"):
         raise ValueError(f"{method!r}: the suffixes correct async-1f1b's delay; {name} has none")
     if not lookahead:
         return name, 1.0, options
@@ -113,16 +118,17 @@ def method_config(base: RunConfig, method: str, world: int | None = None,
     """``base`` changed to train with ``method``; ``world`` is the torchrun world size (None: local engine).
 
     The async methods split a mini-batch into ``async_micro_batches`` (default base.micro_batches). A method
-    with ``+bs=N`` trains on mini-batches of N samples at ``lr_scale(base, config)`` times the rate.
+    with ``+bs=N`` trains on mini-batches of N samples at ``lr_scale(base, config)`` times the rate; ``+m=N``
+    splits them into N micro-batches.
     """
     name, lookahead, corrections = parse_method(method)
-    batch = {"batch_size": corrections.pop("batch_size")} if "batch_size" in corrections else {}
-    c = dataclasses.replace(base, label=method, staleness="none", schedule="1f1b", lookahead=1.0, **batch)
+    sizes = {key: corrections.pop(key) for key in SIZES if key in corrections}
+    c = dataclasses.replace(base, label=method, staleness="none", schedule="1f1b", lookahead=1.0, **sizes)
     if name == "data-parallel":
         return dataclasses.replace(c, stages=1, micro_batches=1, data_parallel=world or 1)
     if name == "1f1b":
         return c
-    m = base.micro_batches if async_micro_batches is None else async_micro_batches
+    m = sizes.get("micro_batches", base.micro_batches if async_micro_batches is None else async_micro_batches)
     return dataclasses.replace(c, schedule="async-1f1b", staleness=name, micro_batches=m, lookahead=lookahead,
                                **corrections)
 

@@ -3,7 +3,9 @@
 VGG-11 and ResNet-20 (width 8) on digits and a residual LSTM on MNIST-1D, each split into 4
 stages, are trained by data parallelism (the sync baseline), sync 1F1B and async 1F1B with vanilla, stash
 (PipeDream), 2bw (PipeDream-2BW), spectrain and nesterov weights, with the same data, seed and
-micro-batches (8 per mini-batch; 4 for ResNet, whose BatchNorm needs a few samples per micro-batch):
+micro-batches (8 per mini-batch; 4 for ResNet, whose BatchNorm needs a few samples per micro-batch), and
+by the recommended way to run async-1f1b at one micro-batch per update: nesterov with delay-matched momentum on
+those micro-batches of 8 samples, each one update at the rate scaled by 8 / the batch (METHODS' last entry):
 about 3 minutes on 2 CPU cores. It prints the paper-style tables, the PNGs and the TensorBoard command.
 The PNGs' throughput is predicted for one core per stage from each run's measured per-stage costs
 (pipetrain.apps.throughput): the local engine's own samples/s are its overhead, not pipeline speed.
@@ -29,7 +31,11 @@ from pathlib import Path
 
 import torch
 
-from pipetrain.apps.compare import METHODS, add_arguments_compare, run_compare
+from pipetrain.apps.compare import METHODS as COMPARED, add_arguments_compare, run_compare
+
+# Every model's micro-batch is 8 samples (64 / 8; ResNet 32 / 4): at one update each, the lag of a stage in
+# samples is that of async at 8 micro-batches per update (docs/async.md, one micro-batch per update).
+METHODS = [*COMPARED, "nesterov+sm+m=1+bs=8"]
 
 # Each family's DEFAULT_HPARAMS (lr, batch size, epochs) unless given here: vgg 0.05, 64, 3 epochs;
 # resnet 0.02, 32, 3 epochs (default 4); lstm 0.1, 64, 6 epochs (default 10). Listed costliest first:
@@ -61,7 +67,8 @@ def _compare(name: str, logdir: Path, progress: bool, capture: bool, sizes: list
     start = time.perf_counter()
     parser = argparse.ArgumentParser()
     add_arguments_compare(parser)
-    argv = [*DEMOS[name], *sizes, f"--logdir={logdir / name}"] + ([] if progress else ["--no-progress"])
+    argv = [*DEMOS[name], f"--methods={','.join(METHODS)}", *sizes, f"--logdir={logdir / name}"]
+    argv += [] if progress else ["--no-progress"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out) if capture else contextlib.nullcontext():
         _, png = run_compare(parser.parse_args(argv))
