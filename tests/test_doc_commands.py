@@ -74,6 +74,7 @@ COMMANDS: dict[str, Run | Covered | Within] = {
     "pipetrain plan --zero auto": Run("--zero {0,1,2,3,auto}", append="--help"),
     "pipetrain plan --optimizer adamw": Run("--optimizer {sgd,sgd-momentum,adam,adamw,lars}", append="--help"),
     "pipetrain plan --recompute auto": Run("--recompute {none,except-last,always,auto}", append="--help"),
+    "pipetrain plan --tensor-parallel auto --sequence-parallel": Run("--sequence-parallel", append="--help"),
     "pipetrain plan --cluster": Run("--cluster CLUSTER", substitute=(("--cluster", "--cluster {cluster}"),),
                                     append="--help"),
     # checkpoints.md (its commands change with the preemption rework; it carries no markers of its own)

@@ -7,10 +7,12 @@ One captured stage (pipetrain's graph of the model) runs a forward and backward 
   the graph calls Megatron-LM's all-reduces where the plan's layers need them;
 - ``dtensor``: the same blocks as DTensor parameters and the captured graph unchanged, DTensor's sharding
   propagation choosing every operation's layout and collective (``implicit_replication`` for the graph's plain
-  tensors), as torch's ``parallelize_module`` would run an eager model.
+  tensors), as torch's ``parallelize_module`` would run an eager model;
+- ``sequence`` (the Llama): ``inserted`` with sequence parallelism, its norms named 'sequence_parallel'.
 
-Printed per model: ms per step (median of ``--steps``), the ratio to ``whole``, and the largest difference of the
-loss from ``whole``'s; an error where a way does not run.
+Printed per model: ms per step (median of ``--steps``), the ratio to ``whole``, the largest difference of the
+loss from ``whole``'s, and the activation bytes autograd saves for the backward on rank 0 (each storage once,
+parameters left out); an error where a way does not run.
 
     python examples/benchmarks/bench_tensor_parallel.py            # docs/tensor-parallel.md's figures (~1 min)
     python examples/benchmarks/bench_tensor_parallel.py --steps 1 --models mlp --width 256  # seconds
@@ -30,7 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-WAYS = ("whole", "inserted", "dtensor")
+WAYS = ("whole", "inserted", "dtensor", "sequence")
+NORMS = {"layers.*.input_layernorm": "sequence_parallel", "layers.*.post_attention_layernorm": "sequence_parallel",
+         "norm": "sequence_parallel"}
 
 
 def models(chosen: list[str], width: int) -> dict[str, tuple[str, nn.Module, Any]]:
@@ -93,33 +97,59 @@ def one_step(stage: nn.Module, x: Any) -> float:
     return loss.item()
 
 
+def saved_activation_bytes(stage: nn.Module, x: Any) -> int:
+    """Bytes of the storages one step saves tensors in for its backward, parameters (and blocks of them) left out."""
+    from pipetrain.runtime.local_shards import local
+
+    params = {local(p).untyped_storage().data_ptr() for p in stage.parameters()}
+    saved: dict[int, torch.Tensor] = {}  # kept alive to the end, so no address is used twice
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        block = local(t)  # a DTensor's own block
+        if block.untyped_storage().data_ptr() not in params:
+            saved[block.untyped_storage().data_ptr()] = block
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        one_step(stage, x)
+    return sum(t.untyped_storage().nbytes() for t in saved.values())
+
+
 def rank_main(rank: int, world: int, port: int, steps: int, chosen: list[str], width: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from pipetrain.tensor_parallel import Lanes, choose_plan, split_module
+    from pipetrain.tensor_parallel import Lanes, TensorParallelPlan, choose_plan, split_module
     from pipetrain.tensor_parallel.automatic import linear_pairs
     from pipetrain.tensor_parallel.shapes import whole_shapes
 
     for name, (what, model, x) in models(chosen, width).items():
         whole, graph = stage_of(model, x)
         plan = choose_plan(model, None) or linear_pairs(whole, world)  # one stage: nothing tied to another
+        lanes, shapes = Lanes(dist.group.WORLD, world, rank), whole_shapes(graph, x)
         inserted = copy.deepcopy(whole)
-        split_module(inserted, plan, Lanes(dist.group.WORLD, world, rank), whole_shapes(graph, x), "stage 0",
-                     torch.device("cpu"))
+        split_module(inserted, plan, lanes, shapes, "stage 0", torch.device("cpu"))
+        sequence = None
+        if name == "llama":
+            sequence = copy.deepcopy(whole)
+            split_module(sequence, TensorParallelPlan({**plan.patterns, **NORMS}, "the plan and its norms"), lanes,
+                         shapes, "stage 0", torch.device("cpu"))
         row = {}
         reference = None
-        for way, stage in (("whole", whole), ("inserted", inserted), ("dtensor", None)):
+        for way, stage in (("whole", whole), ("inserted", inserted), ("dtensor", None), ("sequence", sequence)):
+            if way == "sequence" and stage is None:
+                continue
             try:
                 stage = stage if stage is not None else dtensor_stage(whole, plan, world)
                 loss = one_step(stage, x)
+                saved = saved_activation_bytes(stage, x)
                 reference = loss if reference is None else reference
                 times = []
                 for _ in range(steps):
                     start = time.perf_counter()
                     one_step(stage, x)
                     times.append(time.perf_counter() - start)
-                row[way] = (statistics.median(times) * 1e3, abs(loss - reference))
+                row[way] = (statistics.median(times) * 1e3, abs(loss - reference), saved)
             except Exception as error:  # noqa: BLE001 - a way that does not run is a result, printed
                 where = error.__traceback__
                 while where.tb_next is not None:
@@ -130,10 +160,11 @@ def rank_main(rank: int, world: int, port: int, steps: int, chosen: list[str], w
         if rank == 0:
             print(f"\n{name} ({what})")
             base = row["whole"][0]
-            for way in WAYS:
+            for way in (w for w in WAYS if w in row):
                 value = row[way]
                 print(f"  {way:9s} " + (f"{value[0]:8.1f} ms/step  x{value[0] / base:5.2f}  |loss - whole| "
-                                        f"{value[1]:.1e}" if isinstance(value, tuple) else f"does not run: {value}"))
+                                        f"{value[1]:.1e}  saved {value[2] / 2**20:6.2f} MiB"
+                                        if isinstance(value, tuple) else f"does not run: {value}"))
     dist.destroy_process_group()
 
 

@@ -9,6 +9,13 @@ node and the fix; so the rewritten graph computes what the whole one does, or th
 tensor read where values are split passes through `ToLanes`, which sums its gradient (partial on each rank).
 
 Stage boundaries must be whole: a stage's inputs are, and an output that is still split is refused.
+
+Sequence parallelism (a plan naming any module 'sequence_parallel'): a row-parallel layer's partial outputs are
+reduce-scattered along the sequence (the next-to-last dimension) instead of all-reduced, and so is a split
+vocabulary's lookup. The walk then keeps what follows split along the sequence (pointwise operations, norms, whole
+layers applied per token; a whole tensor met there is cut to the rank's slice) until a column-parallel layer
+all-gathers its input. An operation no rule maps for such a value reads it all-gathered instead of being refused,
+and so does a stage's output: the graph stays exact wherever the sequence cannot stay split.
 """
 from __future__ import annotations
 
@@ -23,9 +30,10 @@ import torch.fx as fx
 from torch import nn
 
 from partitioners.modes import TrainingSwitch
-from pipetrain.tensor_parallel.collectives import GatherLanes, SumOverLanes, ToLanes, VocabularyLookup
+from pipetrain.tensor_parallel.collectives import (ColumnsFromSlices, GatherLanes, GatherToLanes, ScatterSumOverLanes,
+                                                   SliceForLane, SumOverLanes, ToLanes, VocabularyLookup)
 from pipetrain.tensor_parallel.randomness import ATTENTIONS, DROPOUTS, LaneDraws
-from pipetrain.tensor_parallel.styles import (COLWISE, COLWISE_GATHERED, REPLICATE, ROWWISE, VOCABULARY,
+from pipetrain.tensor_parallel.styles import (COLWISE, COLWISE_GATHERED, REPLICATE, ROWWISE, SEQUENCE, VOCABULARY,
                                               TensorParallelPlan)
 
 aten = torch.ops.aten
@@ -79,7 +87,7 @@ def split_values(module: fx.GraphModule, plan: TensorParallelPlan, lanes: Lanes,
     a stage boundary must not carry them."""
     splitter = _Splitter(module, plan, lanes, shapes, where, whole_outputs=False)
     splitter.run()
-    return {splitter.replaced.get(node, node.name) for node in splitter.split}
+    return {splitter.replaced.get(node, node.name) for node in splitter.split if node not in splitter.sequence}
 
 
 class _Splitter:
@@ -95,6 +103,12 @@ class _Splitter:
         self.pieces: set[fx.Node] = set()  # chunk/split calls on split values: their items are split alike
         self.params: dict[str, ParameterSplit] = {}
         self._modules = 0
+        # Sequence parallelism: the split values that are slices of the sequence (leaving a stage gathered), the
+        # gathered and sliced copies made of values, and the column-parallel inputs gathered from slices.
+        self.sequence: set[fx.Node] = set()
+        self.gathered: dict[fx.Node, fx.Node] = {}
+        self.sliced: dict[tuple[fx.Node, int], fx.Node] = {}
+        self.gathered_to_lanes: dict[fx.Node, fx.Node] = {}
 
     # ----- the walk -------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, ParameterSplit]:
@@ -115,6 +129,7 @@ class _Splitter:
         self._check_planned_uses()
         self._check_all_placed()
         self._draw_per_lane()
+        self._keep_slices_for_backward()
         self.graph.lint()
         self.gm.recompile()
         return self.params
@@ -154,7 +169,7 @@ class _Splitter:
         for alias, param in self.gm.named_parameters(remove_duplicate=False):
             layer, _, kind = alias.rpartition(".")
             style = self.plan.style_of(layer)
-            if style == REPLICATE or kind not in ("weight", "bias"):
+            if style in (REPLICATE, SEQUENCE) or kind not in ("weight", "bias"):
                 continue
             found = styles.get(id(param))
             if found is not None and _split_dim(found[2], kind) != _split_dim(style, kind):
@@ -215,30 +230,42 @@ class _Splitter:
                 if len(node.args) > 3 and node.args[3]:
                     raise TensorParallelError(f"{self.where}: {layer!r} scales gradients by frequency, which a split "
                                               f"vocabulary cannot count; tp_plan={{{layer!r}: 'replicate'}}")
+                scatter = self._sequence_dim(node)
                 out = g.call_module(self._add(VocabularyLookup(self.lanes.group, self.lanes.rank * weight.shape[0] // T,
-                                                               weight.shape[0] // T)),
+                                                               weight.shape[0] // T, scatter)),
                                     (local_weight, ids, *node.args[2:]), dict(node.kwargs))
+                if scatter is not None:
+                    self._mark_sequence(out, scatter)
             elif style == ROWWISE:
                 x = node.args[0]
-                if x not in self.split:  # a whole input: each rank multiplies its block of the features
+                if x not in self.split or x in self.sequence:  # a whole input: each rank multiplies its features' block
                     width = weight.shape[1] // T
-                    x = g.call_method("narrow", (self._to_lanes(x), -1, self.lanes.rank * width, width))
+                    x = g.call_method("narrow", (self._whole_to_lanes(x), -1, self.lanes.rank * width, width))
                 elif self.split[x] != -1:
                     raise TensorParallelError(
                         f"{self.where}: {layer!r} is rowwise, so it reads its input features split over the "
                         f"tensor-parallel ranks, but its input {x} is {self._describe(x)}; make the layer that feeds "
                         f"it colwise, or tp_plan={{{layer!r}: 'replicate'}}")
-                out = g.call_module(self._add(SumOverLanes(self.lanes.group)),
-                                    (g.call_function(aten.linear.default, (x, local_weight)),))
-                if has_bias:
-                    out = g.call_function(aten.add.Tensor, (out, node.args[2]))
+                partial = g.call_function(aten.linear.default, (x, local_weight))
+                scatter = self._sequence_dim(node)
+                if scatter is None:
+                    out = g.call_module(self._add(SumOverLanes(self.lanes.group)), (partial,))
+                    if has_bias:
+                        out = g.call_function(aten.add.Tensor, (out, node.args[2]))
+                else:
+                    out = g.call_module(self._add(ScatterSumOverLanes(self.lanes.group, scatter)), (partial,))
+                    self._mark_sequence(out, scatter, like=node)
+                    if has_bias:  # each rank adds it to its tokens: its gradient summed over the ranks
+                        out = g.call_function(aten.add.Tensor, (out, self._to_lanes(node.args[2])))
+                        self._mark_sequence(out, scatter, like=node)
             else:
                 x = node.args[0]
-                self._require_whole(x, node, f"is the input of colwise {layer!r}; make the layer before it rowwise")
+                if x not in self.sequence:
+                    self._require_whole(x, node, f"is the input of colwise {layer!r}; make the layer before it rowwise")
                 bias = g.call_method("to_local", (node.args[2],)) if has_bias else None
-                out = g.call_function(aten.linear.default, (self._to_lanes(x), local_weight, bias))
+                out = g.call_function(aten.linear.default, (self._whole_to_lanes(x), local_weight, bias))
                 if style == COLWISE_GATHERED:
-                    out = g.call_module(self._add(GatherLanes(self.lanes.group)), (out,))
+                    out = g.call_module(self._add(GatherLanes(self.lanes.group, -1)), (out,))
                 else:
                     self.split[out] = -1
                     self.started[out] = layer
@@ -294,9 +321,52 @@ class _Splitter:
             node.replace_all_uses_with(drawn)
             self.graph.erase_node(node)
             self.split[drawn] = self.split.pop(node)
+            if node in self.sequence:
+                self.sequence.discard(node)
+                self.sequence.add(drawn)
             self.replaced[drawn] = self.replaced.pop(node, node.name)
             if node.name in self.shapes:
                 self.shapes[drawn.name] = self.shapes[node.name]
+
+    def _keep_slices_for_backward(self) -> None:
+        """Sequence parallelism: the colwise layers reading one gathered input run as one `ColumnsFromSlices` call,
+        which keeps the slice for their backward instead of the whole input (gathered again there)."""
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        for gathered in self.gathered_to_lanes.values():
+            layers = [u for u in gathered.users if u.target is aten.linear.default and u.args[0] is gathered]
+            if not layers:
+                continue
+            layers.sort(key=order.__getitem__)
+            first = layers[0]
+            operands = [a for u in layers for a in (u.args[1], u.args[2] if len(u.args) > 2 else None)]
+            for a in operands:  # the later layers' blocks (to_local of their weights) are made before the call
+                self._hoist(a, first, order)
+            with self.graph.inserting_before(first):
+                fused = self.graph.call_module(
+                    self._add(ColumnsFromSlices(self.lanes.group, self.split[gathered.args[0]])),
+                    (gathered.args[0], *operands))
+            for i, layer in enumerate(layers):
+                with self.graph.inserting_after(fused):
+                    out = self.graph.call_function(operator.getitem, (fused, i))
+                layer.replace_all_uses_with(out)
+                for table in (self.split, self.started, self.replaced):
+                    if layer in table:
+                        table[out] = table.pop(layer)
+                if layer.name in self.shapes:
+                    self.shapes[out.name] = self.shapes[layer.name]
+                self.graph.erase_node(layer)
+            if not gathered.users:
+                self.graph.erase_node(gathered)
+                self.gm.delete_submodule(gathered.target)
+
+    def _hoist(self, node: Any, before: fx.Node, order: dict[fx.Node, int]) -> None:
+        """Move ``node`` (and what it reads) before ``before`` where it comes after it."""
+        if not isinstance(node, fx.Node) or order[node] < order[before]:
+            return
+        for n in node.all_input_nodes:
+            self._hoist(n, before, order)
+        before.prepend(node)
+        order[node] = order[before] - 0.5
 
     def _draws(self, node: fx.Node) -> bool:
         """Whether ``node`` draws random numbers: a dropout, or an attention whose dropout_p follows train() (a
@@ -311,9 +381,26 @@ class _Splitter:
 
     # ----- operations on split values -------------------------------------------------------------------------------
     def _follow(self, node: fx.Node) -> None:
-        """Give ``node``, which reads a split value, the split of its output, or refuse it."""
-        name = self._op_name(node)
-        rule = self._rule(node, name)
+        """Give ``node``, which reads a split value, the split of its output, or refuse it (sequence slices: read
+        them all-gathered instead)."""
+        slices = [n for n in node.all_input_nodes if n in self.sequence]
+        mixed = any(n in self.split and n not in self.sequence for n in node.all_input_nodes)
+        if slices and not mixed:
+            try:
+                self._apply_rule(node)
+            except TensorParallelError:
+                pass
+            else:
+                if node in self.split:
+                    self.sequence.add(node)
+                return
+        for n in slices:  # what the sequence's slices cannot pass through reads them whole
+            node.replace_input_with(n, self._gathered(n))
+        if any(n in self.split for n in node.all_input_nodes):
+            self._apply_rule(node)
+
+    def _apply_rule(self, node: fx.Node) -> None:
+        rule = self._rule(node, self._op_name(node))
         if rule is None:
             raise self._refusal(node, "no rule maps a split through this operation")
         rule(node)
@@ -344,9 +431,12 @@ class _Splitter:
         if len(dims) > 1:
             raise self._refusal(node, f"its inputs are split along different dimensions {sorted(dims)}")
         d = dims.pop()
+        slices = any(n in self.sequence for n in node.all_input_nodes)
         for n in node.all_input_nodes:
             shape = None if n in self.split else self._shape(n)
-            if shape is not None and len(shape) >= -d and shape[d] != 1:
+            if slices and shape is not None and len(shape) >= -d and shape[d] != 1:
+                node.replace_input_with(n, self._slice(n, d))  # a whole tensor meets each rank's tokens: its slice
+            elif shape is not None and len(shape) >= -d and shape[d] != 1:
                 raise self._refusal(node, f"it combines the split value with whole {n} of shape {tuple(shape)}, whose "
                                           f"dimension {d} is not broadcast")
         self._wrap_whole_inputs(node)
@@ -552,6 +642,51 @@ class _Splitter:
         node.args = fx.map_arg(node.args, wrap)
         node.kwargs = fx.map_arg(node.kwargs, wrap)
 
+    def _sequence_dim(self, node: fx.Node) -> int | None:
+        """Where a row-parallel layer's (or a split vocabulary's) output ``node`` is cut under sequence parallelism:
+        its next-to-last dimension (the sequence, or the tokens of a flat batch), if that divides over the ranks;
+        None: all-reduced whole."""
+        shape = self.shapes.get(node.name)
+        if not self.plan.sequence_parallel or shape is None or len(shape) < 2 or shape[-2] % self.lanes.size:
+            return None
+        return -2
+
+    def _mark_sequence(self, node: fx.Node, dim: int, like: fx.Node | None = None) -> None:
+        self.split[node] = dim
+        self.sequence.add(node)
+        if like is not None and like.name in self.shapes:
+            self.shapes[node.name] = self.shapes[like.name]
+
+    def _gathered(self, node: fx.Node) -> fx.Node:
+        """The whole value of the sequence slices ``node`` (all-gathered once, after it)."""
+        return self._once_after(node, self.gathered, GatherLanes)
+
+    def _once_after(self, node: fx.Node, made: dict[fx.Node, fx.Node], collective: type[nn.Module]) -> fx.Node:
+        """``collective`` along ``node``'s split dimension, called on it right after it, once (``made``)."""
+        if node not in made:
+            with self.graph.inserting_after(node):
+                made[node] = self.graph.call_module(self._add(collective(self.lanes.group, self.split[node])), (node,))
+            if node.name in self.shapes:
+                self.shapes[made[node].name] = self.shapes[node.name]
+        return made[node]
+
+    def _slice(self, node: fx.Node, dim: int) -> fx.Node:
+        """This rank's slice of dimension ``dim`` of the whole tensor ``node`` (made once, after it)."""
+        if (node, dim) not in self.sliced:
+            after = node if node.op != "placeholder" else list(self.graph.find_nodes(op="placeholder"))[-1]
+            with self.graph.inserting_after(after):
+                sliced = self.graph.call_module(self._add(SliceForLane(self.lanes.group, dim)), (node,))
+            self.sliced[node, dim] = sliced
+            self._mark_sequence(sliced, dim, like=node)
+        return self.sliced[node, dim]
+
+    def _whole_to_lanes(self, node: fx.Node) -> fx.Node:
+        """``node`` read whole by a column-parallel layer (or cut by a row-parallel one): sequence slices
+        all-gathered (their gradient reduce-scattered back), a whole tensor through `ToLanes`."""
+        if node not in self.sequence:
+            return self._to_lanes(node)
+        return self._once_after(node, self.gathered_to_lanes, GatherToLanes)
+
     def _to_lanes(self, node: fx.Node) -> fx.Node:
         if node not in self.whole_to_lanes:
             after = node if node.op != "placeholder" else list(self.graph.find_nodes(op="placeholder"))[-1]
@@ -574,7 +709,9 @@ class _Splitter:
 
     def _check_outputs(self, node: fx.Node) -> None:
         for value in node.all_input_nodes:
-            if value in self.split:
+            if value in self.sequence:  # stages exchange whole tensors
+                node.replace_input_with(value, self._gathered(value))
+            elif value in self.split:
                 raise TensorParallelError(
                     f"{self.where}: {value} leaves the stage split over the tensor-parallel ranks (the stage boundary "
                     "falls between a colwise layer and its rowwise partner); stage boundaries must be whole: move the "

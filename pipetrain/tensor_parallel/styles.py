@@ -18,13 +18,17 @@ ROWWISE = "rowwise"  # nn.Linear: input features split (weight columns; a whole 
 COLWISE_GATHERED = "colwise_gather_output"  # colwise, then its output gathered whole (HF: a language-model head)
 VOCABULARY = "embedding_rowwise"  # nn.Embedding: the vocabulary split; each rank looks up its rows, summed
 REPLICATE = "replicate"  # every rank holds the whole layer
+# Sequence parallelism (Megatron-LM's, HF's and torchtitan's style for norms): naming any module with it turns it on
+# for the whole model. The row-parallel outputs are then reduce-scattered along the sequence instead of all-reduced,
+# and what runs between them and the next column-parallel layer (dropout, residual adds, norms: the module so named,
+# its weights whole) runs on each rank's slice of the sequence; the column-parallel layers all-gather their input.
+SEQUENCE = "sequence_parallel"
 
 # HF's names for what pipetrain does under another name. A replicated layer that reads a split tensor (Qwen3's
 # per-head q/k norms) gets its gradient summed over the ranks wherever it is used: no style needed for that.
 ALIASES = {"colwise_rep": COLWISE_GATHERED, "rowwise_split_input": ROWWISE,
-           "replicated_with_grad_allreduce": REPLICATE, "replicated": REPLICATE}
-STYLES = (COLWISE, ROWWISE, COLWISE_GATHERED, VOCABULARY, REPLICATE)
-LAYER_OF_STYLE = {COLWISE: nn.Linear, ROWWISE: nn.Linear, COLWISE_GATHERED: nn.Linear, VOCABULARY: nn.Embedding}
+           "replicated_with_grad_allreduce": REPLICATE, "replicated": REPLICATE, "sequence": SEQUENCE}
+STYLES = (COLWISE, ROWWISE, COLWISE_GATHERED, VOCABULARY, REPLICATE, SEQUENCE)
 
 
 class TensorParallelPlan:
@@ -47,6 +51,11 @@ class TensorParallelPlan:
         prefix = "^" if exact else r"(?:^|.*\.)"
         self._compiled = [(re.compile(prefix + _components(pattern) + "$"), style)
                           for pattern, style in self.patterns.items()]
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the plan runs the values between row- and column-parallel layers split along the sequence."""
+        return SEQUENCE in self.patterns.values()
 
     def style_of(self, module_name: str) -> str:
         """The style of the module named ``module_name`` (its dotted name in the model)."""
