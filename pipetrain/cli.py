@@ -82,6 +82,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="T: ranks each stage's matrices are split over Megatron-style, as wrap(tensor_parallel=T), "
                         "on one node (T divides its devices; 1, 2, 4, 8 with 8 per node); auto searches every such "
                         "T (default 1: none)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-parallel: price sequence parallelism (a tp_plan naming the norms "
+                        "'sequence_parallel'): the activations between the split blocks cut along the sequence too, "
+                        "1/T of them on each rank instead of (10 + 24/T) / 34")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE), default="adam",
                    help="the optimizer whose state is priced: fp32 copies per parameter sgd 0, sgd-momentum 1, "
                         "lars 1, adam and adamw 2 (default adam: 16 bytes per parameter with weights and gradients)")
@@ -158,6 +162,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     from schedules.cluster import load_cluster
     from schedules.cluster.reductions import Reduction
 
+    if args.sequence_parallel and args.tensor_parallel == 1:
+        raise SystemExit("pipetrain plan: --sequence-parallel splits activations over tensor-parallel ranks; add "
+                         "--tensor-parallel T (or auto)")
     cluster = load_cluster(args.cluster)
     if args.nodes is not None:
         cluster = dataclasses.replace(cluster, nodes=args.nodes)
@@ -181,12 +188,13 @@ def _run_plan(args: argparse.Namespace) -> int:
                              param_scale=FP32 / params[0].element_size(),  # fp32 under every precision
                              zeros=SEARCHED_ZERO if args.zero == "auto" else (int(args.zero),),
                              recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,),
-                             tensor_parallel=args.tensor_parallel)
+                             tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
     how = "measured here" if args.profile else "estimated (profile=False)"
     print(f"global batch {args.batch_size}, costs {how}; cluster {cluster.name}: "
           f"{cluster.nodes} x {cluster.devices_per_node} devices, speed {cluster.speed:g}; "
           f"reduction {reduction.label()}; optimizer {args.optimizer}, zero {args.zero}, recompute {args.recompute}"
-          f"{f', tensor parallel {args.tensor_parallel}' if args.tensor_parallel != 1 else ''}; "
+          f"{f', tensor parallel {args.tensor_parallel}' if args.tensor_parallel != 1 else ''}"
+          f"{' with sequence parallelism' if args.sequence_parallel else ''}; "
           f"best of {len(layouts)} shapes (stages x replicas x micro-batches x schedule"
           f"{' x T' if args.tensor_parallel != 1 else ''})")
     if not layouts[0].fits:  # fitting layouts rank first: none fits

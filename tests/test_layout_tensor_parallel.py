@@ -87,6 +87,27 @@ def test_stage_memory_at_t2_loses_half_the_split_part_by_hand():
     assert whole.total - split.total == pytest.approx(4 * matrices / 2 + 10 * 1e5 * 12 / 34, rel=1e-15)
 
 
+
+def test_sequence_parallelism_keeps_one_tth_of_the_activations_at_the_same_step_time():
+    g = transformer_graph(1)
+    shape = dict(replicas=1, micro_batches=1, schedule="gpipe", batch_size=4, profiled_batch=4, tensor_parallel=2)
+    split = evaluate_layout(g, cluster(), [0, 10], **shape)
+    sequence = evaluate_layout(g, cluster(), [0, 10], sequence_parallel=True, **shape)
+    # Korthikanti et al. with sequence parallelism: 34/T of 34 bytes per s*b*h, so one of two ranks keeps half
+    assert sequence.stage_memory[0].activations == 10 * 1e5 / 2
+    assert split.stage_memory[0].activations == pytest.approx(10 * 1e5 * 22 / 34, rel=1e-15)
+    assert sequence.stage_memory[0].weights == split.stage_memory[0].weights
+    # its reduce-scatter and all-gather move the all-reduce's bytes: priced as the same time
+    assert sequence.step_time == split.step_time
+    assert sequence.label().startswith("1x1 T=2 SP ") and " SP " not in split.label()
+    tight = cluster(memory=(sequence.result.memory[0] + split.result.memory[0]) / 2)
+    # the search prices it too: the one-stage gpipe layout fits a device between the two peaks with it only
+    fits = {sp: search_layouts(g, tight, batch_size=4, profiled_batch=4, tensor_parallel=2, sequence_parallel=sp,
+                               schedules=("gpipe",), micro_batches=(1,), max_stages=1)[0]
+            for sp in (False, True)}
+    assert (fits[False].fits, fits[True].fits) == (False, True)
+    assert fits[True].sequence_parallel and fits[True].result.memory == sequence.result.memory
+
 def test_allreduce_time_per_rowwise_matrix_by_hand():
     g = transformer_graph(2)
     assert list(_Model(g).rowwise.nonzero()[0]) == [3, 7, 11, 15]  # o and down of each layer, not q, up, head
@@ -192,3 +213,9 @@ def test_cli_ranks_every_t_and_refuses_one_that_does_not_divide_a_node(tmp_path,
     assert all(int(r[1]) * int(r[2]) * int(r[3]) == int(r[4]) <= 4 for r in rows)
     with pytest.raises(SystemExit, match=r"divisor of the 4 devices per node .* fix: use one of 1, 2, 4 or 'auto'"):
         main([*plan, "--tensor-parallel", "3"])
+    assert main([*plan, "--tensor-parallel", "2", "--sequence-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel 2 with sequence parallelism" in out and "T=2 SP " in out
+    assert "of its activations (Korthikanti et al.: 34/T / 34, sequence parallel)" in out
+    with pytest.raises(SystemExit, match="--sequence-parallel .* add --tensor-parallel"):
+        main([*plan, "--sequence-parallel"])

@@ -75,6 +75,7 @@ class Layout:
     recompute: str = "none"          # the runtime's recomputation setting, for every stage
     needs: str = ""                  # why cheaper options were not taken: 'zero=0 recompute=none: 35.2 GB'
     tensor_parallel: int = 1         # T: ranks each stage's matrices are split over (result: lanes of T devices)
+    sequence_parallel: bool = False  # with T > 1: the activations between the split blocks cut along the sequence
 
     @property
     def stages(self) -> int:
@@ -102,7 +103,7 @@ class Layout:
     def label(self) -> str:
         """'8x8 1f1b m=32 zero=1 recompute=always': stages x replicas (then 'T=4' with tensor parallelism),
         schedule, micro-batches, options."""
-        tp = f" T={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        tp = f" T={self.tensor_parallel}{' SP' if self.sequence_parallel else ''}" if self.tensor_parallel > 1 else ""
         return (f"{self.stages}x{self.replicas}{tp} {self.schedule} m={self.micro_batches} zero={self.zero} "
                 f"recompute={self.recompute}")
 
@@ -237,9 +238,9 @@ def evaluate_layout(model: _Model | CostGraph | nx.DiGraph, cluster: Cluster, cu
                     replicas: int, micro_batches: int, schedule: str, batch_size: int,
                     profiled_batch: int, reduction: Reduction = DEFAULT_REDUCTION, optimizer: str | float = "adam",
                     param_scale: float = 1.0, zero: int = 0, recompute: str = "none",
-                    tensor_parallel: int = 1) -> Layout:
+                    tensor_parallel: int = 1, sequence_parallel: bool = False) -> Layout:
     """Predict one layout: global batch_size split over replicas x micro_batches, each stage's matrices split
-    over tensor_parallel ranks.
+    over tensor_parallel ranks (sequence_parallel: with the activations between them cut along the sequence).
     optimizer: a name of stage_state.OPTIMIZER_STATE or the fp32 state copies it keeps per parameter;
     param_scale: fp32 bytes per parameter byte of the graph (2 for a model built in bf16)."""
     m = model if isinstance(model, _Model) else _Model(model)
@@ -250,9 +251,12 @@ def evaluate_layout(model: _Model | CostGraph | nx.DiGraph, cluster: Cluster, cu
                          f"{cluster.name!r} has {cluster.devices}; fix: fewer stages, replicas or T")
     scale = _micro_scale(batch_size, replicas, micro_batches, profiled_batch)
     copies = _state_copies(optimizer)
-    memory = _price(m, cuts, replicas, micro_batches, schedule, scale, copies, param_scale, zero, recompute, t)
-    return _simulate(m, cluster, cuts, replicas, micro_batches, schedule, batch_size, scale, reduction, memory,
-                     zero, recompute, t)
+    memory = _price(m, cuts, replicas, micro_batches, schedule, scale, copies, param_scale, zero, recompute, t,
+                    sequence_parallel)
+    layout = _simulate(m, cluster, cuts, replicas, micro_batches, schedule, batch_size, scale, reduction, memory,
+                       zero, recompute, t)
+    layout.sequence_parallel = sequence_parallel and t > 1
+    return layout
 
 
 def _micro_scale(batch_size: int, replicas: int, micro_batches: int, profiled_batch: int) -> float:
@@ -276,12 +280,12 @@ def _state_copies(optimizer: str | float) -> float:
 
 def _price(m: _Model, cuts: Sequence[int], replicas: int, micro_batches: int, schedule: str, scale: float,
            copies: float, param_scale: float, zero: int, recompute: str,
-           tensor_parallel: int = 1) -> list[StageMemory]:
+           tensor_parallel: int = 1, sequence_parallel: bool = False) -> list[StageMemory]:
     """Each stage's predicted peak (stage_state.stage_peak) at the moments its action list holds, on one of
     its T ranks: 1/T of the split parameters and tensor_parallel.activation_share of the activations (a
     recomputed micro-batch's kept input is whole)."""
     moments = schedule_moments(schedule, len(cuts) - 1, micro_batches, recompute)
-    share = activation_share(tensor_parallel)
+    share = activation_share(tensor_parallel, sequence_parallel)
     out = []
     for k in range(len(cuts) - 1):
         seg = m.segment(cuts[k], cuts[k + 1])
@@ -317,10 +321,12 @@ def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_siz
                    micro_batches: Sequence[int] = MICRO_BATCHES, max_stages: int | None = None,
                    reduction: Reduction = DEFAULT_REDUCTION, optimizer: str | float = "adam",
                    param_scale: float = 1.0, exhaustive_limit: int = 64, zeros: Sequence[int] = (0,),
-                   recomputes: Sequence[str] = ("none",), tensor_parallel: int | str = 1) -> list[Layout]:
+                   recomputes: Sequence[str] = ("none",), tensor_parallel: int | str = 1,
+                   sequence_parallel: bool = False) -> list[Layout]:
     """The best layout of every shape (stages, replicas, micro-batches, schedule, T), best first, each with
     the fastest, then least sharded, ZeRO level and recomputation setting that fits (see the module
-    docstring for the search space). tensor_parallel: T, or "auto" for every T dividing the devices per node."""
+    docstring for the search space). tensor_parallel: T, or "auto" for every T dividing the devices per node;
+    sequence_parallel: every T > 1 runs sequence parallelism (its activations 1/T)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if not profiled_batch > 0:
@@ -362,10 +368,11 @@ def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_siz
                         for kind in schedules:  # every schedule even with one stage: they differ in memory
                             recompute, zero, memory, needs = _cheapest_option(
                                 model, cuts, replicas, m, kind, scale, copies, param_scale, options, cluster.memory,
-                                t)
+                                t, sequence_parallel)
                             lay = _simulate(model, cluster, cuts, replicas, m, kind, batch_size, scale, reduction,
                                             memory, zero, recompute, t)
                             lay.needs = needs
+                            lay.sequence_parallel = sequence_parallel and t > 1
                             shape = (stages, replicas, m, kind, t)
                             if shape not in best or lay.key() < best[shape].key():
                                 best[shape] = lay
@@ -377,7 +384,8 @@ def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_siz
 
 def _cheapest_option(m: _Model, cuts: Sequence[int], replicas: int, micro_batches: int, kind: str, scale: float,
                      copies: float, param_scale: float, options: list[tuple[str, int]],
-                     limit: float | None, tensor_parallel: int = 1) -> tuple[str, int, list[StageMemory], str]:
+                     limit: float | None, tensor_parallel: int = 1,
+                     sequence_parallel: bool = False) -> tuple[str, int, list[StageMemory], str]:
     """The first (recompute, zero) option of a shape whose stages all fit `limit`, the one needing least
     memory when none does, and what the first option tried needs when it was not taken. Sharding needs
     replicas: with one, only zero=0 is tried."""
@@ -386,7 +394,7 @@ def _cheapest_option(m: _Model, cuts: Sequence[int], replicas: int, micro_batche
         if zero and replicas == 1:
             continue
         memory = _price(m, cuts, replicas, micro_batches, kind, scale, copies, param_scale, zero, recompute,
-                        tensor_parallel)
+                        tensor_parallel, sequence_parallel)
         peak = max(mem.total for mem in memory)
         needs = f"zero={priced[0][2]} recompute={priced[0][1]} needs {format_bytes(priced[0][0])}" if priced else ""
         if limit is None or peak <= limit:
@@ -395,7 +403,7 @@ def _cheapest_option(m: _Model, cuts: Sequence[int], replicas: int, micro_batche
     if not priced:  # only zero >= 1 was asked for and there is one replica
         recompute = options[0][0]
         memory = _price(m, cuts, replicas, micro_batches, kind, scale, copies, param_scale, 0, recompute,
-                        tensor_parallel)
+                        tensor_parallel, sequence_parallel)
         return recompute, 0, memory, ""
     peak, recompute, zero, memory = min(priced, key=lambda p: p[0])
     return recompute, zero, memory, ""
@@ -504,8 +512,9 @@ def format_stage_memory(layout: Layout, cluster: Cluster) -> str:
     lines = [] if layout.tensor_parallel == 1 else [
         f"tensor parallel T={layout.tensor_parallel}: each of a stage's {layout.tensor_parallel} devices holds "
         f"1/{layout.tensor_parallel} of its matrices' weights, gradients and optimizer state (norms and biases "
-        f"whole) and {100 * activation_share(layout.tensor_parallel):.1f}% of its activations "
-        "(Korthikanti et al.: (10 + 24/T) / 34)"]
+        f"whole) and {100 * activation_share(layout.tensor_parallel, layout.sequence_parallel):.1f}% of its "
+        "activations (Korthikanti et al.: " + ("34/T / 34, sequence parallel)" if layout.sequence_parallel
+                                               else "(10 + 24/T) / 34)")]
     lines += [f"{'stage':>5} {'graph nodes':>11} {'weights':>10} {'gradients':>10} {'optimizer':>10} "
              f"{'activations':>11} {'in flight':>9} {'total':>10} {'of device':>9}"]
     for k, mem in enumerate(layout.stage_memory):

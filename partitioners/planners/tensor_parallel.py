@@ -10,7 +10,10 @@ stage are consecutive, so on one node. Priced here, per stage and per rank of it
 - activations: Korthikanti et al.'s per-layer s*b*h*(10 + 24/T + 5*a*s/(h*T)) bytes without sequence
   parallelism, as a share of the layer's T=1 bytes. The captured graph's attention
   (scaled_dot_product_attention) saves no s x s scores, so the 5*a*s/h term is absent from the bytes being
-  scaled: the share is (10 + 24/T) / 34. A recomputed micro-batch keeps the layer input (2*s*b*h), whole;
+  scaled: the share is (10 + 24/T) / 34. With sequence parallelism (`sequence_parallel=True`: a tp_plan naming
+  the norms 'sequence_parallel') the 10 whole ones are cut along the sequence too: 34/T, a share of 1/T; its
+  reduce-scatter and all-gather move the bytes of the all-reduce they replace, so its time is priced the same.
+  A recomputed micro-batch keeps the layer input (2*s*b*h), whole;
 - compute: forward and backward seconds / T (matmul-dominated);
 - communication: one all-reduce of the block's output after each rowwise matrix in the forward (attention's
   o_proj, the MLP's down_proj) and one of the gradient entering the block's colwise matrices in the backward,
@@ -52,8 +55,11 @@ def op_name(target: object) -> str:
     return str(target).rsplit("::", 1)[-1].split(".", 1)[0]
 
 
-def activation_share(tensor_parallel: int) -> float:
-    """Share of a layer's T=1 activation bytes one of T ranks keeps: (10 + 24/T) / 34."""
+def activation_share(tensor_parallel: int, sequence_parallel: bool = False) -> float:
+    """Share of a layer's T=1 activation bytes one of T ranks keeps: (10 + 24/T) / 34, or 1/T with sequence
+    parallelism."""
+    if sequence_parallel:
+        return 1.0 / tensor_parallel
     return (WHOLE_ACTIVATIONS + SPLIT_ACTIVATIONS / tensor_parallel) / (WHOLE_ACTIVATIONS + SPLIT_ACTIVATIONS)
 
 
