@@ -323,6 +323,13 @@ def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
         resumed.step(*steps[STEPS + 1])
         out[name, "t1 -> zero1 t2"] = resumed.state_dict()
         resumed.close()
+        # HSDP x TP: one stage, 4 replicas on 2 nodes of 2, T=2: FSDP2 shards each lane's blocks over a node's
+        # replicas and all-reduces them across the nodes (a (node, replica, lane) mesh)
+        pipe = wrap(name, stages=1, data_parallel=4, micro_batches=1, zero=3, hierarchy=(2, 2))
+        out[name, "losses", "hsdp"] = [pipe.step(x, y) for x, y in steps[:STEPS]]
+        out[name, "state", "hsdp"] = pipe.state_dict()
+        out[name, "fractions", "hsdp"] = held_fractions(pipe)
+        pipe.close()
     out["meta zero3"] = meta_build(str(Path(root) / "llama.safetensors"), data_parallel=2, zero=3)
     pipe = wrap("mlp", data_parallel=2, zero=2, optimizer=lars)  # whole tensors (blocks) owned by one replica each
     for x, y in MODELS["mlp"][2][:STEPS]:
@@ -449,6 +456,14 @@ def test_zero_with_an_optimizer_reading_whole_tensors(hybrid_ranks):
     split tensor is taken over its blocks on every lane."""
     want, _, _ = reference("mlp", STEPS, optimizer=lars)
     assert_close_states(gathered(hybrid_ranks, "lars zero2"), want)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hsdp_across_nodes_with_tensor_parallelism(hybrid_ranks, name):
+    assert_trained_like_the_unsplit_model(hybrid_ranks, name, "hsdp")
+    for result in hybrid_ranks:  # each lane's blocks cut in 2 (a node's replicas), not 4: the other node repeats them
+        params, state = result[name, "fractions", "hsdp"]
+        assert 0.45 <= params <= 0.55 and 0.45 <= state <= 0.55, (params, state)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -73,9 +73,10 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
     if options.zero == 3:  # FSDP2 shards every tensor evenly over the stage's replicas; no owners
         from pipetrain.comm.fully_sharded import replica_mesh, shard_module  # FSDP2: ~1 s to import, zero=3 only
 
-        if options.tensor_parallel > 1:  # the lanes' blocks sharded over the replicas: the 2-D mesh's other dimension
+        if options.tensor_parallel > 1:  # the lanes' blocks sharded over the replicas: the mesh's other dimensions
             mesh = engine.world.replica_lane_mesh()
-            mesh = mesh[mesh.mesh_dim_names[0]]
+            replicas = mesh.mesh_dim_names[:-1]
+            mesh = mesh[replicas if len(replicas) > 1 else replicas[0]]
         else:
             mesh = replica_mesh(engine.world.data_parallel_group, engine.world.hierarchy, engine.world.device)
         shard = functools.partial(shard_module, mesh=mesh, reshard_after_forward=options.reshard_after_forward)

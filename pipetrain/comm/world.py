@@ -161,24 +161,28 @@ class World:
                     self.tensor_group = group
 
     def replica_lane_mesh(self):
-        """zero=3 with tensor parallelism: the 2-D DeviceMesh of this rank's stage, (replica, tensor-parallel lane),
-        made once. The lanes cut the parameters over its lane dimension and FSDP2 shards the blocks over its replica
-        dimension: FSDP2 takes a tensor-parallel DTensor only on a mesh whose root is its own. The dimensions are named
-        after their groups, as `pipetrain.comm.fully_sharded` names its meshes' (DTensor's caches key meshes by ranks
-        and names: a closed pipeline's groups must not be found again)."""
+        """zero=3 with tensor parallelism: the DeviceMesh of this rank's stage, made once. Its last dimension is the
+        tensor-parallel lanes, which cut the parameters; the others are the replicas, over which FSDP2 shards the
+        blocks: (replica, lane), or (node, replica in the node, lane) when the replicas span several nodes (HSDP:
+        sharded inside a node, replicated across nodes, torchtitan's (dp_replicate, dp_shard, tp)). FSDP2 takes a
+        tensor-parallel DTensor only on a mesh whose root is its own. The dimensions are named after their groups, as
+        `pipetrain.comm.fully_sharded` names its meshes' (DTensor's caches key meshes by ranks and names: a closed
+        pipeline's groups must not be found again)."""
         if self._replica_lane_mesh is None:
-            if self.hierarchy is not None and self.hierarchy.nodes > 1:
-                raise ValueError("zero=3 with tensor_parallel > 1 shards over a stage's replicas on one node only, and "
-                                 "its replicas span several nodes here (HSDP): use allreduce='flat', or zero=2 with "
-                                 "tensor parallelism across nodes")
             from torch.distributed.device_mesh import DeviceMesh  # DTensor: ~1 s to import, zero=3 with T > 1 only
 
-            layout = torch.tensor([[self.rank_of(self.position, replica, lane) for lane in range(self.tensor_parallel)]
+            T, h = self.tensor_parallel, self.hierarchy
+            layout = torch.tensor([[self.rank_of(self.position, replica, lane) for lane in range(T)]
                                    for replica in range(self.data_parallel)])
+            if h is not None and h.nodes > 1 and h.inter is not None and h.intra_reduce is not None:
+                layout = layout.view(h.nodes, h.per_node, T)
+                groups = [h.inter, h.intra_reduce, self.tensor_group]
+                roles = ("replicate", "shard", "tensor")
+            else:
+                groups, roles = [self.data_parallel_group, self.tensor_group], ("shard", "tensor")
             self._replica_lane_mesh = DeviceMesh.from_group(
-                [self.data_parallel_group, self.tensor_group], self.device.type, mesh=layout,
-                mesh_dim_names=(f"shard-{self.data_parallel_group.group_name}",
-                                f"tensor-{self.tensor_group.group_name}"))
+                groups, self.device.type, mesh=layout,
+                mesh_dim_names=tuple(f"{role}-{group.group_name}" for role, group in zip(roles, groups)))
         return self._replica_lane_mesh
 
     def _group(self, ranks: list[int]):
