@@ -16,6 +16,8 @@ on the same stages. ``--lora R`` fine-tunes LoRA adapters of rank R (peft) on th
     torchrun --standalone --nproc-per-node 2 examples/huggingface.py --stages 2 --weights out/gpt2   # fine-tune it
     torchrun --standalone --nproc-per-node 8 examples/huggingface.py --model llama --stages 2 --data-parallel 2 \
         --tensor-parallel 2 --zero 3
+    torchrun --standalone --nproc-per-node 4 examples/huggingface.py --model llama --stages 2 --tensor-parallel 2 \
+        --sequence-parallel
     python examples/huggingface.py --stages 2 --weights out/gpt2 --lora 8 --optimizer adam --save-pretrained out/adapter
 
 With ``--weights DIR`` (a Hugging Face directory: ``config.json`` and safetensors) the model is built from the
@@ -25,6 +27,7 @@ whole model, and each rank reads only its own stage's tensors from DIR.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import time
@@ -54,6 +57,9 @@ def build(name: str, vocab: int, width: int, depth: int, length: int) -> torch.n
 
 
 PAD = 0  # the token padding is filled with; its label is -100 and its mask 0, so it never counts
+# Sequence parallelism (--sequence-parallel): the Llama's norms named in its tp_plan, which turns it on
+SEQUENCE_PARALLEL_NORMS = {"layers.*.input_layernorm": "sequence_parallel",
+                           "layers.*.post_attention_layernorm": "sequence_parallel", "norm": "sequence_parallel"}
 
 
 def document_length(index: int, longest: int) -> int:
@@ -75,10 +81,11 @@ class Documents(Dataset):
         return {"input_ids": text[:document_length(index, len(text))]}
 
 
-def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A causal-LM collator: rows padded to the longest of the batch, with their attention mask and labels
-    (the model shifts them by one itself; padding is -100)."""
-    longest = max(len(r["input_ids"]) for r in rows)
+def collate(rows: list[dict[str, torch.Tensor]], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """A causal-LM collator: rows padded to the longest of the batch (rounded up to a ``multiple``: sequence
+    parallelism cuts the sequence in T), with their attention mask and labels (the model shifts them by one itself;
+    padding is -100)."""
+    longest = -(-max(len(r["input_ids"]) for r in rows) // multiple) * multiple
     ids = torch.full((len(rows), longest), PAD, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
@@ -87,11 +94,12 @@ def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def loader(texts: Dataset, size: int, seed: int | None) -> DataLoader:
-    """Batches of ``size`` documents, shuffled by ``seed`` (None: in order): the same on every rank."""
+def loader(texts: Dataset, size: int, seed: int | None, multiple: int = 1) -> DataLoader:
+    """Batches of ``size`` documents, shuffled by ``seed`` (None: in order): the same on every rank; their length a
+    ``multiple``."""
     order = torch.Generator().manual_seed(seed) if seed is not None else None
     return DataLoader(Documents(texts), batch_size=size, shuffle=order is not None, generator=order,
-                      collate_fn=collate, drop_last=True)
+                      collate_fn=functools.partial(collate, multiple=multiple), drop_last=True)
 
 
 def with_lora(model: torch.nn.Module, rank: int, family: str) -> torch.nn.Module:
@@ -112,11 +120,11 @@ def warmup_then_cosine(warmup: int, total: int):
 
 
 @torch.no_grad()
-def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, size: int) -> tuple[float, float]:
+def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, size: int, multiple: int = 1) -> tuple[float, float]:
     """Per-token validation loss and next-token accuracy over the real tokens (predict runs the model in
     eval mode: no dropout; its loss is the whole batch's)."""
     loss, correct, tokens = 0.0, 0, 0
-    for x in loader(dataset, size, seed=None):
+    for x in loader(dataset, size, seed=None, multiple=multiple):
         out = pipe.predict(x)
         counted = x["labels"][:, 1:] != -100
         n = int(counted.sum())
@@ -142,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T", help="split each stage's attention "
                         "and MLP over T ranks by the model's own tp_plan (torchrun: stages x data-parallel x T "
                         "processes)")
+    parser.add_argument("--sequence-parallel", action="store_true", help="with --tensor-parallel (Llama): also cut "
+                        "the norms, residual adds and dropout along the sequence (the plan names the norms "
+                        "'sequence_parallel'); batches are padded to a multiple of T")
     parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="shard optimizer state (1), "
                         "gradients (2) and parameters (3, FSDP2) over the --data-parallel replicas")
     parser.set_defaults(precision="bf16")
@@ -165,7 +176,13 @@ def main(argv: list[str] | None = None) -> None:
     family = "gpt2" if "GPT2" in type(model).__name__ else "llama"
     if args.lora:
         model = with_lora(model, args.lora, family)
-    example = collate([Documents(train)[i] for i in range(max(1, size // (c.micro_batches * c.data_parallel)))])
+    tp_plan, multiple = None, 1
+    if args.sequence_parallel:
+        if family != "llama" or args.tensor_parallel == 1:
+            parser.error("--sequence-parallel takes --tensor-parallel T > 1 and the llama model")
+        tp_plan, multiple = {**model.tp_plan, **SEQUENCE_PARALLEL_NORMS}, args.tensor_parallel
+    example = collate([Documents(train)[i] for i in range(max(1, size // (c.micro_batches * c.data_parallel)))],
+                      multiple)
     updates = epochs * (len(train) // size)
     pipe = pipetrain.wrap(model, example, stages=c.stages, micro_batches=c.micro_batches, schedule=c.schedule,
                           staleness=c.staleness, partitioner=c.partitioner, loss_fn=pipetrain.model_loss, precision=c.precision,
@@ -175,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                               opt, warmup_then_cosine(args.warmup, updates)),
                           max_grad_norm=args.max_grad_norm or None, tensor_parallel=args.tensor_parallel,
-                          zero=args.zero)
+                          tp_plan=tp_plan, zero=args.zero)
     val_log = None
     if c.logdir and is_rank_zero():
         from torch.utils.tensorboard import SummaryWriter
@@ -191,10 +208,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"resumed from {c.checkpoint_dir} at step {pipe.updates}", flush=True)
         while pipe.updates < updates:
             epoch, done = divmod(pipe.updates, per_epoch)  # a resumed run starts where the checkpoint stopped
-            batches = itertools.islice(loader(train, size, seed=c.seed + epoch), done, None)  # every rank, same order
+            batches = itertools.islice(loader(train, size, seed=c.seed + epoch, multiple=multiple), done, None)  # every rank, same order
             losses = [r.loss for r in pipe.train(stop.batches(batches))]
             if not stop.stopped:  # a whole epoch: validate
-                val_loss, val_accuracy = evaluate(pipe, val, size)
+                val_loss, val_accuracy = evaluate(pipe, val, size, multiple)
                 train_losses.append(sum(losses) / len(losses))
                 val_losses.append(val_loss)
                 accuracies.append(val_accuracy)

@@ -120,7 +120,11 @@ COMMANDS: dict[str, Run | Covered | Within] = {
     # tensor-parallel.md
     "python examples/benchmarks/bench_tensor_parallel.py": Run(
         "inserted", append="--steps 1 --models mlp --width 256", slow=True),
-    "torchrun --standalone --nproc-per-node 4 examples/huggingface.py --model llama --stages 2 --tensor-parallel 2": Run(
+    "torchrun --standalone --nproc-per-node 4 examples/huggingface.py --model llama --stages 2 --tensor-parallel 2":
+        Within("torchrun --standalone --nproc-per-node 4 examples/huggingface.py --model llama --stages 2 "
+               "--tensor-parallel 2 --sequence-parallel"),
+    "torchrun --standalone --nproc-per-node 4 examples/huggingface.py --model llama --stages 2 --tensor-parallel 2 "
+    "--sequence-parallel": Run(
         "max val accuracy", append="--epochs 1 --train-samples 64 --val-samples 16 --batch-size 16 --no-progress",
         process=True, slow=True),
     # language-models.md
