@@ -15,15 +15,13 @@ import torch
 
 from dist_harness import run_world
 from pipetrain.tensor_parallel.collectives import ColumnsFromSlices, GatherToLanes, ScatterSumOverLanes
-from test_tensor_parallel import (MODELS, STEPS, TOL, assert_close_states, assert_trained_like_the_unsplit_model,
+from test_tensor_parallel import (MODELS, SEQUENCE_NORMS, STEPS, TOL, assert_close_states, assert_trained_like_the_unsplit_model,
                                   gathered, llama, reference, sgd, wrap)
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
-NORMS = {"model.layers.*.input_layernorm": "sequence_parallel",
-         "model.layers.*.post_attention_layernorm": "sequence_parallel", "model.norm": "sequence_parallel"}
 PLANS = {  # name -> tp_plan with sequence parallelism
-    "llama": {**llama().tp_plan, **NORMS},
+    "llama": {**llama().tp_plan, **SEQUENCE_NORMS},
     # 8 -> 16 -> 16 (colwise, rowwise), Tanh on the rows' slices, 16 -> 16 -> 16 (colwise, rowwise), 16 -> 4 whole
     "mlp": {"0": "colwise", "2": "rowwise", "3": "sequence_parallel", "4": "colwise", "6": "rowwise"},
 }

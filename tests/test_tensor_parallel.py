@@ -72,6 +72,10 @@ MODELS = {  # name -> (builder, loss, mini-batches of (inputs, targets))
 }
 
 
+SEQUENCE_NORMS = {"model.layers.*.input_layernorm": "sequence_parallel",  # the Llama's, for sequence parallelism
+                  "model.layers.*.post_attention_layernorm": "sequence_parallel", "model.norm": "sequence_parallel"}
+
+
 MAX_NORM = 0.2  # below the MLP's gradient norms in these steps (0.4 and more): every step clips
 # The MLP under every other synchronous schedule, split backward (B and W apart) and recomputation included,
 # clipped by the global norm over both stages and both tensor ranks, and in low precision.
@@ -336,6 +340,11 @@ def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
         pipe.step(x, y)
     out["lars zero2"] = pipe.state_dict()
     pipe.close()
+    # sequence parallelism with replicas and ZeRO-1: the norms' weights, whole, summed over the lanes, then averaged
+    pipe = wrap("llama", data_parallel=2, zero=1, tp_plan={**llama().tp_plan, **SEQUENCE_NORMS})
+    out["llama", "losses", "sequence"] = [pipe.step(x, y) for x, y in MODELS["llama"][2][:STEPS]]
+    out["llama", "state", "sequence"] = pipe.state_dict()
+    pipe.close()
     return out
 
 
@@ -456,6 +465,10 @@ def test_zero_with_an_optimizer_reading_whole_tensors(hybrid_ranks):
     split tensor is taken over its blocks on every lane."""
     want, _, _ = reference("mlp", STEPS, optimizer=lars)
     assert_close_states(gathered(hybrid_ranks, "lars zero2"), want)
+
+
+def test_sequence_parallelism_with_replicas_and_zero(hybrid_ranks):
+    assert_trained_like_the_unsplit_model(hybrid_ranks, "llama", "sequence")
 
 
 @pytest.mark.parametrize("name", MODELS)
