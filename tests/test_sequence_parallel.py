@@ -15,8 +15,8 @@ import torch
 
 from dist_harness import run_world
 from pipetrain.tensor_parallel.collectives import ColumnsFromSlices, GatherToLanes, ScatterSumOverLanes
-from test_tensor_parallel import (MODELS, SEQUENCE_NORMS, STEPS, TOL, assert_close_states, assert_trained_like_the_unsplit_model,
-                                  gathered, llama, reference, sgd, wrap)
+from test_tensor_parallel import (MODELS, SEQUENCE_NORMS, STEPS, TOL, assert_close_states,
+                                  assert_trained_like_the_unsplit_model, gathered, llama, reference, sgd, wrap)
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 

@@ -331,7 +331,7 @@ class _Splitter:
     def _keep_slices_for_backward(self) -> None:
         """Sequence parallelism: the colwise layers reading one gathered input run as one `ColumnsFromSlices` call,
         which keeps the slice for their backward instead of the whole input (gathered again there)."""
-        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        order = {n: float(i) for i, n in enumerate(self.graph.nodes)}  # a hoisted node goes just before
         for gathered in self.gathered_to_lanes.values():
             layers = [u for u in gathered.users if u.target is aten.linear.default and u.args[0] is gathered]
             if not layers:
@@ -359,7 +359,7 @@ class _Splitter:
                 self.graph.erase_node(gathered)
                 self.gm.delete_submodule(gathered.target)
 
-    def _hoist(self, node: Any, before: fx.Node, order: dict[fx.Node, int]) -> None:
+    def _hoist(self, node: Any, before: fx.Node, order: dict[fx.Node, float]) -> None:
         """Move ``node`` (and what it reads) before ``before`` where it comes after it."""
         if not isinstance(node, fx.Node) or order[node] < order[before]:
             return
