@@ -253,10 +253,8 @@ def evaluate_layout(model: _Model | CostGraph | nx.DiGraph, cluster: Cluster, cu
     copies = _state_copies(optimizer)
     memory = _price(m, cuts, replicas, micro_batches, schedule, scale, copies, param_scale, zero, recompute, t,
                     sequence_parallel)
-    layout = _simulate(m, cluster, cuts, replicas, micro_batches, schedule, batch_size, scale, reduction, memory,
-                       zero, recompute, t)
-    layout.sequence_parallel = sequence_parallel and t > 1
-    return layout
+    return _simulate(m, cluster, cuts, replicas, micro_batches, schedule, batch_size, scale, reduction, memory,
+                     zero, recompute, t, sequence_parallel)
 
 
 def _micro_scale(batch_size: int, replicas: int, micro_batches: int, profiled_batch: int) -> float:
@@ -298,8 +296,9 @@ def _price(m: _Model, cuts: Sequence[int], replicas: int, micro_batches: int, sc
 
 def _simulate(m: _Model, cluster: Cluster, cuts: Sequence[int], replicas: int, micro_batches: int, schedule: str,
               batch_size: int, scale: float, reduction: Reduction, memory: list[StageMemory], zero: int,
-              recompute: str, tensor_parallel: int = 1) -> Layout:
-    """The layout's step, simulated on lanes of T devices (see the module docstring)."""
+              recompute: str, tensor_parallel: int = 1, sequence_parallel: bool = False) -> Layout:
+    """The layout's step, simulated on lanes of T devices (see the module docstring); ``memory`` priced with
+    ``sequence_parallel`` or not, which the layout records."""
     t = tensor_parallel
     share = recomputed_share(schedule, len(cuts) - 1, micro_batches, recompute)
     work = [m.work(cuts[k], cuts[k + 1], scale, share[k], t, cluster) for k in range(len(cuts) - 1)]
@@ -313,7 +312,7 @@ def _simulate(m: _Model, cluster: Cluster, cuts: Sequence[int], replicas: int, m
     result.memory = [mem.total for mem in memory]
     fits = cluster.memory is None or max(result.memory) <= cluster.memory
     return Layout(list(cuts), replicas, micro_batches, schedule, batch_size, result, fits, memory, zero, recompute,
-                  tensor_parallel=t)
+                  tensor_parallel=t, sequence_parallel=sequence_parallel and t > 1)
 
 
 def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_size: int,
@@ -370,9 +369,8 @@ def search_layouts(graph: CostGraph | nx.DiGraph, cluster: Cluster, *, batch_siz
                                 model, cuts, replicas, m, kind, scale, copies, param_scale, options, cluster.memory,
                                 t, sequence_parallel)
                             lay = _simulate(model, cluster, cuts, replicas, m, kind, batch_size, scale, reduction,
-                                            memory, zero, recompute, t)
+                                            memory, zero, recompute, t, sequence_parallel)
                             lay.needs = needs
-                            lay.sequence_parallel = sequence_parallel and t > 1
                             shape = (stages, replicas, m, kind, t)
                             if shape not in best or lay.key() < best[shape].key():
                                 best[shape] = lay
