@@ -74,9 +74,7 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
         from pipetrain.comm.fully_sharded import replica_mesh, shard_module  # FSDP2: ~1 s to import, zero=3 only
 
         if options.tensor_parallel > 1:  # the lanes' blocks sharded over the replicas: the mesh's other dimensions
-            mesh = engine.world.replica_lane_mesh()
-            replicas = mesh.mesh_dim_names[:-1]
-            mesh = mesh[replicas if len(replicas) > 1 else replicas[0]]
+            mesh = engine.world.replicas_of_lane_mesh()
         else:
             mesh = replica_mesh(engine.world.data_parallel_group, engine.world.hierarchy, engine.world.device)
         shard = functools.partial(shard_module, mesh=mesh, reshard_after_forward=options.reshard_after_forward)

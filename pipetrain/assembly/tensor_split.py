@@ -72,8 +72,7 @@ def stage_splitter(model: nn.Module, example_inputs: Any, plan: partitioners.Pla
 
     mesh = None
     if options.zero == 3:  # FSDP2 then shards the blocks over the other dimension of the same mesh
-        whole_mesh = world.replica_lane_mesh()
-        mesh = whole_mesh[whole_mesh.mesh_dim_names[-1]]
+        mesh = world.lanes_of_replica_mesh()
 
     def split(module: nn.Module, v: int) -> None:
         split_module(module, stage_plan(module, chosen, lanes.size, tied_names[v]), lanes, shapes, f"stage {v}",

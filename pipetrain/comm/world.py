@@ -185,6 +185,18 @@ class World:
                 mesh_dim_names=tuple(f"{role}-{group.group_name}" for role, group in zip(roles, groups)))
         return self._replica_lane_mesh
 
+    def replicas_of_lane_mesh(self):
+        """zero=3 with tensor parallelism: the replica dimensions of `replica_lane_mesh` (1-D, or 2-D under HSDP),
+        over which FSDP2 shards the lanes' blocks."""
+        mesh = self.replica_lane_mesh()
+        replicas = mesh.mesh_dim_names[:-1]
+        return mesh[replicas if len(replicas) > 1 else replicas[0]]
+
+    def lanes_of_replica_mesh(self):
+        """zero=3 with tensor parallelism: the lane dimension of `replica_lane_mesh`, which cuts the parameters."""
+        mesh = self.replica_lane_mesh()
+        return mesh[mesh.mesh_dim_names[-1]]
+
     def _group(self, ranks: list[int]):
         # Collectives on our groups give up after the same bound as point-to-point waits.
         group = dist.new_group(ranks, timeout=self.timeout)
