@@ -150,6 +150,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "tests/test_benchmarks.py::test_memory_benchmark_predicts_every_stage_within_ten_percent"),
     "python examples/benchmarks/bench_delay.py": Run(
         "D = 1:", append="--delays 0,1 --epochs 1 --train-samples 128", slow=True),
+    "python examples/benchmarks/bench_async_goal.py --seeds 5": Covered(
+        "tests/test_async_goal.py::test_a_tiny_cell_is_judged_by_the_issues_rules"),
     "python examples/benchmarks/bench_stage_delays.py": Run(
         "delays 3,2,1,0:", append="--delays 3,2,1,0 0,0,0,0 --epochs 1 --train-samples 256 --seeds 1", slow=True),
     "python examples/benchmarks/bench_precision.py": Run(
