@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -111,19 +112,29 @@ def train(family: str, optimizer: str, epochs: int, grid: Sequence[float], metho
     return results[method]
 
 
+def best_accuracy(result: MethodResult) -> float:
+    """The mean over the seeds of each run's best validation accuracy at the best rate, in %; a diverged run
+    (NaN) counts as 0, as compare's choice of the best rate counts it."""
+    return 100 * statistics.fmean(s.max_val_accuracy if math.isfinite(s.max_val_accuracy) else 0.0
+                                  for s in result.best)
+
+
 def judge(family: str, optimizer: str, budget: int, epochs: int, sync: MethodResult, method: str,
           candidate: MethodResult) -> Cell:
     """The cell's verdict from both methods' runs, by pipetrain.apps.time_to_target's rules."""
-    targets: Targets = to_target({"1f1b": sync.best_by_seed, method: candidate.best_by_seed},
-                                 MARGIN, baseline="1f1b")
-    mean = lambda result: 100 * statistics.fmean(s.max_val_accuracy for s in result.best)  # noqa: E731
+    targets: Targets | None = to_target({"1f1b": sync.best_by_seed, method: candidate.best_by_seed},
+                                        MARGIN, baseline="1f1b")
+    if targets is None:
+        raise SystemExit(f"{family}/{optimizer}/{budget}x: every 1f1b run diverged before its first epoch, so the "
+                         "cell has no target; lower the grid's rates")
     ours, theirs = targets.methods[method], targets.methods["1f1b"]
-    return Cell(family, optimizer, budget, epochs, sync.best_lr, mean(sync), method, candidate.best_lr,
-                mean(candidate), 100 * targets.goal, theirs.reach.epoch, ours.reach.epoch,
+    return Cell(family, optimizer, budget, epochs, sync.best_lr, best_accuracy(sync), method, candidate.best_lr,
+                best_accuracy(candidate), 100 * targets.goal, theirs.reach.epoch, ours.reach.epoch,
                 {seed: str(r) for seed, r in ours.seeds.items()})
 
 
 def table(cells: Sequence[Cell]) -> str:
+    """The cells as a Markdown table, one row each."""
     rows = ["| family | optimizer | epochs | 1f1b: best acc (lr) | target, reached at | method: best acc (lr) | "
             "reached at | x 1f1b's epochs (seeds) | goal |", "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
