@@ -72,10 +72,13 @@ def test_a_tiny_cell_is_judged_by_the_issues_rules(tmp_path):
     assert written[0]["met"] == met and written[0]["method_epoch"] == our_epoch
 
 
-def test_every_cell_of_the_goal_has_both_grids():
+def test_every_cell_of_the_goal_has_both_grids(tmp_path):
     module = bench()
     cells = {(f, o, b) for f in module.FAMILIES for o in module.OPTIMIZERS for b in module.BUDGETS}
     assert set(module.GRIDS) == cells and len(cells) == 16
     assert all(sync and ours for sync, ours in module.GRIDS.values())
     with pytest.raises(SystemExit):
         module.main(["--method", "nesterov+bs=8"])
+    with pytest.raises(SystemExit):  # refused before any cell trains
+        module.main(["--families", "vgg,gpt", "--logdir", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()

@@ -167,21 +167,21 @@ def main(argv: Sequence[str] | None = None) -> list[Cell]:
     extra = [f"--{flag.replace('_', '-')}={value}" for flag in ("train_samples", "val_samples", "width")
              if (value := getattr(args, flag)) is not None]
     own_grid = tuple(float(r) for r in args.lr_grid.split(",")) if args.lr_grid else None
+    wanted = [(family, optimizer, budget) for optimizer in args.optimizers.split(",")
+              for budget in map(int, args.budgets.split(",")) for family in args.families.split(",")]
+    unknown = [f"{f}/{o}/{b}x" for f, o, b in wanted if (f, o, b) not in GRIDS]
+    if unknown:  # before hours of training, not after
+        parser.error(f"no cell {', '.join(unknown)}; families {', '.join(FAMILIES)}, optimizers "
+                     f"{', '.join(OPTIMIZERS)}, budgets {', '.join(map(str, BUDGETS))}")
     cells = []
-    for optimizer in args.optimizers.split(","):
-        for budget in map(int, args.budgets.split(",")):
-            for family in args.families.split(","):
-                if (family, optimizer, budget) not in GRIDS:
-                    parser.error(f"no cell {family}/{optimizer}/{budget}x; families {', '.join(FAMILIES)}, "
-                                 f"optimizers {', '.join(OPTIMIZERS)}, budgets {', '.join(map(str, BUDGETS))}")
-                epochs = args.epochs or budget * README_EPOCHS[family]
-                sync_grid, method_grid = (own_grid, own_grid) if own_grid else GRIDS[(family, optimizer, budget)]
-                method = f"{args.method}+bs={micro_batch_of(family)}"
-                where = Path(args.logdir) / f"{family}-{optimizer}-{budget}x"
-                sync = train(family, optimizer, epochs, sync_grid, "1f1b", args.seeds, where / "sync", extra)
-                candidate = train(family, optimizer, epochs, method_grid, method, args.seeds, where / "async",
-                                  extra)
-                cells.append(judge(family, optimizer, budget, epochs, sync, method, candidate))
+    for family, optimizer, budget in wanted:
+        epochs = args.epochs or budget * README_EPOCHS[family]
+        sync_grid, method_grid = (own_grid, own_grid) if own_grid else GRIDS[(family, optimizer, budget)]
+        method = f"{args.method}+bs={micro_batch_of(family)}"
+        where = Path(args.logdir) / f"{family}-{optimizer}-{budget}x"
+        sync = train(family, optimizer, epochs, sync_grid, "1f1b", args.seeds, where / "sync", extra)
+        candidate = train(family, optimizer, epochs, method_grid, method, args.seeds, where / "async", extra)
+        cells.append(judge(family, optimizer, budget, epochs, sync, method, candidate))
     print(f"\nasync at m = 1 against the synchronous pipeline, {STAGES} stages, {args.seeds} seeds, each method at "
           f"its best rate; the goal: the target (1f1b's peak mean accuracy - {100 * MARGIN:g} point) in at most "
           f"{MAX_RATIO}x 1f1b's epochs, ending within {MAX_GAP:g} point of its best accuracy\n")
