@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from pipetrain.apps.compare import MethodResult, add_arguments_compare, config_from_compare_args, run_compare
+from pipetrain.apps.compare import MethodResult, add_arguments_compare, run_compare
+from pipetrain.apps.run_config import RunConfig
 from pipetrain.apps.time_to_target import MARGIN, Targets, to_target
 
 FAMILIES = ("transformer", "lstm", "vgg", "resnet")
@@ -91,11 +92,8 @@ class Cell:
 
 
 def micro_batch_of(family: str) -> int:
-    """The synchronous pipeline's micro-batch: the family's mini-batch (compare's default) over 8."""
-    parser = argparse.ArgumentParser()
-    add_arguments_compare(parser)
-    base, _ = config_from_compare_args(parser.parse_args(["--model", family]))
-    return base.resolved().batch_size // SYNC_MICRO_BATCHES
+    """The synchronous pipeline's micro-batch: the family's default mini-batch over 8."""
+    return RunConfig(model=family).resolved().batch_size // SYNC_MICRO_BATCHES
 
 
 def train(family: str, optimizer: str, epochs: int, grid: Sequence[float], method: str, seeds: int,
