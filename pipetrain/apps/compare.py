@@ -12,8 +12,9 @@ stages - k - 1 updates stale instead of a fraction of one.
 A fair comparison gives every method the same chances: with several learning rates
 (``lrs``) every method trains at each of them and is reported at its best (by mean validation
 accuracy over the seeds), and with several ``seeds`` the table shows mean and spread. Each run
-gets its own TensorBoard run under one log directory (so TensorBoard overlays them), and the
-comparison ends with a PNG of the curves and the table the SpecTrain paper reports.
+gets its own TensorBoard run under one log directory (so TensorBoard overlays them; the by_samples/
+charts line up methods at different batch sizes, pipetrain.apps.run_log), and the comparison ends with a
+PNG of the curves against the training samples seen and the table the SpecTrain paper reports.
 
 Speed: the local engine runs the stages one after another in one process, so the samples/s it
 measures are the runtime's overhead, not pipeline speed. The table keeps them under that name; the
@@ -43,6 +44,7 @@ from pipetrain.apps.extras import import_extra
 from pipetrain.apps.models import MODELS
 from pipetrain.apps.throughput import local_cluster, predicted_samples_per_second, stage_seconds
 from pipetrain.apps.run_config import RunConfig, add_arguments, config_from_args
+from pipetrain.apps.run_log import OVERLAY_HINT
 from pipetrain.apps.run_summary import RunSummary, human_bytes
 from pipetrain.apps.time_to_target import BASELINES, MARGIN, ToTarget, seconds_to_target, spread_text, to_target
 from pipetrain.apps.training import is_rank_zero, run
@@ -354,29 +356,32 @@ def speed_title(cluster: Cluster) -> str:
 
 def compare_figure(summaries: dict[str, RunSummary], predicted: dict[str, float], cluster: Cluster):
     """Train loss per step, val loss and val accuracy per epoch, one line per method (one run each: with a
-    grid, the caller passes each method's first seed at its best rate), and each method's ``predicted``
-    samples/s on ``cluster`` (horizontal bars, values printed). Returns the matplotlib Figure."""
+    grid, the caller passes each method's first seed at its best rate), against the training samples seen,
+    and each method's ``predicted`` samples/s on ``cluster`` (horizontal bars, values printed). Returns the
+    matplotlib Figure."""
     matplotlib = import_extra("matplotlib", "matplotlib", "the comparison plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import EngFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))
     (loss_ax, val_ax), (acc_ax, speed_ax) = axes
     for m, s in summaries.items():
-        loss_ax.plot(range(1, len(s.step_losses) + 1), _smooth(s.step_losses), label=m)
-        epochs = [e.epoch for e in s.epochs]
-        val_ax.plot(epochs, [e.val_loss for e in s.epochs], marker="o", label=m)
-        acc_ax.plot(epochs, [100 * e.val_accuracy for e in s.epochs], marker="o", label=m)
-    for ax, title, ylabel in ((loss_ax, "train loss (smoothed)", "loss"), (val_ax, "validation loss", "loss"),
-                              (acc_ax, "validation accuracy", "%")):
+        # Samples, not updates, on x: a method at +bs=N takes more updates per epoch than the others, and
+        # only at equal samples do the curves compare the same data (the x of TensorBoard's by_samples/ tags).
+        batch = s.config.resolved().batch_size
+        loss_ax.plot([batch * step for step in range(1, len(s.step_losses) + 1)], _smooth(s.step_losses), label=m)
+        seen = [batch * e.step for e in s.epochs]
+        val_ax.plot(seen, [e.val_loss for e in s.epochs], marker="o", label=m)
+        acc_ax.plot(seen, [100 * e.val_accuracy for e in s.epochs], marker="o", label=m)
+    for ax, title, ylabel in ((loss_ax, "train loss (smoothed)", "loss"),
+                              (val_ax, "validation loss (after each epoch)", "loss"),
+                              (acc_ax, "validation accuracy (after each epoch)", "%")):
         ax.set_title(title)
         ax.set_ylabel(ylabel)
+        ax.set_xlabel("training samples seen")
+        ax.xaxis.set_major_formatter(EngFormatter())
         ax.legend(fontsize="small")
-    loss_ax.set_xlabel("step")
-    for ax in (val_ax, acc_ax):
-        ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     loss_ax.set_yscale("log")
     val_ax.set_yscale("log")
     _speed_panel(speed_ax, summaries, predicted, cluster)
@@ -515,7 +520,7 @@ def run_compare(args: argparse.Namespace) -> tuple[dict[str, MethodResult], Path
             print(s.line())
     print()
     print(format_table(results, speed, args.target_gap / 100, args.baseline))
-    print(f"\ncurves: {png}\nTensorBoard: tensorboard --logdir {args.logdir}")
+    print(f"\ncurves: {png}\nTensorBoard: tensorboard --logdir {args.logdir}\n  {OVERLAY_HINT}")
     return results, png
 
 

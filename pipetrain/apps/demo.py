@@ -6,7 +6,9 @@ stages, are trained by data parallelism (the sync baseline), sync 1F1B and async
 micro-batches (8 per mini-batch; 4 for ResNet, whose BatchNorm needs a few samples per micro-batch), and
 by the recommended way to run async-1f1b at one micro-batch per update: nesterov with delay-matched momentum on
 those micro-batches of 8 samples, each one update at the rate scaled by 8 / the batch (METHODS' last entry):
-about 3 minutes on 2 CPU cores. It prints the paper-style tables, the PNGs and the TensorBoard command.
+about 3 minutes on 2 CPU cores. It prints the paper-style tables, the PNGs (curves against the training
+samples seen) and the TensorBoard command, with the tags to overlay (by_samples/: that last method takes 4-8x
+the others' updates per epoch).
 The PNGs' throughput is predicted for one core per stage from each run's measured per-stage costs
 (pipetrain.apps.throughput): the local engine's own samples/s are its overhead, not pipeline speed.
 
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from pipetrain.apps.compare import METHODS as COMPARED, add_arguments_compare, run_compare
+from pipetrain.apps.run_log import OVERLAY_HINT
 
 # Every model's micro-batch is 8 samples (64 / 8; ResNet 32 / 4): at one update each, the lag of a stage in
 # samples is that of async at 8 micro-batches per update (docs/async.md, one micro-batch per update).
@@ -110,5 +113,6 @@ def run_demo(args: argparse.Namespace) -> int:
                 print(_header(name) + f" ({seconds:.0f} s)\n" + printed, end="", flush=True)
     print(f"\ndemo wall time: {time.perf_counter() - start:.0f} s")
     print("curves: " + ", ".join(str(pngs[m]) for m in ORDER if m in pngs))
-    print(f"TensorBoard (all runs overlaid): tensorboard --logdir {logdir}")
+    print(f"TensorBoard (all runs overlaid): tensorboard --logdir {logdir}\n  {OVERLAY_HINT};\n  "
+          f"{METHODS[-1]} takes 4-8x the others' updates per epoch (8 samples each)")
     return 0

@@ -3,9 +3,10 @@
 It builds a zoo model on a dataset, wraps it in a pipeline, trains for some epochs over a deterministic
 (seeded) data order, validates after every epoch, and returns a :class:`RunSummary`. Under torchrun every
 rank runs the same call and iterates the same global mini-batches (the runtime shards them for data
-parallelism); only rank 0 shows progress and writes TensorBoard scalars. Checkpoints are saved after every
-epoch; ``resume="auto"`` loads the newest one and skips the mini-batches it already trained, so a resumed run
-sees the same data order as an uninterrupted one. With a checkpoint directory, SIGTERM is a request to stop
+parallelism); only rank 0 shows progress and writes TensorBoard scalars (pipetrain.apps.run_log: validation,
+and the losses on a samples axis too). Checkpoints are saved after every epoch; ``resume="auto"`` loads the
+newest one and skips the mini-batches it already trained, so a resumed run sees the same data order as an
+uninterrupted one. With a checkpoint directory, SIGTERM is a request to stop
 (pipetrain.StopOnSigterm): the run finishes the mini-batch in flight (under torchrun, the next one when the
 signal came after that one's step report; an async-1f1b stream takes no new mini-batches and drains; under
 torchrun async-1f1b stops at the end of the epoch), saves a checkpoint and returns with ``summary.preempted``
@@ -30,6 +31,7 @@ import pipetrain
 from pipetrain.apps.datasets import dataset_info, load_dataset, make_loader
 from pipetrain.apps.models import build_model
 from pipetrain.apps.run_config import RunConfig
+from pipetrain.apps.run_log import RunLog
 from pipetrain.apps.run_summary import EpochRecord, PerStageMeans, RunSummary
 
 
@@ -104,13 +106,9 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
     if on_step is not None:
         pipe.on_step(on_step)
     rank0 = is_rank_zero()
-    val_log = None
-    if c.logdir and rank0:
-        from torch.utils.tensorboard import SummaryWriter
-
-        val_log = SummaryWriter(c.logdir, filename_suffix=".val")  # same run directory as the runtime's scalars
+    log = RunLog(c.logdir, c.batch_size) if c.logdir and rank0 else None  # the runtime's run directory
     summary = RunSummary(c, gradient_bytes=gradient_bytes)
-    with _closed_after(pipe, val_log), pipetrain.StopOnSigterm(pipe, enabled=bool(c.checkpoint_dir)) as stop:
+    with _closed_after(pipe, log), pipetrain.StopOnSigterm(pipe, enabled=bool(c.checkpoint_dir)) as stop:
         if c.resume == "auto" and pipe.resume(c.checkpoint_dir) and rank0:
             print(f"resumed from {c.checkpoint_dir} at step {pipe.updates}", flush=True)
         steps_per_epoch = len(loader)
@@ -132,6 +130,8 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
                 per_stage.add(result)
                 summary.step_busy_seconds.append([f * result.seconds for f in result.busy_fraction])
                 _add_into(summary.stage_activation_bytes, result.comm_bytes.get("activations", []))
+                if log is not None:
+                    log.step(result)
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{result.samples_per_second:.0f}")
             bar.close()
@@ -152,11 +152,8 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
             record = EpochRecord(epoch + 1, pipe.updates, sum(losses) / len(losses), val_loss, val_acc,
                                  samples / seconds if seconds > 0 else math.nan, sent / len(losses))
             summary.epochs.append(record)
-            if val_log is not None:
-                val_log.add_scalar("val/loss", val_loss, pipe.updates)
-                val_log.add_scalar("val/accuracy", val_acc, pipe.updates)
-                val_log.add_scalar("train/epoch_loss", record.train_loss, pipe.updates)
-                val_log.flush()
+            if log is not None:
+                log.epoch(record)
             if rank0 and c.progress:
                 tqdm.write(f"{c.label + ' ' if c.label else ''}epoch {epoch + 1}/{c.epochs}: "
                            f"train loss {record.train_loss:.4f}, val loss {val_loss:.4f}, "
@@ -176,13 +173,13 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
 
 
 @contextlib.contextmanager
-def _closed_after(pipe: pipetrain.Pipeline, val_log: Any) -> Iterator[None]:
-    """Close the pipeline (and the validation log, if any) when the block ends, also after an error."""
+def _closed_after(pipe: pipetrain.Pipeline, log: RunLog | None) -> Iterator[None]:
+    """Close the pipeline (and the loop's log, if any) when the block ends, also after an error."""
     try:
         yield
     finally:
-        if val_log is not None:
-            val_log.close()
+        if log is not None:
+            log.close()
         pipe.close()
 
 
