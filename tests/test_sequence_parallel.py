@@ -3,8 +3,9 @@ keeps what runs between the row- and column-parallel layers on each rank's slice
 
 The same two models and references as `test_tensor_parallel` (the tiny Llama with grouped-query attention, its own
 plan plus its norms named 'sequence_parallel'; the plain MLP, its pairs named by hand, where the "sequence" is the
-micro-batch's rows), at 2 stages x T=2 on 4 gloo ranks, three AdamW steps. 1e-5, as there: the ranks' partial
-sums are reduce-scattered instead of all-reduced, the same sums in another order. A slice's gradient not summed over
+micro-batch's rows), at 2 stages x T=2 on 4 gloo ranks, three AdamW steps, in float64 with its TOL, as there (its
+docstring derives it): the ranks' partial sums are reduce-scattered instead of all-reduced, the same sums in another
+order. A slice's gradient not summed over
 the ranks (a norm's weight), or a reduce-scatter whose backward did not gather, is off by a factor of 2 or leaves
 whole slices' gradients at zero, far outside it.
 """
@@ -15,8 +16,9 @@ import torch
 
 from dist_harness import run_world
 from pipetrain.tensor_parallel.collectives import ColumnsFromSlices, GatherToLanes, ScatterSumOverLanes
-from test_tensor_parallel import (MODELS, SEQUENCE_NORMS, STEPS, TOL, assert_close_states,
-                                  assert_trained_like_the_unsplit_model, gathered, llama, reference, sgd, wrap)
+from test_tensor_parallel import (EXACT, LOW, SEQUENCE_NORMS, STEPS, TOL, assert_close_states,
+                                  assert_trained_like_the_unsplit_model, gathered, llama, reference, sgd, steps_in,
+                                  wrap)
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
@@ -29,7 +31,7 @@ PLANS = {  # name -> tp_plan with sequence parallelism
 # The Llama under the split backward (B then W: the fused colwise call's backward, gathering its slices again, runs
 # for each), with recomputation, and under bf16 autocast (its matmuls and their backward in bf16).
 VARIANTS = {"zb-h1": dict(schedule="zb-h1"), "zb-h1-recompute": dict(schedule="zb-h1", recompute="always"),
-            "bf16": dict(precision="bf16", optimizer=sgd)}
+            "bf16": dict(precision="bf16", optimizer=sgd, dtype=LOW)}
 
 
 def saved_bytes(pipe, x, y) -> int:
@@ -49,7 +51,7 @@ def saved_bytes(pipe, x, y) -> int:
 def scenarios(rank: int, world: int) -> dict:
     out: dict = {}
     for name, plan in PLANS.items():
-        steps = MODELS[name][2]
+        steps = steps_in(name)
         pipe = wrap(name, tp_plan=plan)
         out[name, "collectives"] = sorted({type(m).__name__ for rt in pipe.held_stages.values()
                                            for m in rt.module.modules()
@@ -65,7 +67,7 @@ def scenarios(rank: int, world: int) -> dict:
         pipe.close()
     for variant, options in VARIANTS.items():
         pipe = wrap("llama", tp_plan=PLANS["llama"], **options)
-        for x, y in MODELS["llama"][2][:STEPS]:
+        for x, y in steps_in("llama", options.get("dtype", EXACT))[:STEPS]:
             pipe.step(x, y)
         out[variant] = pipe.state_dict()
         pipe.close()
@@ -104,8 +106,8 @@ def test_the_split_backward_and_recomputation(ranks, variant):
 
 def test_bf16_errs_no_more_than_the_unsplit_model_does(ranks):
     """As test_tensor_parallel's check: within twice the unsplit autocast model's own distance from float32."""
-    exact, _, _ = reference("llama", STEPS, optimizer=sgd)
-    rounded, _, _ = reference("llama", STEPS, autocast=torch.bfloat16, optimizer=sgd)
+    exact, _, _ = reference("llama", STEPS, optimizer=sgd, dtype=LOW)
+    rounded, _, _ = reference("llama", STEPS, autocast=torch.bfloat16, optimizer=sgd, dtype=LOW)
     got = gathered(ranks, "bf16")
     own = max((rounded[k] - exact[k]).abs().max().item() for k in exact if k in got)
     split = max((got[k] - exact[k]).abs().max().item() for k in exact if k in got)

@@ -5,10 +5,18 @@ mini-batches, accumulated over the same micro-batches, with AdamW (lr 0.01, thre
 Llama with grouped-query attention (4 heads, 2 key/value heads: each of 2 tensor ranks holds 2 heads and 1 kv
 head), split by the plan the model declares (its ``tp_plan``: attention and MLP colwise/rowwise pairs, the
 embedding by vocabulary rows, the head colwise then gathered); and a plain MLP, split by the automatic plan
-(pairs of consecutive linear layers). 1e-5 covers float32 sums taken in another order: partial products summed
-over the ranks instead of inside one matmul (weights of order 0.1-1, three steps). A collective missing or
-doubled (a gradient not summed over the ranks, a row-parallel output summed twice) is off by a factor of 2 in
-some tensor, far outside it.
+(pairs of consecutive linear layers).
+
+Both sides train in float64 (EXACT), so that the tolerance follows from the operations and not from one CPU's
+kernels. A split takes the same sums in another order (partial products summed over the ranks instead of inside one
+matmul; which order depends on the BLAS kernel: MKL's AVX-512 sgemm differs from its AVX2 one). In float32 that
+reordering moves a gradient by ~1e-7 of its terms' scale, and AdamW, whose step is lr * m / (sqrt(v) + eps), turns
+it into a weight difference of up to lr (1e-2) wherever a gradient is near zero: no float32 tolerance below lr is
+true on every kernel. In float64 (unit roundoff u = 1.1e-16) a sum of n <= 64 terms of scale <= 1 moves by at most
+n * u ~ 1e-14; AdamW amplifies a gradient difference by at most lr / eps = 1e6, so a step moves a weight by at most
+~1e-8, three steps by ~3e-8: TOL = 1e-7 holds on any kernel. A collective missing or doubled (a gradient not
+summed over the ranks, a row-parallel output summed twice) changes a loss or a weight by 1e-3 or more, far outside
+it. The bf16/fp16 variants train in float32 (LOW): autocast leaves float64 alone.
 """
 from __future__ import annotations
 
@@ -32,7 +40,9 @@ from pipetrain.tensor_parallel.randomness import LaneDraws
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see pyproject: slow)
 
-TOL = 1e-5
+EXACT = torch.float64  # what every "equal to the unsplit model" scenario trains in (the module docstring says why)
+LOW = torch.float32  # the weights under bf16/fp16 autocast, which casts float32 (not float64) to 16 bits
+TOL = 1e-7  # float64: the module docstring derives it
 MICRO = 2
 STEPS = 3
 VOCAB, SEQ = 64, 8
@@ -42,9 +52,23 @@ LLAMA_CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_
 
 
 
-def llama() -> nn.Module:
+def llama(dtype: torch.dtype = EXACT) -> nn.Module:
     torch.manual_seed(0)
-    return hf.LlamaForCausalLM(hf.LlamaConfig(**LLAMA_CONFIG))
+    return hf.LlamaForCausalLM(hf.LlamaConfig(**LLAMA_CONFIG)).to(dtype)
+
+
+def in_dtype(batch, dtype: torch.dtype):
+    """``batch`` (a tensor, a dict or tuple of them) with its floating tensors in ``dtype`` (token ids stay ids)."""
+    if isinstance(batch, dict):
+        return {k: in_dtype(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(in_dtype(v, dtype) for v in batch)
+    return batch.to(dtype) if batch.is_floating_point() else batch
+
+
+def steps_in(name: str, dtype: torch.dtype = EXACT) -> list:
+    """Model ``name``'s mini-batches of (inputs, targets), their floating values in ``dtype``."""
+    return [in_dtype(batch, dtype) for batch in MODELS[name][2]]
 
 
 def token_loss(out, target: torch.Tensor) -> torch.Tensor:
@@ -63,11 +87,11 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-MODELS = {  # name -> (builder, loss, mini-batches of (inputs, targets))
+MODELS = {  # name -> (builder taking a dtype, loss, mini-batches of (inputs, targets) in float32: see steps_in)
     "llama": (llama, token_loss,
               [({"input_ids": ids}, ids) for ids in torch.randint(0, VOCAB, (STEPS + 2, 4, SEQ),
                                                                   generator=torch.Generator().manual_seed(1))]),
-    "mlp": (lambda: make("mlp"), F.cross_entropy,
+    "mlp": (lambda dtype=EXACT: make("mlp").to(dtype), F.cross_entropy,
             [data("mlp", 8, seed=1 + i) for i in range(STEPS + 2)]),
 }
 
@@ -84,7 +108,7 @@ VARIANTS = {**{s: dict(schedule=s) for s in SCHEDULES},
             "clipped": dict(max_grad_norm=MAX_NORM),
             "zb-h1-recompute": dict(schedule="zb-h1", recompute="always"),
             # SGD: AdamW's normalised steps turn a 16-bit rounding of a tiny gradient into a full step of either sign
-            "bf16": dict(precision="bf16", optimizer=sgd), "fp16": dict(precision="fp16", optimizer=sgd)}
+            "bf16": dict(precision="bf16", optimizer=sgd, dtype=LOW), "fp16": dict(precision="fp16", optimizer=sgd, dtype=LOW)}
 
 
 GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -109,7 +133,7 @@ FAMILIES = {  # more decoder families, each split by its own plan (OPT: the auto
 def family_step(name: str, ids: torch.Tensor, pipeline: bool) -> dict[str, torch.Tensor]:
     """Family ``name`` after one SGD step on ``ids``: split (2 stages x T=2) or unsplit."""
     torch.manual_seed(0)
-    model = FAMILIES[name]()
+    model = FAMILIES[name]().to(EXACT)
     optimizer = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
     if pipeline:
         pipe = wrap_unprofiled(model, {"input_ids": ids}, stages=2, micro_batches=1, tensor_parallel=2,
@@ -150,13 +174,13 @@ def padded_llama_step(pipeline: bool) -> dict[str, torch.Tensor]:
 CAPTURES: dict = {}  # each model is captured once per process (torch.export takes most of a tiny Llama's wrap)
 
 
-def wrap(name: str, **options) -> pipetrain.Pipeline:
+def wrap(name: str, dtype: torch.dtype = EXACT, **options) -> pipetrain.Pipeline:
     build, loss, steps = MODELS[name]
     settings = dict(stages=2, micro_batches=MICRO, tensor_parallel=2, optimizer=adamw, loss_fn=loss,
                     engine="distributed")
     settings.update(options)
-    with pytest.MonkeyPatch.context() as patch, capture_once(patch, CAPTURES, ("tensor-parallel", name)):
-        return wrap_unprofiled(build(), _first_micro_batch(steps[0][0]), **settings)
+    with pytest.MonkeyPatch.context() as patch, capture_once(patch, CAPTURES, ("tensor-parallel", name, dtype)):
+        return wrap_unprofiled(build(dtype), _first_micro_batch(in_dtype(steps[0][0], dtype)), **settings)
 
 
 def _first_micro_batch(x):
@@ -215,7 +239,7 @@ def meta_build(weights: str, **options) -> dict:
     from test_zero3 import PeakBytes
 
     with torch.device("meta"):
-        model = hf.LlamaForCausalLM(hf.LlamaConfig(**LLAMA_CONFIG))
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(**LLAMA_CONFIG)).to(EXACT)
     steps = MODELS["llama"][2]
     with PeakBytes() as counter:
         pipe = wrap_unprofiled(model, _first_micro_batch(steps[0][0]), stages=2, micro_batches=MICRO,
@@ -236,7 +260,7 @@ def meta_build(weights: str, **options) -> dict:
 def scenarios(rank: int, world: int, root: str) -> dict:
     out: dict = {"meta": meta_build(str(Path(root) / "llama.safetensors")), "dropout": dropout_runs()}
     for name in MODELS:
-        steps = MODELS[name][2]
+        steps = steps_in(name)
         pipe = wrap(name)
         out[name, "fraction"] = held_fraction(pipe)
         out[name, "losses"] = [pipe.step(x, y) for x, y in steps[:STEPS]]
@@ -263,7 +287,7 @@ def scenarios(rank: int, world: int, root: str) -> dict:
         resumed.close()
     for variant, options in VARIANTS.items():
         pipe = wrap("mlp", **options)
-        for x, y in MODELS["mlp"][2][:STEPS]:
+        for x, y in steps_in("mlp", options.get("dtype", EXACT))[:STEPS]:
             pipe.step(x, y)
         out[variant] = pipe.state_dict(), pipe.last_result.grad_norm
         pipe.close()
@@ -300,7 +324,7 @@ def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
     checkpoints between them and unsplit pipelines."""
     out = {}
     for name in MODELS:
-        steps = MODELS[name][2]
+        steps = steps_in(name)
         for zero in (0, 1, 2, 3):
             pipe = wrap(name, data_parallel=2, zero=zero)
             out[name, "losses", zero] = [pipe.step(x, y) for x, y in steps[:STEPS]]
@@ -336,13 +360,13 @@ def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
         pipe.close()
     out["meta zero3"] = meta_build(str(Path(root) / "llama.safetensors"), data_parallel=2, zero=3)
     pipe = wrap("mlp", data_parallel=2, zero=2, optimizer=lars)  # whole tensors (blocks) owned by one replica each
-    for x, y in MODELS["mlp"][2][:STEPS]:
+    for x, y in steps_in("mlp")[:STEPS]:
         pipe.step(x, y)
     out["lars zero2"] = pipe.state_dict()
     pipe.close()
     # sequence parallelism with replicas and ZeRO-1: the norms' weights, whole, summed over the lanes, then averaged
     pipe = wrap("llama", data_parallel=2, zero=1, tp_plan={**llama().tp_plan, **SEQUENCE_NORMS})
-    out["llama", "losses", "sequence"] = [pipe.step(x, y) for x, y in MODELS["llama"][2][:STEPS]]
+    out["llama", "losses", "sequence"] = [pipe.step(x, y) for x, y in steps_in("llama")[:STEPS]]
     out["llama", "state", "sequence"] = pipe.state_dict()
     pipe.close()
     return out
@@ -364,11 +388,12 @@ def hybrid_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def reference(name: str, steps: int, max_norm: float | None = None, autocast: torch.dtype | None = None,
-              optimizer=adamw) -> tuple[dict[str, torch.Tensor], list[float], float]:
+              optimizer=adamw, dtype: torch.dtype = EXACT) -> tuple[dict[str, torch.Tensor], list[float], float]:
     """The unsplit model's state after ``steps`` mini-batches, each accumulated over MICRO micro-batches (clipped
-    to ``max_norm``, under ``autocast``), its losses, and its last gradient norm."""
-    build, loss, batches = MODELS[name]
-    model = build()
+    to ``max_norm``, under ``autocast``), its losses, and its last gradient norm, trained in ``dtype``."""
+    build, loss, _ = MODELS[name]
+    batches = steps_in(name, dtype)
+    model = build(dtype)
     optimizer = optimizer(model.parameters())
     losses, norm = [], 0.0
     for x, y in batches[:steps]:
@@ -379,7 +404,7 @@ def reference(name: str, steps: int, max_norm: float | None = None, autocast: to
                 x.tensor_split(MICRO)[part]
             ys = y.tensor_split(MICRO)[part]
             with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
-                value = loss(model(**xs) if isinstance(xs, dict) else model(xs), ys).float() / MICRO
+                value = loss(model(**xs) if isinstance(xs, dict) else model(xs), ys).to(dtype) / MICRO
             value.backward()
             total += value.item()
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf")))
@@ -426,7 +451,7 @@ def test_boundary_values_cross_once_per_stage_pair(ranks, name):
     """Each lane sends 1/T of a boundary value and the receiving lanes all-gather it: the bytes between the stages,
     summed over the lanes, are the unsplit pipeline's (the local engine's count), not T times them."""
     local = wrap(name, engine="local", tensor_parallel=1)
-    for x, y in MODELS[name][2][:STEPS]:
+    for x, y in steps_in(name)[:STEPS]:
         local.step(x, y)
     whole = local.last_result.comm_bytes
     for kind in ("activations", "activation_grads"):
@@ -506,9 +531,9 @@ def test_low_precision_errs_no_more_than_the_unsplit_model_does(ranks, precision
     """Under autocast the split model rounds partial sums and all-reduces them in 16 bits: its distance from the
     float32 reference must stay within twice the unsplit autocast model's own (a missing or doubled collective
     is off by whole gradients, far beyond)."""
-    exact, _, _ = reference("mlp", STEPS, optimizer=sgd)
+    exact, _, _ = reference("mlp", STEPS, optimizer=sgd, dtype=LOW)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    rounded, _, _ = reference("mlp", STEPS, autocast=dtype, optimizer=sgd)
+    rounded, _, _ = reference("mlp", STEPS, autocast=dtype, optimizer=sgd, dtype=LOW)
     got = gathered(ranks, precision, index=0)
     own = max((rounded[k] - exact[k]).abs().max().item() for k in exact)
     split = max((got[k] - exact[k]).abs().max().item() for k in exact)
