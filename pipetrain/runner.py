@@ -20,6 +20,7 @@ from pipetrain.runtime.devices import caller_device, to_device
 from pipetrain.runtime.executor import PositionExecutor, Recompute, drive
 from pipetrain.runtime.feed import Feed, StreamFeed
 from pipetrain.runtime.interrupts import interrupts_after_commit
+from pipetrain.runtime.local_shards import reshard
 from pipetrain.runtime.metrics import StepResult, TensorBoardLog
 from pipetrain.runtime.nonfinite import NonFiniteError
 from pipetrain.runtime.topology import ACT, Link
@@ -199,6 +200,9 @@ class Runner:
         finally:
             for rt in p.stages.values():
                 rt.module.train()
+                # zero=3: no gradient reduction frees what the forwards all-gathered, as a step's does; keep only
+                # the shards until the next forward gathers again (local: no collective, so no order to keep).
+                reshard(rt.module)
         outputs = sorted((g, out) for ex in executors.values() for g, out in ex.predictions.items())
         merged = merge_micro_batches([out for _, out in outputs]) if outputs else None
         return to_device(p.engine.share_prediction(merged, p.topology), caller_device(x))

@@ -24,7 +24,7 @@ from dist_harness import run_world
 from helpers import batches, wrap_unprofiled
 import third_party_models
 from runtime_models import data, loss_fn, make, reference_training, sgd
-from pipetrain.runtime.local_shards import local_bytes
+from pipetrain.runtime.local_shards import gathered_bytes, local_bytes
 from test_meta_models import on_meta, save_checkpoint, trained_reference
 from test_third_party_models import MICRO, assert_same_state
 from test_third_party_models import sgd as meta_sgd
@@ -34,6 +34,7 @@ pytestmark = pytest.mark.slow  # spawns gloo ranks in its module fixture (see py
 SIZE = 13
 TOL = 1e-5
 MAX_NORM = 0.05  # below the first steps' gradient norms (~0.3): every step clips
+PREDICTED = data("mlp", SIZE, seed=5)  # predicted after three steps, then a fourth step's mini-batch
 
 
 def adam(params):
@@ -88,9 +89,19 @@ def wrap(model: str, world_replicas: int = 2, stages: int = 2, **kw) -> pipetrai
     return wrap_unprofiled(make(model), data(model, 2)[0], **options)
 
 
+def held_now(pipe: pipetrain.Pipeline) -> dict:
+    """Bytes this rank holds now of its stage's parameters (its shards, and the whole tensors FSDP2 gathered and
+    did not free) and optimizer state, against the whole stage's."""
+    stages = list(pipe.held_stages.values())
+    params = [p for rt in stages for p in rt.params]
+    states = [t for rt in stages for s in rt.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    return {"parameters": sum(p.to_local().nbytes for p in params), "whole parameters": sum(p.nbytes for p in params),
+            "gathered": sum(gathered_bytes(rt.module) for rt in stages),
+            "optimizer": sum(t.to_local().nbytes for t in states), "whole optimizer": sum(t.nbytes for t in states)}
+
+
 def held_bytes(pipe: pipetrain.Pipeline, steps) -> dict:
-    """Bytes this rank holds of its stage's parameters, gradients (when the optimizer steps) and optimizer state,
-    against the whole stage's."""
+    """`held_now` after ``steps``, with the gradients the optimizer stepped at the last one."""
     seen: dict[str, int] = {}
 
     def at_step(optimizer, args, kwargs) -> None:
@@ -104,13 +115,7 @@ def held_bytes(pipe: pipetrain.Pipeline, steps) -> dict:
     for x, y in steps:
         seen.clear()
         pipe.step(x, y)
-    params = [p for rt in stages for p in rt.params]
-    states = [t for rt in stages for s in rt.optimizer.state.values() for t in s.values() if t.dim() > 0]
-    held = {"parameters": sum(p.to_local().nbytes for p in params), "whole parameters": sum(p.nbytes for p in params),
-            "optimizer": sum(t.to_local().nbytes for t in states), "whole optimizer": sum(t.nbytes for t in states),
-            **seen}
-    pipe.close()
-    return held
+    return {**held_now(pipe), **seen}
 
 
 def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dict:
@@ -141,9 +146,17 @@ def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dic
         pipe.step(*steps[2])
         out["nonfinite", mode] = outcome, pipe.state_dict()
         pipe.close()
-    # Memory: 2 stages x 2 replicas, and 1 stage x 4 replicas.
-    out["bytes", 2] = held_bytes(wrap("mlp", optimizer=adam), steps)
-    out["bytes", 4] = held_bytes(wrap("mlp", world_replicas=4, stages=1, optimizer=adam), steps)
+    # Memory: 2 stages x 2 replicas, and 1 stage x 4 replicas; then a predict, after which each replica must hold
+    # its share only, as after a step, and one more step, which must train as the unsplit model does.
+    x, y = PREDICTED
+    for replicas, stages in ((2, 2), (4, 1)):
+        pipe = wrap("mlp", world_replicas=replicas, stages=stages, optimizer=adam)
+        out["bytes", replicas] = held_bytes(pipe, steps)
+        prediction = pipe.predict(x)
+        out["predict", replicas] = held_now(pipe), prediction
+        pipe.step(x, y)
+        out["after predict", replicas] = pipe.state_dict()
+        pipe.close()
     # HSDP: 4 replicas on 2 nodes of 2 (sharded inside a node, replicated across), clipped by the global norm.
     pipe = wrap("mlp", world_replicas=4, stages=1, hierarchy=(2, 2), max_grad_norm=MAX_NORM)
     out["hsdp"] = [r.loss for r in pipe.train(steps)], pipe.state_dict(), [
@@ -249,6 +262,27 @@ def test_each_replica_holds_a_quarter_or_half_of_its_stage(ranks: list[dict], re
         assert held["whole gradients"] == held["whole parameters"]  # every tensor has its gradient at the step
         assert mine <= (1 / replicas + 0.05) * whole, (rank, held)
         assert held["optimizer"] <= (1 / replicas + 0.05) * held["whole optimizer"], (rank, held)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_after_predict_each_replica_holds_its_share_and_the_next_step_trains_exactly(ranks: list[dict],
+                                                                                     replicas: int) -> None:
+    steps = batches("mlp", size=SIZE)
+    trained = reference_training("mlp", steps, 4, adam).eval()
+    with torch.no_grad():
+        expected = trained(PREDICTED[0])
+    ref = reference_training("mlp", [*steps, PREDICTED], 4, adam).state_dict()
+    seen = set()
+    for rank, r in enumerate(ranks):
+        held, prediction = r["predict", replicas]
+        # What the forward gathered is freed: the shards and optimizer state are all a replica keeps.
+        mine = held["parameters"] + held["gathered"] + held["optimizer"]
+        assert mine <= (1 / replicas + 0.05) * (held["whole parameters"] + held["whole optimizer"]), (rank, held)
+        torch.testing.assert_close(prediction, expected, atol=TOL, rtol=0, msg=f"rank {rank}")
+        for name, value in r["after predict", replicas].items():
+            torch.testing.assert_close(value, ref[name], atol=TOL, rtol=0, msg=f"rank {rank} {name}")
+            seen.add(name)
+    assert seen == ref.keys()
 
 
 def test_hsdp_shards_inside_a_node_and_trains_like_the_unsplit_model(ranks: list[dict]) -> None:
