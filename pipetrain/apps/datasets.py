@@ -35,6 +35,7 @@ _UNKNOWN_CHAR = "?"  # stands in for the few non-ASCII characters (curly quotes,
 _VAL_FRACTION = 0.2
 _CIFAR_MEAN, _CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 _CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+DOWNLOADABLE = list(_CIFAR_FOLDERS)  # what download=True fetches
 
 
 class DatasetNotFoundError(FileNotFoundError):

@@ -1,5 +1,8 @@
 """What one training run of the apps trains and how (RunConfig), and its command-line flags.
 
+The flags are the one definition every training entry point parses: `pipetrain compare` (and so `pipetrain demo`),
+the example scripts (examples/_common.py) and examples/huggingface.py, each adding only its own.
+
 Each RunConfig field declares its flag (add_arguments, config_from_args) in its metadata. The fields that are
 ``pipetrain.wrap`` options carry the option's name and take PipelineOptions' default, so a default the library
 changes cannot drift here; an entry point that wants another one (the demo's micro-batches) passes it.
@@ -8,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import Field, asdict, dataclass, field, fields
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.nn.functional as F
 
 import pipetrain
-from pipetrain.apps.datasets import DATASETS
+from pipetrain.apps.datasets import DATASETS, DOWNLOADABLE, OFFLINE_DATASETS, dataset_info
 from pipetrain.apps.models import DEFAULT_DATASET, DEFAULT_HPARAMS
 from pipetrain.options import PARTITIONERS, PRECISIONS, SCHEDULES, STALENESS, PipelineOptions
 
@@ -104,7 +107,8 @@ class RunConfig:
     train_samples: int | None = _flag(None, "use only the first N training samples", type=int)
     val_samples: int | None = _flag(None, "use only the first N validation samples", type=int)
     logdir: str | None = _option("logdir", "TensorBoard run directory")
-    progress: bool = _flag(True, "no progress bar", name="--no-progress", action="store_false")
+    progress: bool = _flag(True, "show no progress (bar, step or epoch lines), only the summary", name="--no-progress",
+                           action="store_false")
     label: str = _setting("")  # names the run in the progress bar and summary line
 
     def resolved(self) -> "RunConfig":
@@ -120,6 +124,7 @@ class RunConfig:
         hp = DEFAULT_HPARAMS[_HPARAMS_FALLBACK.get(self.model, self.model)]
         out = RunConfig(**asdict(self))
         out.dataset = self.dataset or DEFAULT_DATASET[self.model]
+        _check_data(self.model, out.dataset, self.data_dir, self.download)
         out.epochs = hp["epochs"] if self.epochs is None else self.epochs
         out.batch_size = hp["batch_size"] if self.batch_size is None else self.batch_size
         if self.lr is None:  # the families' tuned rates are SGD's; Adam gets torch's default
@@ -154,6 +159,25 @@ class RunConfig:
 
 
 
+def _kind(dataset: str) -> str:
+    """The kind of data ``dataset`` holds (image, sequence or text), without reading imagefolder's files."""
+    return "image" if dataset == "imagefolder" else dataset_info(dataset).kind
+
+
+def _check_data(model: str, dataset: str, data_dir: str | None, download: bool) -> None:
+    """Refuse data the model cannot train on, and a --data-dir or --download the dataset would not use."""
+    wanted = _kind(DEFAULT_DATASET[model])
+    if _kind(dataset) != wanted:
+        raise ValueError(f"{model} trains on {wanted} data ({', '.join(d for d in DATASETS if _kind(d) == wanted)}), "
+                         f"and {dataset} is {_kind(dataset)} data: choose one of those or another --model")
+    if data_dir is not None and dataset in OFFLINE_DATASETS:
+        raise ValueError(f"--data-dir says where {', '.join(d for d in DATASETS if d not in OFFLINE_DATASETS)} "
+                         f"live; {dataset} ships with pipetrain: drop --data-dir")
+    if download and dataset not in DOWNLOADABLE:
+        raise ValueError(f"--download fetches {' and '.join(DOWNLOADABLE)}; {dataset} is not downloaded: "
+                         "drop --download")
+
+
 def optimizer_factory(name: str, lr: float, momentum: float) -> Callable[[Any], torch.optim.Optimizer]:
     """The ``optimizer=`` factory of wrap() for RunConfig.optimizer."""
     if name == "adam":
@@ -169,9 +193,17 @@ def _flags(*, pipeline: bool = True) -> list[Field]:
             if "argparse" in f.metadata and (pipeline or not f.metadata["pipeline_only"])]
 
 
-def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pipeline: bool = True) -> None:
-    """The options every training entry point shares (``pipeline=False`` leaves out the schedule ones)."""
+def add_arguments(parser: argparse.ArgumentParser, models: Sequence[str], *, pipeline: bool = True,
+                  omit: Collection[str] = ()) -> None:
+    """The options every training entry point shares (``pipeline=False`` leaves out the schedule ones), but
+    those of the fields in ``omit``: an entry point that declares that flag with its own meaning or has no use
+    for it (examples/huggingface.py's --dataset is a file to tokenize)."""
+    unknown = set(omit) - {f.name for f in _flags()}
+    if unknown:
+        raise ValueError(f"omit names no flag of RunConfig: {sorted(unknown)}")
     for f in _flags(pipeline=pipeline):
+        if f.name in omit:
+            continue
         kwargs = {"dest": f.name, "default": f.default, **f.metadata["argparse"]}
         if f.name == "model":  # each entry point trains its own models
             kwargs.update(default=models[0], choices=list(models))
