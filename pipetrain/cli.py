@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from types import ModuleType
 from typing import Callable, Sequence
 
 
@@ -246,11 +247,14 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _app(name: str, module: str, add: str, run: str, help: str) -> tuple[Callable, Callable[[argparse.Namespace], int]]:
-    """A subcommand whose arguments and body live in pipetrain.apps.<module> (imported when used)."""
+def _app(name: str, module: str, add: str, run: str,
+         help: str | Callable[[ModuleType], str]) -> tuple[Callable, Callable[[argparse.Namespace], int]]:
+    """A subcommand whose arguments and body live in pipetrain.apps.<module> (imported when used); ``help`` may
+    be read from that module (a function of it), so that it says what the code does."""
     def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
-        getattr(importlib.import_module(f"pipetrain.apps.{module}"), add)(p)
+        app = importlib.import_module(f"pipetrain.apps.{module}")
+        p = sub.add_parser(name, help=help(app) if callable(help) else help)
+        getattr(app, add)(p)
         return p
 
     def run_app(args: argparse.Namespace) -> int:
@@ -265,10 +269,11 @@ SUBCOMMANDS: dict[str, tuple[Callable, Callable[[argparse.Namespace], int]]] = {
     "plan": (_add_plan, _run_plan),
     "export": (_add_export, _run_export),
     "compare": _app("compare", "compare", "add_arguments_compare", "run_compare",
-                    "train one model with data parallelism, sync 1f1b and async vanilla/stash/spectrain; "
-                    "TensorBoard runs, PNG and table"),
+                    lambda app: "train one model by each staleness method on the same data and seed (default "
+                                f"--methods: {', '.join(app.METHODS)}); TensorBoard runs, PNG and table"),
     "demo": _app("demo", "demo", "add_arguments", "run_demo",
-                 "`pipetrain compare` on offline datasets (vgg, resnet, lstm) in a few minutes (make demo)"),
+                 lambda app: f"`pipetrain compare` of {len(app.METHODS)} methods ({', '.join(app.METHODS)}) on "
+                             f"offline datasets ({', '.join(app.ORDER)}) in a few minutes (make demo)"),
 }
 
 
