@@ -1,4 +1,4 @@
-"""Pretrain or fine-tune a small GPT-2- or Llama-style language model (Hugging Face transformers) on the offline text data.
+"""Pretrain or fine-tune a small GPT-2- or Llama-style language model (Hugging Face transformers) on text.
 
 Trained as language models are trained: in bf16 (``--precision`` changes it), on documents of different
 lengths that a collator pads to the longest of each batch (attention mask; padding labelled -100, so it does
@@ -23,10 +23,23 @@ on the same stages. ``--lora R`` fine-tunes LoRA adapters of rank R (peft) on th
 With ``--weights DIR`` (a Hugging Face directory: ``config.json`` and safetensors) the model is built from the
 directory's config on the meta device, as models too large for one process are: no process ever holds the
 whole model, and each rank reads only its own stage's tensors from DIR.
+
+The data is the offline text of pipetrain.apps.datasets (characters as tokens, documents of different lengths)
+unless ``--dataset PATH`` names your own: a ``.txt`` (a line a text), ``.jsonl`` or ``.parquet`` file (the
+"text" field) or a directory written by ``datasets``' ``save_to_disk``. It is tokenized by the tokenizer saved
+beside ``--weights`` (or ``--tokenizer DIR``) and packed into blocks of ``--seq-len`` tokens as Hugging Face's
+run_clm.py does (pipetrain.apps.corpus):
+
+    python examples/huggingface.py --stages 2 --weights out/gpt2 --dataset notes.jsonl --seq-len 128
+
+The flags besides this script's own are those of every training entry point (pipetrain.apps.run_config, shared
+with the other examples and `pipetrain compare`), and every one reaches pipetrain.wrap, the data or the loop:
+the delay corrections of async-1f1b (--stage-momentum, --spike-compensation, ...) included.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import math
@@ -37,9 +50,12 @@ import transformers
 from torch.utils.data import DataLoader, Dataset, Subset
 
 import pipetrain
+from pipetrain.apps.corpus import load_corpus
 from pipetrain.apps.datasets import dataset_info, load_dataset
-from pipetrain.apps.run_config import add_arguments, config_from_args, optimizer_factory
+from pipetrain.apps.run_config import add_arguments, config_from_args
 from pipetrain.apps.training import is_rank_zero
+
+MODELS = ["gpt2", "llama"]  # --model's choices, the first the default
 
 # Tiny defaults: one epoch of the text data takes seconds on 2 CPU cores (like the other examples).
 DEFAULTS = {"width": 64, "depth": 2, "batch_size": 32, "epochs": 2, "lr": 0.1}
@@ -68,7 +84,8 @@ def document_length(index: int, longest: int) -> int:
 
 
 class Documents(Dataset):
-    """Sample i of ``texts`` cut to its document length: one row of token ids, as a tokenizer gives them."""
+    """Sample i of ``texts`` (the offline text) cut to its document length: one row of token ids, as a
+    tokenizer gives them."""
 
     def __init__(self, texts: Dataset):
         self.texts = texts
@@ -79,6 +96,52 @@ class Documents(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         text = self.texts[index][0]
         return {"input_ids": text[:document_length(index, len(text))]}
+
+
+class Blocks(Dataset):
+    """The rows of a packed corpus (pipetrain.apps.corpus), all ``--seq-len`` tokens long."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.blocks[index]}
+
+
+def text_data(args: argparse.Namespace, seed: int, config: transformers.PretrainedConfig | None
+              ) -> tuple[Dataset, Dataset, int, int]:
+    """The training and validation rows, the vocabulary size and the longest row: the offline text, or the
+    --dataset corpus tokenized by --tokenizer (default: the one beside --weights, whose ``config`` it is)."""
+    if args.dataset is None:
+        train, val = (load_dataset("text", split=split, seed=seed) for split in ("train", "val"))
+        info = dataset_info("text")
+        return Documents(train), Documents(val), info.num_classes, info.input_shape[0]
+    where = args.tokenizer or args.weights
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"no tokenizer in {where} ({error}); name the one --dataset is tokenized with: "
+                         "--tokenizer DIR (a directory save_pretrained wrote, or a Hub name)") from None
+    positions = max_positions(config) if config is not None else None
+    seq_len = args.seq_len or min(1024, tokenizer.model_max_length, positions or 1024)  # run_clm.py's block_size
+    if positions is not None and seq_len > positions:
+        raise ValueError(f"--seq-len {seq_len} is longer than the {positions} positions of --weights' model: "
+                         f"use --seq-len {positions} or less")
+    train, val = load_corpus(args.dataset, tokenizer, seq_len)
+    vocab = config.vocab_size if config is not None else len(tokenizer)
+    top = int(max(train.max(), val.max()))
+    if top >= vocab:
+        raise ValueError(f"the tokenizer gives ids up to {top}, beyond the model's vocabulary of {vocab}: use the "
+                         "tokenizer the --weights model was trained with")
+    return Blocks(train), Blocks(val), vocab, seq_len
+
+
+def max_positions(config: transformers.PretrainedConfig) -> int:
+    """The longest sequence a model of ``config`` takes (Llama: max_position_embeddings; GPT-2: n_positions)."""
+    return getattr(config, "max_position_embeddings", None) or config.n_positions
 
 
 def collate(rows: list[dict[str, torch.Tensor]], multiple: int = 1) -> dict[str, torch.Tensor]:
@@ -94,12 +157,12 @@ def collate(rows: list[dict[str, torch.Tensor]], multiple: int = 1) -> dict[str,
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def loader(texts: Dataset, size: int, seed: int | None, multiple: int = 1) -> DataLoader:
-    """Batches of ``size`` documents, shuffled by ``seed`` (None: in order): the same on every rank; their length a
-    ``multiple``."""
+def loader(rows: Dataset, size: int, seed: int | None, multiple: int = 1) -> DataLoader:
+    """Batches of ``size`` rows, shuffled by ``seed`` and all full (None: in order, and the last one as short as
+    it comes, so that validation sees every row): the same on every rank; their length a ``multiple``."""
     order = torch.Generator().manual_seed(seed) if seed is not None else None
-    return DataLoader(Documents(texts), batch_size=size, shuffle=order is not None, generator=order,
-                      collate_fn=functools.partial(collate, multiple=multiple), drop_last=True)
+    return DataLoader(rows, batch_size=size, shuffle=order is not None, generator=order,
+                      collate_fn=functools.partial(collate, multiple=multiple), drop_last=order is not None)
 
 
 def with_lora(model: torch.nn.Module, rank: int, family: str) -> torch.nn.Module:
@@ -136,7 +199,15 @@ def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, size: int, multiple: in
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser, ["gpt2", "llama"])
+    # The flags every training entry point shares (pipetrain.apps.run_config), but --dataset, which here names a
+    # corpus to tokenize, and the image datasets' --data-dir and --download.
+    add_arguments(parser, MODELS, omit=("dataset", "data_dir", "download"))
+    parser.add_argument("--dataset", metavar="PATH", help="train on this text: a .txt, .jsonl or .parquet file or a "
+                        "directory written by datasets' save_to_disk (default: the offline text)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="tokenize --dataset with this tokenizer (a directory "
+                        "save_pretrained wrote, or a Hub name; default: the one saved beside --weights)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sample --dataset is packed into (default: 1024, or "
+                        "fewer where the model or tokenizer takes fewer)")
     parser.add_argument("--save-pretrained", metavar="OUT", help="write the trained model as a Hugging Face "
                         "directory (from_pretrained loads it); every rank writes its own stage")
     parser.add_argument("--weights", metavar="DIR", help="fine-tune from this Hugging Face directory (config.json "
@@ -155,24 +226,34 @@ def main(argv: list[str] | None = None) -> None:
                         "'sequence_parallel'); batches are padded to a multiple of T")
     parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="shard optimizer state (1), "
                         "gradients (2) and parameters (3, FSDP2) over the --data-parallel replicas")
-    parser.set_defaults(precision="bf16")
+    parser.set_defaults(precision="bf16", model=None)  # --model: gpt2, unless --weights brings its own
     args = parser.parse_args(argv)
     c = config_from_args(args)
-    width, depth = c.width or DEFAULTS["width"], c.depth or DEFAULTS["depth"]
+    if args.weights and (c.model or c.width or c.depth):
+        parser.error("--weights DIR brings its model's architecture (its config.json): drop --model, --width and "
+                     "--depth")
+    if args.dataset is None and (args.tokenizer or args.seq_len):
+        parser.error("--tokenizer and --seq-len prepare a --dataset corpus; the offline text is characters already: "
+                     "add --dataset PATH or drop them")
+    if args.dataset and not (args.tokenizer or args.weights):
+        parser.error("--dataset needs a tokenizer: --tokenizer DIR, or --weights DIR with one saved beside it")
+    name, width, depth = c.model or MODELS[0], c.width or DEFAULTS["width"], c.depth or DEFAULTS["depth"]
     size, epochs = c.batch_size or DEFAULTS["batch_size"], c.epochs or DEFAULTS["epochs"]
-    lr = c.lr or (DEFAULTS["lr"] if c.optimizer == "sgd" else 1e-3)
-    train, val = (load_dataset("text", split=split, seed=c.seed) for split in ("train", "val"))
+    c = dataclasses.replace(c, lr=c.lr or (DEFAULTS["lr"] if c.optimizer == "sgd" else 1e-3))
+    config = transformers.AutoConfig.from_pretrained(args.weights) if args.weights else None
+    try:
+        train, val, vocab, length = text_data(args, c.seed, config)
+    except (ValueError, FileNotFoundError, ImportError) as error:  # each says what to do
+        parser.error(str(error))
     train = Subset(train, range(min(len(train), c.train_samples or len(train))))
     val = Subset(val, range(min(len(val), c.val_samples or len(val))))
-    info = dataset_info("text")
-    if args.weights:
-        config = transformers.AutoConfig.from_pretrained(args.weights)
+    if config is not None:
         with torch.device("meta"):  # shapes only: each rank makes and reads its own stage's tensors
             model = transformers.AutoModelForCausalLM.from_config(config)
         width, depth = config.hidden_size, config.num_hidden_layers
     else:
         torch.manual_seed(c.seed)  # the same initial weights on every rank and engine
-        model = build(c.model, info.num_classes, width, depth, info.input_shape[0])
+        model = build(name, vocab, width, depth, length)
     family = "gpt2" if "GPT2" in type(model).__name__ else "llama"
     if args.lora:
         model = with_lora(model, args.lora, family)
@@ -181,14 +262,13 @@ def main(argv: list[str] | None = None) -> None:
         if family != "llama" or args.tensor_parallel == 1:
             parser.error("--sequence-parallel takes --tensor-parallel T > 1 and the llama model")
         tp_plan, multiple = {**model.tp_plan, **SEQUENCE_PARALLEL_NORMS}, args.tensor_parallel
-    example = collate([Documents(train)[i] for i in range(max(1, size // (c.micro_batches * c.data_parallel)))],
-                      multiple)
+    example = collate([train[i] for i in range(max(1, size // (c.micro_batches * c.data_parallel)))], multiple)
     updates = epochs * (len(train) // size)
-    pipe = pipetrain.wrap(model, example, stages=c.stages, micro_batches=c.micro_batches, schedule=c.schedule,
-                          staleness=c.staleness, partitioner=c.partitioner, loss_fn=pipetrain.model_loss, precision=c.precision,
-                          data_parallel=c.data_parallel, logdir=c.logdir, seed=c.seed, weights=args.weights,
-                          profile=c.partitioner in ("graph", "time"),
-                          optimizer=optimizer_factory(c.optimizer, lr, c.momentum),
+    # c.wrap_options(): every pipetrain.wrap option of the shared flags (stages, schedule, staleness and its delay
+    # corrections, optimizer, precision, partitioner, seed, logdir, ...), so none can be left out; the loss is the
+    # one the model computes from the labels in the batch.
+    pipe = pipetrain.wrap(model, example, **{**c.wrap_options(), "loss_fn": pipetrain.model_loss},
+                          weights=args.weights,
                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                               opt, warmup_then_cosine(args.warmup, updates)),
                           max_grad_norm=args.max_grad_norm or None, tensor_parallel=args.tensor_parallel,
@@ -235,8 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.save_pretrained and not stopped:  # the trained model, once training has finished
         pipe.save_pretrained(args.save_pretrained)
     if is_rank_zero() and accuracies:
-        print(f"{type(model).__name__ if args.weights else c.model} ({width} wide, {depth} layers) on text, {c.describe()}, {epochs} epochs ({pipe.updates} "
-              f"steps): min train loss {min(train_losses):.4f}, min val loss {min(val_losses):.4f}, max val accuracy "
+        print(f"{type(model).__name__ if args.weights else name} ({width} wide, {depth} layers) on "
+              f"{args.dataset or 'text'}, {c.describe()}, {epochs} epochs ({pipe.updates} steps): min train loss "
+              f"{min(train_losses):.4f}, min val loss {min(val_losses):.4f}, max val accuracy "
               f"{100 * max(accuracies):.2f}%, {time.perf_counter() - start:.1f} s", flush=True)
     pipe.close()
 
