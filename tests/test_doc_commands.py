@@ -3,8 +3,9 @@
 A command is a line of a non-python fenced or 4-space indented block, or an inline code span, that starts with
 one of PREFIXES. COMMANDS says how the suite runs each one: as written, or with small-size flags the command
 documents in its --help appended and placeholders substituted (Run), by pointing at a test that already runs
-it (Covered), or as part of another entry that runs the same script with more flags (Within). A command the suite cannot run is marked in the doc with its reason: `not run: REASON` in the
-line's shell comment, or `<!-- not run: REASON -->` right after the inline span (docs/README.md says so).
+it (Covered), or as part of another entry that runs the same script with more flags (Within). A command the suite
+cannot run is in NOT_RUN with its reason, and a ```python block the suite only compiles in BLOCKS_NOT_RUN: the
+pages themselves carry no such notes, so a reader sees the command alone.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +24,12 @@ import pytest
 import torch
 
 from schedules.cluster import PRESETS
-from test_docs import PAGES, ROOT, python_blocks
+from test_docs import PAGES, ROOT, block_sources, python_blocks
 
 PREFIXES = ("python ", "torchrun ", "pipetrain ", "make ", "pytest ", "tensorboard ", "pip ")
-SPAN = re.compile(r"`([^`]+)`(\s*<!--\s*not run:(.*?)-->)?")
-NOT_RUN_COMMENT = re.compile(r"not run:(.*)$")
+SPAN = re.compile(r"`([^`]+)`")
+# The forms the pages' own notes took (`<!-- not run: ... -->`, `# not run: ...`); the registries below hold them now.
+NOTE = re.compile(r"(<!--|#|;)\s*not run\s*:", re.I)
 # Small sizes for the training commands: one epoch on a few samples of a narrow model.
 TINY_TRAINING = "--epochs 1 --train-samples 32 --val-samples 16 --batch-size 16 --width 4 --no-progress"
 PLAN_SMALL = "--max-stages 4 --top 3"  # `pipetrain plan` ranks every depth up to the cluster's devices otherwise
@@ -173,14 +176,126 @@ COMMANDS: dict[str, Run | Covered | Within] = {
 }
 
 
+# Commands the suite does not run, each with why. The pages show the command alone; a measurement's wall time
+# stays on its page as a plain comment where it helps a reader (results.md).
+SUITE = "is the test suite itself"
+INSTALLS = "installs packages"
+COMPARE_TINY = "a long measurement; tests/test_compare.py runs compare's methods and suffixes at a tiny size"
+STAGE_DELAYS = ("a long measurement; `python examples/benchmarks/bench_stage_delays.py` (in COMMANDS) runs the script "
+                "at a small size")
+NOT_RUN: dict[str, str] = {
+    # README.md
+    "make test": SUITE,
+    "make test-fast": SUITE,
+    "tensorboard --logdir runs/demo-...": "a long-running service",
+    "pipetrain demo --epochs N --train-samples N": "the suite runs `pipetrain demo` with these flags (COMMANDS)",
+    "pip install -e .": INSTALLS,
+    "pip install .": INSTALLS,
+    "pip install -e '.[examples]'": INSTALLS,
+    # big-models.md
+    "pipetrain plan llama3-8b --cluster nvlink8-100g --nodes 8 --batch-size 1024 --seq-len 4096 --dtype bf16 "
+    "--zero auto --top 5": "42 s here; tests/test_cli_plan.py plans a tiny config",
+    "pipetrain plan llama3-70b --cluster cluster-80gb.json --batch-size 1024 --seq-len 4096 --dtype bf16 --zero auto "
+    "--top 5": "57 s here; tests/test_cli_plan.py plans a tiny config",
+    "pipetrain plan llama3-70b --cluster cluster-80gb.json --batch-size 1024 --seq-len 4096 --dtype bf16 --zero auto "
+    "--tensor-parallel auto --top 5": "60 s here; tests/test_layout_tensor_parallel.py plans small graphs",
+    "pipetrain plan llama3-70b --cluster cluster-80gb.json --batch-size 1024 --seq-len 4096 --dtype bf16 --zero auto "
+    "--tensor-parallel auto --sequence-parallel --top 5":
+        "about a minute here, as the plan without --sequence-parallel; tests/test_layout_tensor_parallel.py prices "
+        "it by hand",
+    # distributed.md
+    "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 examples/resnet.py "
+    "--stages 4 --data-parallel 2": "needs several machines",
+    # gpus.md, language-models.md
+    "pytest -m cuda": SUITE,
+    "pytest tests/test_language_models.py": SUITE,
+    # tensor-parallel.md
+    "python examples/benchmarks/bench_tensor_parallel.py --models llama":
+        "a minute of the suite; the same script runs on the MLP (COMMANDS), and tests/test_sequence_parallel.py "
+        "checks the Llama's saved bytes shrink",
+    # results.md: measurements of minutes each
+    "pipetrain compare --model lstm --stages 4 --async-micro-batches 1 --epochs 4 --train-samples 1024 --no-progress "
+    "--val-samples 512 --seeds 2 --lr-grid 0.03,0.1 --methods 1f1b,spectrain,nesterov --logdir runs/ttt":
+        "6.5 minutes here; tests/test_time_to_target.py runs compare with these columns at a tiny size",
+    "pipetrain compare --model lstm --stages 4 --async-micro-batches 1 --epochs 5 --seeds 2 --lr-grid 0.03,0.1 "
+    "--methods $M": "a long measurement; tests/test_delay_corrections.py checks each rule, tests/test_compare.py the "
+                    "suffixes",
+    "pipetrain compare --model transformer --stages 4 --async-micro-batches 1 --epochs 4 --seeds 2 --lr-grid 0.01,0.03 "
+    "--methods $M": COMPARE_TINY,
+    "pipetrain compare --model lstm --stages 4 --async-micro-batches 1 --epochs 5 --seeds 2 --optimizer adam "
+    "--lr-grid 0.001,0.003,0.01 --methods 1f1b,stash,nesterov,spectrain": COMPARE_TINY,
+    "pipetrain compare --model transformer --stages 4 --async-micro-batches 1 --epochs 4 --seeds 2 --optimizer adam "
+    "--lr-grid 0.001,0.003 --methods 1f1b,stash,nesterov,spectrain": COMPARE_TINY,
+    "pipetrain compare --model lstm --stages 4 --async-micro-batches 1 --epochs 5 --seeds 3 --lr-grid 0.03,0.1,0.3 "
+    "--methods 1f1b,nesterov,nesterov+sm": "a long measurement; tests/test_delay_corrections.py checks the rule, "
+                                           "tests/test_compare.py the suffixes",
+    "pipetrain compare --model transformer --stages 4 --async-micro-batches 1 --epochs 4 --seeds 3 "
+    "--lr-grid 0.01,0.03,0.1 --methods 1f1b,nesterov,nesterov+sm": COMPARE_TINY,
+    "pipetrain compare --model vgg --stages 4 --async-micro-batches 1 --epochs 3 --seeds 3 --lr-grid 0.01,0.02,0.05 "
+    "--methods 1f1b,nesterov,nesterov+sm": COMPARE_TINY,
+    "pipetrain compare --model resnet --stages 4 --async-micro-batches 1 --epochs 4 --seeds 3 --lr-grid 0.01,0.02,0.05 "
+    "--methods 1f1b,nesterov,nesterov+sm": COMPARE_TINY,
+    "python examples/benchmarks/bench_stage_delays.py --model lstm --lr 0.1 --epochs 5":
+        STAGE_DELAYS + "; tests/test_stage_delays.py checks the mirror",
+    "python examples/benchmarks/bench_stage_delays.py --delays 3,2,1,0 --window-powers 1 3 4": STAGE_DELAYS,
+    "python examples/benchmarks/bench_stage_delays.py --delays 0,0,0,0 --matched-to 3,2,1,0": STAGE_DELAYS,
+    "python examples/benchmarks/bench_stage_delays.py --batch-size 8 --lr 0.00375 --delays 0,0,0,0 3,2,1,0":
+        STAGE_DELAYS,
+    "python examples/benchmarks/bench_stage_delays.py --batch-size 8 --lr 0.0125 --delays 0,0,0,0 3,2,1,0":
+        STAGE_DELAYS,
+    "python examples/benchmarks/bench_stage_delays.py --model lstm --batch-size 8 --lr 0.0375 --epochs 5 "
+    "--delays 0,0,0,0 3,2,1,0": STAGE_DELAYS,
+    "pipetrain compare --model transformer --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 4 --seeds 3 "
+    "--lr-grid 0.01,0.03,0.1,0.3 --methods $M": COMPARE_TINY + " (+bs=N included)",
+    "pipetrain compare --model lstm --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 5 --seeds 3 "
+    "--lr-grid 0.03,0.1,0.3,1 --methods $M": COMPARE_TINY,
+    "pipetrain compare --model vgg --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 3 --seeds 3 "
+    "--lr-grid 0.01,0.02,0.05 --methods 1f1b,nesterov+sm+bs=8,data-parallel+bs=8": COMPARE_TINY,
+    "pipetrain compare --model resnet --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 4 --seeds 3 "
+    "--lr-grid 0.01,0.02,0.05 --methods 1f1b,nesterov+sm+bs=4,data-parallel+bs=4": COMPARE_TINY,
+    "pipetrain compare --model transformer --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 12 --seeds 3 "
+    "--lr-grid 0.1 --methods nesterov+sm+bs=8": COMPARE_TINY,
+    "pipetrain compare --model transformer --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 12 --seeds 3 "
+    "--lr-grid 0.03 --methods 1f1b,data-parallel+bs=8": COMPARE_TINY,
+    "pipetrain compare --model lstm --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 15 --seeds 3 "
+    "--lr-grid 0.1,0.3 --methods nesterov+sm+bs=8,data-parallel+bs=8": COMPARE_TINY,
+    "pipetrain compare --model lstm --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 15 --seeds 3 "
+    "--lr-grid 0.1 --methods 1f1b": COMPARE_TINY,
+    "pipetrain compare --model vgg --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 9 --seeds 3 "
+    "--lr-grid 0.01 --methods 1f1b,nesterov+sm+bs=8,data-parallel+bs=8": COMPARE_TINY,
+    "pipetrain compare --model resnet --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 12 --seeds 3 "
+    "--lr-grid 0.02 --methods 1f1b,data-parallel+bs=4": COMPARE_TINY,
+    "pipetrain compare --model resnet --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 12 --seeds 3 "
+    "--lr-grid 0.05 --methods nesterov+sm+bs=4": COMPARE_TINY,
+    "pipetrain compare --model transformer --stages 8 --micro-batches 8 --async-micro-batches 1 --epochs 4 --seeds 3 "
+    "--lr-grid 0.01,0.03,0.1 --methods 1f1b,nesterov+sm+bs=8": COMPARE_TINY,
+    "pipetrain compare --model transformer-lm --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 3 "
+    "--seeds 3 --optimizer adam --lr-grid 0.001,0.003,0.01,0.03 --methods 1f1b,nesterov+sm+bs=8": COMPARE_TINY,
+    "pipetrain compare --model lstm-lm --stages 4 --micro-batches 8 --async-micro-batches 1 --epochs 3 --seeds 3 "
+    "--lr-grid 0.03,0.1,0.3,1 --methods 1f1b,nesterov+sm+bs=8": COMPARE_TINY,
+    "pipetrain compare --model lstm --stages 4 --micro-batches 4 --epochs 5 --seeds 3 --lr-grid 0.03,0.1 "
+    "--methods 1f1b,2bw,2bw+ef": "a long measurement; tests/test_delay_corrections.py checks the rule, "
+                                 "tests/test_compare.py the suffix",
+    "pipetrain compare --model transformer --stages 4 --micro-batches 4 --epochs 4 --seeds 3 --lr-grid 0.01,0.03 "
+    "--methods 1f1b,2bw,2bw+ef": COMPARE_TINY,
+}
+
+# ```python blocks the suite compiles but does not run, by (page, the block's first line), each with why.
+BLOCKS_NOT_RUN: dict[tuple[str, str], str] = {
+    ("docs/hybrid-and-zero.md", "pipe = pipetrain.wrap(model, x[:4], stages=4, data_parallel=2, zero=1,"):
+        "needs torchrun with 8 processes; tests/test_zero.py trains zero=1 on gloo ranks",
+    ("docs/language-models.md", "from pipetrain.hf_trainer import PipelineTrainer"):
+        "needs your model, datasets and collator, and a long run; tests/test_hf_trainer.py trains the Trainer path",
+    ("docs/tensor-parallel.md", 'plan = {**model.tp_plan, "layers.*.input_layernorm": "sequence_parallel",'):
+        "needs stages x T = 4 processes under torchrun; tests/test_sequence_parallel.py trains this plan",
+}
+
 # ----- finding the commands -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Documented:
-    """One command as a page shows it: where, its text (whitespace and continuations normalised), and the reason
-    the doc gives for not running it (None: the suite must run it)."""
+    """One command as a page shows it: where, and its text (whitespace and continuations normalised)."""
     where: str
     text: str
-    not_run: str | None
 
 
 def _is_code_line(line: str, fence: str | None) -> bool:
@@ -203,16 +318,14 @@ def documented_commands(page: Path) -> list[Documented]:
             while line.rstrip().endswith("\\") and i + 1 < len(lines):  # a continued shell line
                 i += 1
                 line = line.rstrip()[:-1] + " " + lines[i]
-            command, _, comment = line.partition(" #")
-            text = " ".join(command.split())
+            text = " ".join(line.partition(" #")[0].split())
             if text.startswith(PREFIXES):
-                reason = NOT_RUN_COMMENT.search(comment)
-                found.append(Documented(f"{name}:{start + 1}", text, reason and reason.group(1).strip()))
+                found.append(Documented(f"{name}:{start + 1}", text))
         elif fence is None:
             for span in SPAN.finditer(line):
                 text = " ".join(span.group(1).split())
                 if text.startswith(PREFIXES):
-                    found.append(Documented(f"{name}:{i + 1}", text, span.group(3) and span.group(3).strip()))
+                    found.append(Documented(f"{name}:{i + 1}", text))
         i += 1
     return found
 
@@ -220,16 +333,30 @@ def documented_commands(page: Path) -> list[Documented]:
 ALL = [command for page in PAGES for command in documented_commands(page)]
 
 
-def test_every_documented_command_is_run_or_marked_with_a_reason():
-    unaccounted = [f"{c.where}: {c.text}" for c in ALL if c.not_run is None and c.text not in COMMANDS]
+def test_every_documented_command_is_run_or_listed_with_a_reason():
+    unaccounted = [f"{c.where}: {c.text}" for c in ALL if c.text not in COMMANDS and c.text not in NOT_RUN]
     assert not unaccounted, (
         "documented commands the suite does not run:\n  " + "\n  ".join(unaccounted) + "\nadd each to COMMANDS in "
-        "tests/test_doc_commands.py (as written, or with small flags from its --help), or mark it in the doc "
-        "with its reason: `# not run: REASON` in a fenced line's comment, `<!-- not run: REASON -->` after a span")
-    empty = [c.where for c in ALL if c.not_run is not None and not c.not_run]
-    assert not empty, f"say why these are not run: {empty}"
-    stale = set(COMMANDS) - {c.text for c in ALL if c.not_run is None}
-    assert not stale, f"COMMANDS has entries no page shows (unmarked): {sorted(stale)}"
+        "tests/test_doc_commands.py (as written, or with small flags from its --help), or to NOT_RUN with its reason")
+    assert not [text for text, reason in NOT_RUN.items() if not reason.strip()], "say why each is not run"
+    assert not set(COMMANDS) & set(NOT_RUN), "a command is either run or not"
+    stale = (set(COMMANDS) | set(NOT_RUN)) - {c.text for c in ALL}
+    assert not stale, f"entries no page shows: {sorted(stale)}"
+
+
+def test_no_page_carries_a_not_run_note():
+    # a reader sees the command alone: why the suite leaves one out is NOT_RUN's and BLOCKS_NOT_RUN's business
+    notes = [f"{page.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for page in PAGES
+             for i, line in enumerate(page.read_text().splitlines(), 1) if NOTE.search(line)]
+    assert not notes, "move each into NOT_RUN or BLOCKS_NOT_RUN (tests/test_doc_commands.py):\n  " + "\n  ".join(notes)
+
+
+def test_every_block_not_run_is_a_block_of_its_page_with_a_reason():
+    blocks = Counter((str(page.relative_to(ROOT)), source.splitlines()[0]) for page in PAGES
+                     for _, source in block_sources(page))
+    assert not [key for key in BLOCKS_NOT_RUN if blocks[key] != 1], (
+        f"each key must name one block of its page: {[key for key in BLOCKS_NOT_RUN if blocks[key] != 1]}")
+    assert all(reason.strip() for reason in BLOCKS_NOT_RUN.values())
 
 
 # ----- commands another test runs -------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """README.md and docs/ cannot rot: the options table equals PipelineOptions, the API reference names every public
-member, every ```python block runs (or, marked ``<!-- not run: REASON -->``, at least compiles) and every
-relative link reaches its file and heading."""
+member and docs/api.md's list of ``pipetrain.__all__`` is that list, every list of an option's values that a page
+marks as whole names every value the code takes, every ```python block runs (or, listed in
+test_doc_commands.BLOCKS_NOT_RUN with its reason, at least compiles) and every relative link reaches its file and
+heading."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +18,6 @@ from pipetrain.options import PipelineOptions
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
-NOT_RUN = re.compile(r"<!--\s*not run:\s*(\S.*?)\s*-->")
 # Pages whose examples load transformers or train several models: over ~8 s here.
 SLOW_PAGES = {"language-models.md", "big-models.md"}
 
@@ -93,8 +94,8 @@ def test_api_names_are_real():
 
 
 # ----- the code blocks ------------------------------------------------------------------------------------
-def python_blocks(page: Path) -> list[tuple[int, str, str | None]]:
-    """(line, source, reason not run or None) of each ```python block of ``page``, in order."""
+def block_sources(page: Path) -> list[tuple[int, str]]:
+    """(line, source) of each ```python block of ``page``, in order."""
     blocks, lines = [], page.read_text().splitlines()
     i = 0
     while i < len(lines):
@@ -104,16 +105,24 @@ def python_blocks(page: Path) -> list[tuple[int, str, str | None]]:
             while lines[i].strip() != "```":
                 body.append(lines[i])
                 i += 1
-            before = next((lines[j] for j in range(start - 2, -1, -1) if lines[j].strip()), "")
-            reason = NOT_RUN.search(before)
-            blocks.append((start + 1, "\n".join(body) + "\n", reason.group(1) if reason else None))
+            blocks.append((start + 1, "\n".join(body) + "\n"))
         i += 1
     return blocks
 
 
+def python_blocks(page: Path) -> list[tuple[int, str, str | None]]:
+    """(line, source, reason not run or None) of each ```python block of ``page``, in order; the reasons are
+    test_doc_commands.BLOCKS_NOT_RUN's, by the page and the block's first line (pages carry no such notes)."""
+    from test_doc_commands import BLOCKS_NOT_RUN  # imported here: that module imports this one
+
+    name = str(page.relative_to(ROOT))
+    return [(line, source, BLOCKS_NOT_RUN.get((name, source.splitlines()[0])))
+            for line, source in block_sources(page)]
+
+
 def _page_params():
     for page in PAGES[1:]:  # README.md: test_the_quick_start_trains runs it
-        if python_blocks(page):
+        if block_sources(page):
             marks = [pytest.mark.slow] if page.name in SLOW_PAGES else []
             yield pytest.param(page, id=str(page.relative_to(ROOT)), marks=marks)
 
@@ -133,16 +142,6 @@ def run_page(page: Path) -> dict:
 def test_python_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_page(page)
-
-
-def test_every_not_run_marker_gives_a_reason_and_precedes_a_block():
-    for page in PAGES:
-        lines = page.read_text().splitlines()
-        for i, line in enumerate(lines):
-            if line.strip().startswith("<!-- not run"):
-                assert NOT_RUN.search(line), f"{page.name}:{i + 1}: say why: <!-- not run: REASON -->"
-                following = next(l for l in lines[i + 1:] if l.strip())
-                assert following.strip() == "```python", f"{page.name}:{i + 1}: the marker must precede a python block"
 
 
 def test_the_quick_start_trains(tmp_path, monkeypatch):
