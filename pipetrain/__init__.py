@@ -1,9 +1,10 @@
 """pipetrain: pipeline-parallel training for PyTorch.
 
 ``pipetrain.wrap(model, example_inputs, stages=..., schedule=...)`` splits a model into
-balanced stages and trains it with GPipe, 1F1B, interleaved 1F1B or asynchronous 1F1B
-(with PipeDream weight stashing, PipeDream-2BW, SpecTrain weight prediction or a Nesterov
-look-ahead), in one process or one process per stage under torchrun.
+balanced stages and trains it with GPipe, 1F1B, interleaved 1F1B, the zero-bubble ZB-H1, ZB-V,
+DualPipeV and interleaved zero-bubble schedules, or asynchronous 1F1B (with PipeDream weight
+stashing, PipeDream-2BW, SpecTrain weight prediction or a Nesterov look-ahead), in one process or
+one process per stage under torchrun.
 """
 from importlib.metadata import version
 

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 import pipetrain
-from pipetrain.options import PipelineOptions
+from partitioners.memory_model import SETTINGS
+from partitioners.planners.layout import SEARCHED_ZERO
+from pipetrain.apps.run_config import OPTIMIZERS
+from pipetrain.options import PARTITIONERS, PRECISIONS, SCHEDULES, STALENESS, PipelineOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -91,6 +94,91 @@ def test_api_names_are_real():
     text = (DOCS / "api.md").read_text()
     for heading in re.findall(r"^#### `([A-Za-z_]+)", text, flags=re.M):
         assert hasattr(pipetrain.Pipeline, heading), heading
+
+
+# ----- option vocabularies -------------------------------------------------------------------------------
+# A page marks a list of an option's values as whole, visible to no reader:
+#     <!-- vocabulary: NAME -->the list<!-- /vocabulary -->
+# or <!-- vocabulary: NAME except VALUE ... --> for a list that leaves those values out on purpose. The list must
+# then name every value the code takes, by its own spelling or one of SPELLINGS (case ignored), and none it leaves
+# out: a schedule, policy or level added to the code fails here until every such list names it.
+VOCABULARIES: dict[str, tuple[str, ...]] = {
+    "schedules": SCHEDULES, "staleness": STALENESS, "precisions": PRECISIONS, "partitioners": PARTITIONERS,
+    "optimizers": OPTIMIZERS,  # pipetrain compare's, the demo's and the example scripts' --optimizer
+    "zero-auto": tuple(map(str, SEARCHED_ZERO)),  # the levels `pipetrain plan --zero auto` tries
+    "recompute-settings": SETTINGS,  # those `--recompute auto` tries
+}
+SPELLINGS = {"interleaved-1f1b": ("interleaved 1f1b",), "zb-h1": ("zero-bubble h1",), "zbv": ("zb-v",),
+             "interleaved-zb": ("interleaved zero-bubble",), "async-1f1b": ("async 1f1b", "asynchronous 1f1b"),
+             "stash": ("stashed", "stashing"), "2bw": ("pipedream-2bw",)}
+MARKED_LIST = re.compile(r"<!--\s*vocabulary:\s*([\w-]+)((?:\s+except(?:\s+[\w-]+)+)?)\s*-->(.*?)"
+                         r"<!--\s*/vocabulary\s*-->", re.S)
+
+
+def named(text: str, vocabulary: tuple[str, ...]) -> set[str]:
+    """The values of ``vocabulary`` that ``text`` names. Longer spellings are read first and taken out, so that
+    "interleaved 1F1B" names interleaved-1f1b and not 1f1b as well."""
+    text = " ".join(text.split())
+    spellings = sorted(((s, v) for v in vocabulary for s in (v, *SPELLINGS.get(v, ()))), key=lambda p: -len(p[0]))
+    found = set()
+    for spelling, value in spellings:
+        pattern = re.compile(r"(?<![\w-])" + re.escape(spelling) + r"(?!\w)", re.I)
+        if pattern.search(text):
+            found.add(value)
+            text = pattern.sub(" ", text)
+    return found
+
+
+def marked_lists() -> list[tuple[str, str, set[str], str]]:
+    """(where, vocabulary, values left out, text) of every marked list of every page."""
+    lists = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in MARKED_LIST.finditer(text):
+            where = f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+            lists.append((where, m.group(1), set(m.group(2).split()[1:]), m.group(3)))
+    return lists
+
+
+def test_marked_lists_name_every_value_the_code_takes():
+    wrong = []
+    for where, name, left_out, text in marked_lists():
+        assert name in VOCABULARIES, f"{where}: no vocabulary {name!r}; choose from {sorted(VOCABULARIES)}"
+        values = set(VOCABULARIES[name])
+        assert left_out <= values, f"{where}: {name} has no {sorted(left_out - values)}"
+        got, expected = named(text, VOCABULARIES[name]), values - left_out
+        if expected - got:
+            wrong.append(f"{where}: the {name} list lacks {sorted(expected - got)}")
+        if got - expected:
+            wrong.append(f"{where}: the {name} list names {sorted(got - expected)}, which it says it leaves out")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_markers_pair_up_and_every_vocabulary_has_a_list():
+    for page in PAGES:
+        text = page.read_text()
+        opened, closed = len(re.findall(r"<!--\s*vocabulary:", text)), len(re.findall(r"<!--\s*/vocabulary", text))
+        assert opened == closed == len(MARKED_LIST.findall(text)), f"{page.name}: an unpaired or nested marker"
+    # a marker lost in an edit must not switch the check off: each vocabulary keeps its lists
+    assert {name for _, name, _, _ in marked_lists()} == set(VOCABULARIES)
+    # README's intro and features, the docs' index, options.md, schedules.md
+    assert sum(name == "schedules" for _, name, _, _ in marked_lists()) >= 5
+
+
+def test_the_package_docstring_names_every_schedule():
+    assert named(pipetrain.__doc__, SCHEDULES) == set(SCHEDULES)
+    assert named(pipetrain.__doc__, STALENESS) == set(STALENESS) - {"none", "vanilla"}  # the policies that correct
+
+
+def test_the_readme_gives_the_demos_micro_batches():
+    from pipetrain.apps.demo import DEMOS
+
+    per_model = {name: int(next(a.partition("=")[2] for a in argv if a.startswith("--micro-batches=")))
+                 for name, argv in DEMOS.items()}
+    text = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"at (\d+) micro-batches per update \((\d+) for ResNet\)", text)
+    assert said, "README no longer says the demo's micro-batches per update the way this test reads them"
+    assert per_model == {name: int(said.group(2) if name == "resnet" else said.group(1)) for name in per_model}
 
 
 # ----- the code blocks ------------------------------------------------------------------------------------
