@@ -89,6 +89,13 @@ def test_api_reference_documents_every_public_name(owner, names):
         assert not [n for n in names if f"`{n}" not in headings]
 
 
+def test_api_reference_lists_exactly_pipetrains_all():
+    # the sentence that ends "(`pipetrain.__all__`)" names every export once, and nothing else
+    paragraph = next(p for p in (DOCS / "api.md").read_text().split("\n\n") if "(`pipetrain.__all__`)" in p)
+    listed = re.findall(r"`([A-Za-z_]\w*)`", paragraph.partition("(`pipetrain.__all__`)")[0])
+    assert sorted(listed) == sorted(pipetrain.__all__)
+
+
 def test_api_names_are_real():
     # the reference's headings name only what exists: a renamed method fails here, not in a user's editor
     text = (DOCS / "api.md").read_text()
