@@ -283,4 +283,12 @@ def test_every_docs_page_is_in_the_index():
 
 
 def test_readme_is_a_front_page():
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    # it starts with the two commands, then installing and the quick start; the research is linked further down
+    first_block = re.search(r"^```\n(.*?)^```", text, flags=re.S | re.M)
+    assert first_block.start() < text.index("\n## ")
+    assert [line.partition("#")[0].strip() for line in first_block.group(1).splitlines()] == ["make demo", "make test"]
+    sections = re.findall(r"^## (.*)$", text, flags=re.M)
+    assert sections[:2] == ["Installing it as a library", "Quick start"]
+    assert {"Features", "Limitations"} <= set(sections)
