@@ -229,9 +229,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.set_defaults(precision="bf16", model=None)  # --model: gpt2, unless --weights brings its own
     args = parser.parse_args(argv)
     c = config_from_args(args)
-    if args.weights and (c.model or c.width or c.depth):
-        parser.error("--weights DIR brings its model's architecture (its config.json): drop --model, --width and "
-                     "--depth")
     if args.dataset is None and (args.tokenizer or args.seq_len):
         parser.error("--tokenizer and --seq-len prepare a --dataset corpus; the offline text is characters already: "
                      "add --dataset PATH or drop them")
@@ -241,6 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     size, epochs = c.batch_size or DEFAULTS["batch_size"], c.epochs or DEFAULTS["epochs"]
     c = dataclasses.replace(c, lr=c.lr or (DEFAULTS["lr"] if c.optimizer == "sgd" else 1e-3))
     config = transformers.AutoConfig.from_pretrained(args.weights) if args.weights else None
+    if config is not None:  # its architecture is config.json's: a flag that says otherwise would be overridden
+        given = {"--model": (c.model, config.model_type), "--width": (c.width, config.hidden_size),
+                 "--depth": (c.depth, config.num_hidden_layers)}
+        clash = [f"{flag} {mine} (it has {theirs})" for flag, (mine, theirs) in given.items()
+                 if mine not in (None, theirs)]
+        if clash:
+            parser.error(f"--weights {args.weights} brings its model's architecture (config.json): drop "
+                         f"{', '.join(clash)}")
     try:
         train, val, vocab, length = text_data(args, c.seed, config)
     except (ValueError, FileNotFoundError, ImportError) as error:  # each says what to do
