@@ -223,8 +223,8 @@ def _page_params():
 
 
 def run_page(page: Path) -> dict:
-    """Run every block of ``page`` in order in one namespace (the working directory is the caller's); a block
-    marked not run is compiled only, so its syntax cannot rot either. Returns the namespace."""
+    """Run every block of ``page`` in order in one namespace (the working directory is the caller's); a block in
+    test_doc_commands.BLOCKS_NOT_RUN is compiled only, so its syntax cannot rot either. Returns the namespace."""
     namespace: dict = {"__name__": "__docs__"}
     for line, source, reason in python_blocks(page):
         code = compile(source, f"{page.relative_to(ROOT)}:{line}", "exec")
