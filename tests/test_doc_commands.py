@@ -187,6 +187,7 @@ NOT_RUN: dict[str, str] = {
     # README.md
     "make test": SUITE,
     "make test-fast": SUITE,
+    "make test-kernels": "the suite's exact tests three times, under each CPU kernel path (docs/exactness.md)",
     "tensorboard --logdir runs/demo-...": "a long-running service",
     "pipetrain demo --epochs N --train-samples N": "the suite runs `pipetrain demo` with these flags (COMMANDS)",
     "pip install -e .": INSTALLS,
