@@ -2,10 +2,11 @@
 runs, or is refused with a message.
 
 The flags are read from the commands' own argparse parsers, so a new flag is covered at once: it fails here until
-SETTINGS says how to give it a value other than its default. Each case runs the command twice in this process,
-its baseline argv with and without the flag, with the points where flags take effect recorded
-(tests/_recorded_runs.py: what pipetrain.wrap receives, the mini-batches and validation batches the loop feeds the
-pipeline, its saves and resumes, what simulate, plan, export and demo hand on), and the two records must differ.
+OWN (or SHARED, for the flags of every training command) says how to give it a value other than its default. Each
+case runs the command twice in this process, its baseline argv with and without the flag, with the points where
+flags take effect recorded (tests/_recorded_runs.py: what pipetrain.wrap receives, the mini-batches and validation
+batches the loop feeds the pipeline, its saves and resumes, what simulate, plan, export and demo hand on), and the
+two records must differ.
 What a command prints or writes counts only for the flags whose purpose that is (``shows``): a summary line that
 echoes a flag proves nothing about the run.
 """
@@ -226,7 +227,7 @@ OWN = {
 
 
 def setting(command: str, name: str) -> Case | None:
-    """SETTINGS' case for ``name`` of ``command``: its own, else the shared one (by command, else for all)."""
+    """The case for ``name`` of ``command``: its own (OWN), else the shared one (SHARED: by command, else for all)."""
     if name in OWN.get(command, {}):
         return OWN[command][name]
     shared = SHARED.get(name) if command in TRAINERS else None
@@ -312,8 +313,8 @@ def runs(tmp_path_factory, files) -> Runs:
 def test_every_flag_changes_what_runs_or_is_refused(command, name, runs):
     case = setting(command, name)
     if case is None:
-        pytest.fail(f"{command} {name} is not in tests/test_flags.py's SETTINGS: say how to give it another value "
-                    "than its default and what it must change (every flag must change what runs, or be refused)")
+        pytest.fail(f"{command} {name} is in neither OWN nor SHARED of tests/test_flags.py: say how to give it another "
+                    "value than its default and what it must change (every flag must change what runs, or be refused)")
     if case.fixed:
         action = flags_of(command)[name]
         assert action.choices is not None and list(action.choices) == [action.default], "more than one value"
