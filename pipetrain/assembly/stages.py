@@ -96,10 +96,12 @@ def build_stages(plan: partitioners.Plan, topology: Topology, engine: Engine, op
             if cut[v] is not None:
                 cut[v](module)
     owners: dict[int, list[int]] = {}
-    if options.zero and not shards_evenly(options.optimizer):
+    if options.zero in (1, 2) and not shards_evenly(options.optimizer):
         # Whole tensors owned (an optimizer that reads whole tensors; an elementwise one is built over every
         # tensor and steps even slices, pipetrain.allreduce.slices), balanced over each position's virtual
-        # stages together, as its reducer's buckets hold them.
+        # stages together, as its reducer's buckets hold them. Not under zero=3: FSDP2 already gives every replica
+        # an even shard of every tensor, and an optimizer over owned tensors would step other tensors on each
+        # replica, so the collectives of a whole-tensor read (LARS's norms of DTensors) would never pair up.
         for d in held:
             order = topology.stages_at(d)
             owners.update(zip(order, position_owners([modules[v] for v in order], order, plan.tied_groups(),
