@@ -89,7 +89,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "1/T of them on each rank instead of (10 + 24/T) / 34")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE), default="adam",
                    help="the optimizer whose state is priced: fp32 copies per parameter sgd 0, sgd-momentum 1, "
-                        "lars 1, adam and adamw 2 (default adam: 16 bytes per parameter with weights and gradients)")
+                        "lars 1, adam, adamw and lamb 2 (default adam: 16 bytes per parameter with weights and "
+                        "gradients)")
     p.add_argument("--profile", action="store_true",
                    help="time each node here instead of estimating (not for a model on the meta device)")
     p.add_argument("--seq-len", type=int,

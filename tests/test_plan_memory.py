@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pipetrain
-from pipetrain.optim import LARS
+from pipetrain.optim import LAMB, LARS
 from pipetrain.runtime.stage_memory import optimizer_state_factor
 from partitioners.planners.stage_state import OPTIMIZER_STATE, RECOMPUTE, recomputed_share, schedule_moments, stage_peak
 from schedules.actions import COMPUTE_KINDS, ActionKind
@@ -72,7 +72,7 @@ def test_each_stage_gets_its_own_lists_moments_though_equal_lists_are_priced_onc
 FACTORIES = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),
              "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
              "adam": lambda p: torch.optim.Adam(p), "adamw": lambda p: torch.optim.AdamW(p),
-             "lars": lambda p: LARS(p, lr=0.1, momentum=0.9)}
+             "lars": lambda p: LARS(p, lr=0.1, momentum=0.9), "lamb": lambda p: LAMB(p)}
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZER_STATE))

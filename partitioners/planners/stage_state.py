@@ -31,7 +31,7 @@ from schedules.held_activations import RECOMPUTE, held_activations, recomputed
 
 FP32 = 4  # bytes per parameter of the weights, the gradients and each optimizer state copy
 # fp32 parameter-sized state copies each optimizer keeps (LARS keeps a momentum buffer)
-OPTIMIZER_STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "lars": 1}
+OPTIMIZER_STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "lars": 1, "lamb": 2}
 ZERO_LEVELS = (0, 1, 2, 3)
 
 Moment = tuple[int, int, int]

@@ -5,7 +5,7 @@ Adam, ...) steps a flat slice of a tensor exactly as it steps the whole tensor, 
 range of a bucket that cuts tensors (as Megatron's distributed optimizer and DeepSpeed do). A slice is a
 1-D view of its parameter's storage: the optimizer's update lands in the parameter itself, and the
 all-gather after the step fills the ranges the other replicas own. Optimizers that read a whole tensor
-(LARS's trust ratio, anything not listed here) keep whole-tensor ownership (`sharding.shard_owners`).
+(LARS's and LAMB's trust ratios, anything not listed here) keep whole-tensor ownership (`sharding.shard_owners`).
 """
 from __future__ import annotations
 

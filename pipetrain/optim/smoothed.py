@@ -3,7 +3,7 @@
 `smoothed_update(optimizer, param)` returns the direction ``v`` such that the
 optimizer's next update is approximately ``W <- W - lr * v``. SpecTrain weight
 prediction (``W_hat = W - s * lr * v``) reads it; it is defined for SGD with
-momentum, Adam/AdamW and LARS.
+momentum, Adam/AdamW, LARS and LAMB.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipetrain.optim.lamb import LAMB
 from pipetrain.optim.lars import LARS
 
 
@@ -25,7 +26,7 @@ def _group_of(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str, Any]
 _NO_SMOOTHED = (
     "has no smoothed update direction for weight prediction; use "
     "torch.optim.SGD(momentum > 0), torch.optim.Adam, torch.optim.AdamW or "
-    "pipetrain.optim.LARS, or choose staleness='stash' / 'vanilla' which need none"
+    "pipetrain.optim.LARS or pipetrain.optim.LAMB, or choose staleness='stash' / 'vanilla' which need none"
 )
 
 
@@ -47,6 +48,7 @@ def smoothed_update(optimizer: torch.optim.Optimizer, param: Tensor,
       ``weight_decay * W`` when the decay is decoupled (AdamW). L2 decay of
       Adam (and ``maximize``) are in ``m`` already.
     * LARS: its scaled momentum buffer.
+    * LAMB: Adam's direction (decay added, 1-D tensors excluded) times its trust ratio at the current weights.
 
     Returns None before the parameter's first step (no history yet; predict
     ``W_hat = W``). Raises TypeError for optimizers without a running
@@ -57,6 +59,8 @@ def smoothed_update(optimizer: torch.optim.Optimizer, param: Tensor,
         if group is None:
             _group_of(optimizer, param)
         return optimizer.smoothed_update(param)
+    if isinstance(optimizer, LAMB):
+        return optimizer.smoothed_update(param, group or _group_of(optimizer, param))
     if isinstance(optimizer, torch.optim.SGD):
         group = group or _group_of(optimizer, param)
         if group["momentum"] == 0:

@@ -26,7 +26,7 @@ def require_smoothed_update(optimizer: torch.optim.Optimizer | None) -> None:
 
 
 def momentum_of(group: dict) -> float:
-    """The momentum coefficient of a parameter group: SGD's and LARS's ``momentum``, Adam's beta1."""
+    """The momentum coefficient of a parameter group: SGD's and LARS's ``momentum``, Adam's and LAMB's beta1."""
     if "betas" in group:
         return float(group["betas"][0])
     return float(group["momentum"])
