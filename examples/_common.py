@@ -67,6 +67,17 @@ def datasets(config: RunConfig) -> tuple[Dataset, Dataset, int]:
     return train, val, dataset_info(config.dataset, data_dir=config.data_dir).num_classes
 
 
+def updates(config: RunConfig, loop: argparse.Namespace, train: Dataset) -> int:
+    """The updates the run takes (``--steps``, else ``--epochs`` of them), which ``--lr-schedule`` spreads its
+    warm-up and decay over: refused when ``--warmup`` leaves none to decay."""
+    last = loop.steps or config.epochs * (len(train) // config.batch_size)
+    try:
+        config.lr_scheduler(last)
+    except ValueError as error:  # it names the flags and what to do
+        raise SystemExit(str(error)) from None
+    return last
+
+
 def mini_batches(dataset: Dataset, batch_size: int, *, seed: int, epoch: int, start: int = 0,
                  stop: int | None = None) -> Iterator[tuple[Any, Any]]:
     """Mini-batches ``start`` to ``stop`` (default: every full one) of ``epoch``, in an order drawn from

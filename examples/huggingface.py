@@ -4,10 +4,11 @@ Trained as language models are trained: in bf16 (``--precision`` changes it), on
 lengths that a collator pads to the longest of each batch (attention mask; padding labelled -100, so it does
 not count), with the loss the model computes itself from ``labels`` (``pipetrain.model_loss``), the global
 gradient norm clipped (``--max-grad-norm``) and the learning rate warmed up then decayed on a cosine
-(``--warmup``). The model is passed to pipetrain.wrap as it is: torch.export captures it (its forward takes
-**kwargs, which torch.fx cannot), with the batch and sequence dimensions dynamic, so every batch length runs
-on the same stages. ``--lora R`` fine-tunes LoRA adapters of rank R (peft) on the frozen model instead, and
-``--save-pretrained`` then writes the adapter, which ``PeftModel.from_pretrained`` loads.
+(``--warmup``; ``--lr-schedule`` chooses another). The model is passed to pipetrain.wrap as it is:
+torch.export captures it (its forward takes **kwargs, which torch.fx cannot), with the batch and sequence
+dimensions dynamic, so every batch length runs on the same stages. ``--lora R`` fine-tunes LoRA adapters of
+rank R (peft) on the frozen model instead, and ``--save-pretrained`` then writes the adapter, which
+``PeftModel.from_pretrained`` loads.
 
     python examples/huggingface.py --model gpt2 --stages 2
     python examples/huggingface.py --model llama --stages 2 --schedule async-1f1b --staleness stash
@@ -42,7 +43,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import math
 import time
 
 import torch
@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 import pipetrain
 from pipetrain.apps.corpus import load_corpus
 from pipetrain.apps.datasets import dataset_info, load_dataset
-from pipetrain.apps.run_config import add_arguments, config_from_args
+from pipetrain.apps.run_config import add_arguments, config_from_args, default_lr
 from pipetrain.apps.training import is_rank_zero
 
 MODELS = ["gpt2", "llama"]  # --model's choices, the first the default
@@ -173,15 +173,6 @@ def with_lora(model: torch.nn.Module, rank: int, family: str) -> torch.nn.Module
     return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
 
 
-def warmup_then_cosine(warmup: int, total: int):
-    """The learning-rate factor at update ``step``: linear warm-up over ``warmup`` updates, then a cosine to 0."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-    return factor
-
-
 @torch.no_grad()
 def evaluate(pipe: pipetrain.Pipeline, dataset: Dataset, size: int, multiple: int = 1) -> tuple[float, float]:
     """Per-token validation loss and next-token accuracy over the real tokens (predict runs the model in
@@ -216,8 +207,6 @@ def main(argv: list[str] | None = None) -> None:
                         "frozen model (peft); --save-pretrained then writes the adapter")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm to this "
                         "(0: no clipping)")
-    parser.add_argument("--warmup", type=int, default=10, help="updates of linear learning-rate warm-up, then a "
-                        "cosine decay to 0 at the last update")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T", help="split each stage's attention "
                         "and MLP over T ranks by the model's own tp_plan (torchrun: stages x data-parallel x T "
                         "processes)")
@@ -226,9 +215,16 @@ def main(argv: list[str] | None = None) -> None:
                         "'sequence_parallel'); batches are padded to a multiple of T")
     parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="shard optimizer state (1), "
                         "gradients (2) and parameters (3, FSDP2) over the --data-parallel replicas")
-    parser.set_defaults(precision="bf16", model=None)  # --model: gpt2, unless --weights brings its own
+    # --model: gpt2, unless --weights brings its own; the rate warms up (over 10 updates unless --warmup says, and
+    # --lr-schedule none has none), then decays on a cosine.
+    parser.set_defaults(precision="bf16", model=None, lr_schedule="warmup-cosine", warmup=None)
     args = parser.parse_args(argv)
-    c = config_from_args(args)
+    if args.warmup is None:
+        args.warmup = 0 if args.lr_schedule == "none" else 10
+    try:
+        c = config_from_args(args)
+    except ValueError as error:  # flags that contradict each other: it says which
+        parser.error(str(error))
     if args.dataset is None and (args.tokenizer or args.seq_len):
         parser.error("--tokenizer and --seq-len prepare a --dataset corpus; the offline text is characters already: "
                      "add --dataset PATH or drop them")
@@ -236,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--dataset needs a tokenizer: --tokenizer DIR, or --weights DIR with one saved beside it")
     name, width, depth = c.model or MODELS[0], c.width or DEFAULTS["width"], c.depth or DEFAULTS["depth"]
     size, epochs = c.batch_size or DEFAULTS["batch_size"], c.epochs or DEFAULTS["epochs"]
-    c = dataclasses.replace(c, lr=c.lr or (DEFAULTS["lr"] if c.optimizer == "sgd" else 1e-3))
+    c = dataclasses.replace(c, lr=c.lr or default_lr(c.optimizer, DEFAULTS["lr"]))
     config = transformers.AutoConfig.from_pretrained(args.weights) if args.weights else None
     if config is not None:  # its architecture is config.json's: a flag that says otherwise would be overridden
         given = {"--model": (c.model, config.model_type), "--width": (c.width, config.hidden_size),
@@ -269,15 +265,12 @@ def main(argv: list[str] | None = None) -> None:
         tp_plan, multiple = {**model.tp_plan, **SEQUENCE_PARALLEL_NORMS}, args.tensor_parallel
     example = collate([train[i] for i in range(max(1, size // (c.micro_batches * c.data_parallel)))], multiple)
     updates = epochs * (len(train) // size)
-    # c.wrap_options(): every pipetrain.wrap option of the shared flags (stages, schedule, staleness and its delay
-    # corrections, optimizer, precision, partitioner, seed, logdir, ...), so none can be left out; the loss is the
-    # one the model computes from the labels in the batch.
-    pipe = pipetrain.wrap(model, example, **{**c.wrap_options(), "loss_fn": pipetrain.model_loss},
-                          weights=args.weights,
-                          lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-                              opt, warmup_then_cosine(args.warmup, updates)),
-                          max_grad_norm=args.max_grad_norm or None, tensor_parallel=args.tensor_parallel,
-                          tp_plan=tp_plan, zero=args.zero)
+    # c.wrap_options(updates): every pipetrain.wrap option of the shared flags (stages, schedule, staleness and its
+    # delay corrections, optimizer, --lr-schedule over the run's updates, precision, partitioner, seed, logdir, ...),
+    # so none can be left out; the loss is the one the model computes from the labels in the batch.
+    pipe = pipetrain.wrap(model, example, **{**c.wrap_options(updates), "loss_fn": pipetrain.model_loss},
+                          weights=args.weights, max_grad_norm=args.max_grad_norm or None,
+                          tensor_parallel=args.tensor_parallel, tp_plan=tp_plan, zero=args.zero)
     val_log = None
     if c.logdir and is_rank_zero():
         from torch.utils.tensorboard import SummaryWriter

@@ -24,7 +24,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 import pipetrain
-from _common import datasets, mini_batches, parse_args
+from _common import datasets, mini_batches, parse_args, updates
 from pipetrain.apps.training import evaluate
 from pipetrain.apps.models import LSTMLM, LSTMClassifier
 
@@ -38,12 +38,14 @@ def main(argv: list[str] | None = None) -> None:
     family = LSTMClassifier if c.model == "lstm" else LSTMLM
     model = family(num_classes=classes, width=c.width, depth=c.depth)
     x, _ = next(mini_batches(train, c.batch_size, seed=c.seed, epoch=0))
-    # c.wrap_options() holds every pipetrain.wrap option the command line sets, so none can be left out: stages,
+    per_epoch = len(train) // c.batch_size
+    last = updates(c, loop, train)  # --steps, else --epochs of them
+    # c.wrap_options(last) holds every pipetrain.wrap option the command line sets, so none can be left out: stages,
     # micro_batches, schedule, staleness and its delay corrections, partitioner, precision, data_parallel, seed,
-    # the --optimizer factory at --lr, loss_fn (cross-entropy) and logdir (the pipeline logs train/loss and
-    # per-stage metrics at every step, on rank 0).
+    # the --optimizer factory at --lr, the --lr-schedule over the run's `last` updates, loss_fn (cross-entropy) and
+    # logdir (the pipeline logs train/loss and per-stage metrics at every step, on rank 0).
     pipe = pipetrain.wrap(model, x[:c.batch_size // (c.micro_batches * c.data_parallel)],  # one micro-batch's inputs
-                          **c.wrap_options())
+                          **c.wrap_options(last))
     rank0 = pipe.world is None or pipe.world.rank == 0  # pipe.world: this process's place under torchrun
     # The newest checkpoint's weights, optimizer state and step count, whatever stage layout saved them;
     # none yet (the first start under torchrun --max-restarts) starts from scratch.
@@ -58,8 +60,6 @@ def main(argv: list[str] | None = None) -> None:
     if rank0 and c.progress and loop.log_every:
         pipe.on_step(show)
     writer = SummaryWriter(c.logdir, filename_suffix=".val") if c.logdir and rank0 else None
-    per_epoch = len(train) // c.batch_size
-    last = loop.steps or c.epochs * per_epoch
     history, start_time = [], time.perf_counter()
     # With a checkpoint directory, SIGTERM (a scheduler's preemption; torchrun forwards it to every rank) stops
     # the run at a mini-batch every rank agrees on, which is saved; --resume continues from there.

@@ -144,6 +144,13 @@ SHARED = {
     "--batch-size": flag("--batch-size", "16"),
     "--optimizer": flag("--optimizer", "adam"),
     "--lr": flag("--lr", "0.01"),
+    # huggingface.py decays on a cosine by default: none is the other schedule there (warmup-poly's 10 updates of
+    # warm-up would outlast its 4).
+    "--lr-schedule": {"examples/huggingface.py": flag("--lr-schedule", "none"),
+                      None: flag("--lr-schedule", "warmup-poly")},
+    "--warmup": {"examples/huggingface.py": flag("--warmup", "3"),
+                 None: flag("--warmup", "2", context=["--lr-schedule", "warmup-poly"])},
+    "--poly-power": flag("--poly-power", "1", context=["--lr-schedule", "warmup-poly", "--warmup", "2"]),
     "--seed": flag("--seed", "1"),
     "--train-samples": flag("--train-samples", "24"),
     "--val-samples": flag("--val-samples", "4"),
@@ -164,7 +171,6 @@ OWN = {
         "--weights": flag("--weights", "{weights}"),
         "--lora": flag("--lora", "2"),
         "--max-grad-norm": flag("--max-grad-norm", "0.5"),
-        "--warmup": flag("--warmup", "3"),
         "--tensor-parallel": flag("--tensor-parallel", "2", context=SYNC),
         "--sequence-parallel": flag("--sequence-parallel",
                                     context=[*SYNC, "--model", "llama", "--tensor-parallel", "2"]),
@@ -186,6 +192,7 @@ OWN = {
         "--jobs": flag("--jobs", "1"),
         "--epochs": flag("--epochs", "1"),
         "--train-samples": flag("--train-samples", "32"),
+        "--optimizer": flag("--optimizer", "lars"),
         "--no-progress": flag("--no-progress", context=["--jobs", "1"]),  # the parallel workers show no progress
     },
     "pipetrain simulate": {

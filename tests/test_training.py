@@ -162,13 +162,13 @@ def test_every_flag_reaches_the_config_and_every_wrap_option_reaches_wrap():
     assert {name: getattr(config, name) for name in given} == given
     wrapped = {f.metadata["wrap"]: f.name for f in dataclasses.fields(RunConfig) if f.metadata["wrap"]}
     assert set(wrapped) - {"engine"} <= set(given)  # engine alone has no flag: torchrun decides it
-    options = config.wrap_options()
+    options = config.wrap_options(updates=10)  # --lr-schedule spreads over the run's updates
     assert {option: options[option] for option in wrapped if option != "engine"} == {
         option: given[name] for option, name in wrapped.items() if name != "engine"}
     assert set(options) == {"stages", "micro_batches", "schedule", "staleness", "partitioner", "loss_fn",
                             "precision", "data_parallel", "engine", "logdir", "seed", "lookahead", "profile",
-                            "optimizer", "spectrain_variant", "spike_compensation", "dc_lambda", "stage_lr_warmup",
-                            "stage_momentum", "error_feedback"}
+                            "optimizer", "lr_scheduler", "spectrain_variant", "spike_compensation", "dc_lambda",
+                            "stage_lr_warmup", "stage_momentum", "error_feedback"}
     assert set(options) <= {f.name for f in dataclasses.fields(pipetrain.PipelineOptions)}
     assert options["engine"] == "auto" and options["profile"] is False  # the uniform partitioner times nothing
     assert options["optimizer"]([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"] == given["lr"]

@@ -9,6 +9,12 @@ mini-batch into the same micro-batches (so the same updates per epoch); `async_m
 gives the papers' setting, one micro-batch per mini-batch, where stage k's weights are
 stages - k - 1 updates stale instead of a fraction of one.
 
+Batch sizes side by side: every method trains with the run's one ``--optimizer``, and a method with ``+bs=N``
+at N samples per mini-batch, its rate scaled by the rule that optimizer calls for (`lr_scale`: linear, square
+root for LAMB) and its warm-up by the same samples (`warmup_updates`). ``--optimizer lars --lr-schedule
+warmup-poly --methods data-parallel,data-parallel+bs=4096`` is the large-batch recipe (Jia et al. 2018) next to
+its baseline; for another optimizer, run the comparison again with it.
+
 A fair comparison gives every method the same chances: with several learning rates
 (``lrs``) every method trains at each of them and is reported at its best (by mean validation
 accuracy over the seeds), and with several ``seeds`` the table shows mean and spread. Each run
@@ -61,12 +67,14 @@ SUFFIXES = {"sc": "spike compensation (Kosson et al.)", "dc[=L]": f"DC-ASGD-a wi
             "pm[=T]": f"PipeMare's per-stage rates over T updates (default {PIPEMARE_WARMUP})",
             "sm": "delay-matched momentum per stage", "ef": "error feedback on the update (Zmushko et al.)",
             "fo": "spectrain's forward-only variant",
-            "bs=N": "mini-batches of N samples, the rate scaled by N / --batch-size",
+            "bs=N": "mini-batches of N samples, the rate scaled by N / --batch-size (--optimizer lamb: its square "
+                    "root) and --warmup by --batch-size / N",
             "m=N": "N micro-batches per mini-batch (instead of --async-micro-batches / --micro-batches)"}
 # +bs=N and +m=N are the suffixes the synchronous methods take too (data-parallel: +bs only): their run at the
 # async method's batch size is the control that separates what asynchrony costs from what the smaller batch
 # changes. "nesterov+sm+m=1+bs=8" is async at one update per micro-batch of 8 samples.
 SIZES = ("batch_size", "micro_batches")
+SQRT_SCALED = ("lamb",)  # the optimizers whose rate scales with the square root of the batch (lr_scale)
 
 
 def parse_method(method: str) -> tuple[str, float, dict]:
@@ -120,8 +128,8 @@ def method_config(base: RunConfig, method: str, world: int | None = None,
     """``base`` changed to train with ``method``; ``world`` is the torchrun world size (None: local engine).
 
     The async methods split a mini-batch into ``async_micro_batches`` (default base.micro_batches). A method
-    with ``+bs=N`` trains on mini-batches of N samples at ``lr_scale(base, config)`` times the rate; ``+m=N``
-    splits them into N micro-batches.
+    with ``+bs=N`` trains on mini-batches of N samples at ``lr_scale(base, config)`` times the rate and warms
+    up over ``warmup_updates(base, config)`` (compare applies both); ``+m=N`` splits them into N micro-batches.
     """
     name, lookahead, corrections = parse_method(method)
     sizes = {key: corrections.pop(key) for key in SIZES if key in corrections}
@@ -136,9 +144,20 @@ def method_config(base: RunConfig, method: str, world: int | None = None,
 
 
 def lr_scale(base: RunConfig, config: RunConfig) -> float:
-    """The factor on a grid's rate for a method trained at another batch size than ``base``'s: the linear
-    scaling rule (Goyal et al. 2017), so that one grid means the same rate per sample for every method."""
-    return config.resolved().batch_size / base.resolved().batch_size
+    """The factor on a grid's rate for a method trained at another batch size than ``base``'s, by the rule the
+    optimizer calls for, so that one grid means the same rate per sample for every method: square-root scaling
+    for LAMB (You et al. 2019, which keeps the update's variance as the batch grows), the linear scaling rule
+    (Goyal et al. 2017) for the others, SGD and LARS (You et al. 2017) among them."""
+    ratio = config.resolved().batch_size / base.resolved().batch_size
+    return math.sqrt(ratio) if config.optimizer in SQRT_SCALED else ratio
+
+
+def warmup_updates(base: RunConfig, config: RunConfig) -> int:
+    """``base.warmup`` for a method trained at another batch size: the updates that see the same samples (at
+    least one), so that every batch size warms up over the same share of its epochs, as Goyal et al.'s 5 epochs."""
+    if not base.warmup:
+        return 0
+    return max(1, round(base.warmup * base.resolved().batch_size / config.resolved().batch_size))
 
 
 @dataclasses.dataclass
@@ -216,8 +235,8 @@ def compare(base: RunConfig, methods: Sequence[str], logdir: str | os.PathLike,
             for seed in seed_list:
                 label = f"{m} lr={lr:g} seed={seed}" if grid else m
                 where = run_directory(root, m, lr, seed, grid)
-                config = dataclasses.replace(c, lr=lr * lr_scale(base, c), seed=seed, label=label,
-                                             logdir=str(where))
+                config = dataclasses.replace(c, lr=lr * lr_scale(base, c), warmup=warmup_updates(base, c),
+                                             seed=seed, label=label, logdir=str(where))
                 try:
                     runs[(lr, seed)] = run(config)
                 except NonFiniteError as error:  # a rate too high for a method is a result, not the end of the grid

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from pipetrain.apps.compare import METHODS as COMPARED, add_arguments_compare, run_compare
+from pipetrain.apps.run_config import OPTIMIZERS
 from pipetrain.apps.run_log import OVERLAY_HINT
 
 # Every model's micro-batch is 8 samples (64 / 8; ResNet 32 / 4): at one update each, the lag of a stage in
@@ -58,12 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, help="every model trains this many epochs (default: each model's, "
                         "above); with --train-samples, a quick look that still runs every model and method")
     parser.add_argument("--train-samples", type=int, help="train on the first N samples only (default: all)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="every model and method trains with it, at its default rate (pipetrain compare's "
+                             "--optimizer; default: %(default)s)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def _compare(name: str, logdir: Path, progress: bool, capture: bool, sizes: list[str]) -> tuple[str, Path, float]:
-    """One model's `pipetrain compare`; returns what it printed (``capture``: held back, so that two
-    workers' tables do not interleave), its PNG and its wall seconds."""
+    """One model's `pipetrain compare` (``sizes``: the demo's flags it passes on); returns what it printed
+    (``capture``: held back, so that two workers' tables do not interleave), its PNG and its wall seconds."""
     # These models are tiny: one intra-op thread avoids thread-pool spinning, which costs more than
     # splitting such small kernels gains, the more so when other processes share the cores.
     torch.set_num_threads(1)
@@ -93,6 +97,7 @@ def run_demo(args: argparse.Namespace) -> int:
     logdir = Path(args.logdir or time.strftime("runs/demo-%Y%m%d-%H%M%S"))
     sizes = [f"--{flag}={value}" for flag, value in (("epochs", args.epochs), ("train-samples", args.train_samples))
              if value is not None]  # after DEMOS' own: argparse keeps the last
+    sizes.append(f"--optimizer={args.optimizer}")
     start = time.perf_counter()
     pngs = {}
     if args.jobs == 1 or len(models) == 1:

@@ -15,16 +15,27 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
 
 import pipetrain
 from pipetrain.apps.datasets import DATASETS, DOWNLOADABLE, OFFLINE_DATASETS, dataset_info
 from pipetrain.apps.models import DEFAULT_DATASET, DEFAULT_HPARAMS
+from pipetrain.optim import LAMB, LARS, warmup_cosine_decay, warmup_poly_decay
 from pipetrain.options import PARTITIONERS, PRECISIONS, SCHEDULES, STALENESS, PipelineOptions
 
 _HPARAMS_FALLBACK = {"resnet18": "resnet", "resnet50": "resnet"}
-OPTIMIZERS = ("sgd", "nag", "adam", "nadam")  # nag: SGD with Nesterov momentum; nadam: Adam with it
-ADAPTIVE = ("adam", "nadam")
-ADAM_LR = 1e-3  # torch.optim.Adam's default
+# nag: SGD with Nesterov momentum; nadam: Adam with it; lars and lamb: the large-batch optimizers (pipetrain.optim)
+OPTIMIZERS = ("sgd", "nag", "adam", "nadam", "lars", "lamb")
+ADAPTIVE = ("adam", "nadam", "lamb")  # Adam's moments: Adam's rates
+ADAM_LR = 1e-3  # torch.optim.Adam's default (LAMB's paper tunes rates of this size too)
+# LARS's global rate: its trust coefficient (0.001) makes each tensor move by lr * 0.001 of its norm per update, so
+# the rate is 1000x an SGD rate for the same relative step (You et al. 2017 reach global rates of 2-30).
+LARS_LR = 1.0
+# LARS with You et al. 2017's momentum and trust coefficient; its trust ratio divides by ||g|| + wd * ||w||, and
+# without decay the weight norms, and with them every step, grow unchecked: their 5e-4 (the families' SGD has none).
+LARS_WEIGHT_DECAY, LARS_TRUST = 5e-4, 0.001
+LAMB_WEIGHT_DECAY = 0.01  # the BERT recipe's (You et al. 2019); LAMB's betas (0.9, 0.999) and eps 1e-6 are its defaults
+LR_SCHEDULES = ("none", "warmup-cosine", "warmup-poly")  # none: constant
 RESUME = ("never", "auto")  # auto: continue from the newest checkpoint in checkpoint_dir
 PIPELINE_DEFAULTS = {f.name: f.default for f in fields(PipelineOptions)}  # wrap's options and their defaults
 
@@ -99,9 +110,18 @@ class RunConfig:
     profile: bool = _setting(PIPELINE_DEFAULTS["profile"])
     epochs: int | None = _flag(None, "default: the model family's DEFAULT_HPARAMS", type=int)
     batch_size: int | None = _flag(None, "global mini-batch size", type=int)
-    optimizer: str = _flag("sgd", "sgd (momentum 0.9), nag (the same with Nesterov momentum), adam or nadam",
-                           choices=OPTIMIZERS)
-    lr: float | None = _flag(None, "learning rate (default: the family's SGD rate; 1e-3 with adam)", type=float)
+    optimizer: str = _flag("sgd", "sgd (momentum 0.9), nag (the same with Nesterov momentum), adam, nadam, lars "
+                           "(You et al. 2017: momentum 0.9, trust coefficient 0.001, weight decay 5e-4) or lamb "
+                           "(You et al. 2019: weight decay 0.01)", choices=OPTIMIZERS)
+    lr: float | None = _flag(None, "the global learning rate, the peak of --lr-schedule (default: the family's SGD "
+                             f"rate; {ADAM_LR:g} with adam, nadam and lamb; {LARS_LR:g} with lars)", type=float)
+    lr_schedule: str = _flag("none", "none (constant --lr), warmup-poly (linear warm-up over --warmup updates, then "
+                             "polynomial decay of power --poly-power to 0 at the last update: Jia et al. 2018) or "
+                             "warmup-cosine (the same warm-up, then a cosine to 0; huggingface.py's default)",
+                             choices=LR_SCHEDULES)
+    warmup: int = _flag(0, "updates of linear learning-rate warm-up of --lr-schedule (a run at another batch size "
+                        "in `pipetrain compare` warms up over the same samples)", type=int)
+    poly_power: float = _flag(2.0, "warmup-poly: the power of the decay (default 2, Jia et al.)", type=float)
     momentum: float = _setting(0.9)
     seed: int = _option("seed", type=int)
     train_samples: int | None = _flag(None, "use only the first N training samples", type=int)
@@ -110,6 +130,18 @@ class RunConfig:
     progress: bool = _flag(True, "show no progress (bar, step or epoch lines), only the summary", name="--no-progress",
                            action="store_false")
     label: str = _setting("")  # names the run in the progress bar and summary line
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown --lr-schedule {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+        if self.warmup < 0 or self.poly_power <= 0:
+            raise ValueError(f"--warmup must be >= 0 and --poly-power > 0, got {self.warmup} and {self.poly_power:g}")
+        if self.warmup and self.lr_schedule == "none":
+            raise ValueError("--warmup shapes --lr-schedule, which is none (constant): add --lr-schedule warmup-poly "
+                             "or drop --warmup")
+        if self.poly_power != 2.0 and self.lr_schedule != "warmup-poly":
+            raise ValueError(f"--poly-power is warmup-poly's and --lr-schedule is {self.lr_schedule}: add "
+                             "--lr-schedule warmup-poly or drop --poly-power")
 
     def resolved(self) -> "RunConfig":
         """A copy with every family default filled in (dataset, epochs, batch size, lr)."""
@@ -127,21 +159,39 @@ class RunConfig:
         _check_data(self.model, out.dataset, self.data_dir, self.download)
         out.epochs = hp["epochs"] if self.epochs is None else self.epochs
         out.batch_size = hp["batch_size"] if self.batch_size is None else self.batch_size
-        if self.lr is None:  # the families' tuned rates are SGD's; Adam gets torch's default
-            out.lr = ADAM_LR if self.optimizer in ADAPTIVE else hp["lr"]
+        out.lr = default_lr(self.optimizer, hp["lr"]) if self.lr is None else self.lr
         return out
 
-    def wrap_options(self) -> dict[str, Any]:
-        """The options of ``pipetrain.wrap`` this run trains with (call on a resolved config)."""
+    def wrap_options(self, updates: int | None = None) -> dict[str, Any]:
+        """The options of ``pipetrain.wrap`` this run trains with (call on a resolved config); ``updates``: how many
+        the run takes, which --lr-schedule spreads its warm-up and decay over (needed unless it is none)."""
         options = {f.metadata["wrap"]: getattr(self, f.name) for f in fields(self) if f.metadata["wrap"]}
         # The options no single field holds: only the graph and time partitioners use layer timings.
         options.update(loss_fn=F.cross_entropy, profile=self.profile and self.partitioner in ("graph", "time"),
-                       optimizer=optimizer_factory(self.optimizer, self.lr, self.momentum))
+                       optimizer=optimizer_factory(self.optimizer, self.lr, self.momentum),
+                       lr_scheduler=self.lr_scheduler(updates))
         return options
+
+    def lr_scheduler(self, updates: int | None) -> Callable[[torch.optim.Optimizer], LambdaLR] | None:
+        """The ``lr_scheduler=`` factory of wrap() for --lr-schedule over a run of ``updates`` updates (None:
+        constant rate); wrap steps it once per applied update and checkpoints it."""
+        if self.lr_schedule == "none":
+            return None
+        if updates is None:
+            raise ValueError(f"--lr-schedule {self.lr_schedule} decays over the run: pass wrap_options(updates=...)")
+        warmup, power = self.warmup, self.poly_power
+        if self.lr_schedule == "warmup-cosine":  # a warm-up as long as the run or longer: it never decays
+            return lambda optimizer: warmup_cosine_decay(optimizer, warmup, updates)
+        if updates <= warmup:  # what warmup_poly_decay would raise at wrap, in the flags' words
+            raise ValueError(f"--warmup {warmup} leaves no update of this run's {updates} to decay over: warm up over "
+                             "fewer updates or train longer")
+        return lambda optimizer: warmup_poly_decay(optimizer, warmup, updates, power)
 
     def check(self) -> None:
         """Raise the error wrap() would raise for these options, before any data is loaded or trained."""
-        pipetrain.PipelineOptions(**self.resolved().wrap_options())  # validates on construction
+        c = self.resolved()
+        # The run's length is known once its data is: any length past the warm-up gives wrap the same options.
+        pipetrain.PipelineOptions(**c.wrap_options(updates=c.warmup + 1))  # validates on construction
 
     def describe(self) -> str:
         """Schedule and layout in a few words, e.g. 'async-1f1b/spectrain 4 stages x 1 micro-batch'."""
@@ -178,8 +228,21 @@ def _check_data(model: str, dataset: str, data_dir: str | None, download: bool) 
                          "drop --download")
 
 
+def default_lr(optimizer: str, sgd_lr: float) -> float:
+    """The global rate of ``optimizer`` when --lr is not given, for a model family whose SGD rate is ``sgd_lr``."""
+    if optimizer in ADAPTIVE:
+        return ADAM_LR
+    return LARS_LR if optimizer == "lars" else sgd_lr
+
+
 def optimizer_factory(name: str, lr: float, momentum: float) -> Callable[[Any], torch.optim.Optimizer]:
-    """The ``optimizer=`` factory of wrap() for RunConfig.optimizer."""
+    """The ``optimizer=`` factory of wrap() for RunConfig.optimizer; ``lr`` is the global rate (LARS and LAMB
+    scale it per tensor by their trust ratios)."""
+    if name == "lars":
+        return lambda params: LARS(params, lr=lr, momentum=momentum, weight_decay=LARS_WEIGHT_DECAY,
+                                   trust_coefficient=LARS_TRUST)
+    if name == "lamb":
+        return lambda params: LAMB(params, lr=lr, weight_decay=LAMB_WEIGHT_DECAY)
     if name == "adam":
         return lambda params: torch.optim.Adam(params, lr=lr)
     if name == "nadam":  # the synchronous control for the nesterov staleness policy under Adam

@@ -102,7 +102,7 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
     loader = make_loader(train, c.batch_size, shuffle=True, seed=c.seed, drop_last=True)
     x0, _ = default_collate([train[i] for i in range(c.batch_size)])
     example = x0[:max(1, c.batch_size // (c.micro_batches * c.data_parallel))]
-    pipe = pipetrain.wrap(model, example, **c.wrap_options())
+    pipe = pipetrain.wrap(model, example, **c.wrap_options(updates=c.epochs * len(loader)))  # --lr-schedule's length
     if on_step is not None:
         pipe.on_step(on_step)
     rank0 = is_rank_zero()

@@ -6,7 +6,9 @@ SpecTrain weight prediction extrapolates.
 """
 from pipetrain.optim.lamb import LAMB
 from pipetrain.optim.lars import LARS
-from pipetrain.optim.lr_schedules import linear_scaling_rule, linear_warmup, warmup_poly_decay
+from pipetrain.optim.lr_schedules import (linear_scaling_rule, linear_warmup, warmup_cosine_decay,
+                                          warmup_poly_decay)
 from pipetrain.optim.smoothed import smoothed_update
 
-__all__ = ["LAMB", "LARS", "linear_scaling_rule", "linear_warmup", "smoothed_update", "warmup_poly_decay"]
+__all__ = ["LAMB", "LARS", "linear_scaling_rule", "linear_warmup", "smoothed_update", "warmup_cosine_decay",
+           "warmup_poly_decay"]

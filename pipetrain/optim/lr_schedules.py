@@ -1,13 +1,16 @@
-"""Large-batch learning-rate schedules: linear scaling, warm-up, polynomial decay.
+"""Large-batch learning-rate schedules: linear scaling, warm-up, polynomial or cosine decay.
 
 Goyal et al. (2017): scale the learning rate linearly with the batch size and
 ramp it up linearly over the first steps; You et al. (LARS) decay it with a
-polynomial of power 2 afterwards. The schedulers are `LambdaLR`s, so they
-save/load and step like any torch scheduler (call ``scheduler.step()`` once
-per optimizer step).
+polynomial of power 2 afterwards, as Jia et al. (2018) do; language models
+decay on a cosine instead. The schedulers are `LambdaLR`s, so they save/load
+and step like any torch scheduler (call ``scheduler.step()`` once per
+optimizer step).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -71,5 +74,18 @@ def warmup_poly_decay(
         if step < warmup_steps:
             return warmup_factor(step, warmup_steps, start_factor)
         return poly_factor(step - warmup_steps, decay_steps, power, end_factor)
+
+    return LambdaLR(optimizer, factor)
+
+
+def warmup_cosine_decay(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> LambdaLR:
+    """Linear warm-up reaching the base lr at update `warmup_steps` (its first update already at
+    ``1 / warmup_steps`` of it), then a cosine to 0 at `total_steps`: the language models' schedule."""
+    _check(warmup_steps, 0.0)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
 
     return LambdaLR(optimizer, factor)
