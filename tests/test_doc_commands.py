@@ -75,7 +75,7 @@ COMMANDS: dict[str, Run | Covered | Within] = {
     # api.md, hybrid-and-zero.md, options.md: a command named with a flag; its --help lists the flag
     "pipetrain export --hf": Run("--hf", append="--help"),
     "pipetrain plan --zero auto": Run("--zero {0,1,2,3,auto}", append="--help"),
-    "pipetrain plan --optimizer adamw": Run("--optimizer {sgd,sgd-momentum,adam,adamw,lars}", append="--help"),
+    "pipetrain plan --optimizer adamw": Run("--optimizer {sgd,sgd-momentum,adam,adamw,lars,lamb}", append="--help"),
     "pipetrain plan --recompute auto": Run("--recompute {none,except-last,always,auto}", append="--help"),
     "pipetrain plan --tensor-parallel auto --sequence-parallel": Run("--sequence-parallel", append="--help"),
     "pipetrain plan --cluster": Run("--cluster CLUSTER", substitute=(("--cluster", "--cluster {cluster}"),),
@@ -116,6 +116,12 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "--save-every 50 --resume"),
     "torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/vgg.py --stages 4 --checkpoint-dir ckpt "
     "--save-every 50 --resume": Run("max val accuracy", append=TINY_TRAINING, process=True, slow=True),
+    # hybrid-and-zero.md, README.md: the large-batch recipe, on a few samples (a warm-up shorter than their updates)
+    "python examples/resnet.py --optimizer lars --lr-schedule warmup-poly --warmup 5 --precision fp16 --batch-size 512 "
+    "--epochs 30": Run("max val accuracy", append=TINY_TRAINING + " --warmup 1 --stages 2 --micro-batches 2"),
+    "pipetrain compare --optimizer lars --lr-schedule warmup-poly --warmup 40 --methods "
+    "data-parallel,data-parallel+bs=512": Run("max val accuracy", substitute=(("+bs=512", "+bs=32"),),
+                                              append=TINY_TRAINING + " --warmup 1 --epochs 3 --logdir {tmp}/runs"),
     # hybrid-and-zero.md
     "python examples/benchmarks/bench_zero.py": Run(
         "all ranks' wire bytes per step", append="--width 32 --depth 1 --seq 4 --batch 4 --steps 1 --replicas 1",
