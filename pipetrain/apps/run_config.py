@@ -133,6 +133,7 @@ class RunConfig:
     label: str = _setting("")  # names the run in the progress bar and summary line
 
     def __post_init__(self) -> None:
+        """Refuse a schedule flag that would change nothing (every entry point builds its config here)."""
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown --lr-schedule {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
         if self.warmup < 0 or self.poly_power <= 0:
