@@ -47,12 +47,18 @@ def lars(params):
     return pipetrain.optim.LARS(params, lr=1.0, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.01)
 
 
+def lamb(params):
+    """LAMB reads whole tensors too (its trust ratio ||w|| / ||r||); each step moves a weight by ~lr of its norm."""
+    return pipetrain.optim.LAMB(params, lr=0.01, weight_decay=0.01)
+
+
 CASES = {  # name -> (model, wrap options); every case: 2 stages x 2 replicas, zero=3, SGD with momentum (Adam,
     # nearly invariant to the gradient's scale, would hide a reduction that sums instead of averaging)
     "1f1b": ("mlp", dict(schedule="1f1b")),
     "1f1b-adam": ("mlp", dict(schedule="1f1b", optimizer=adam)),
     # LARS reads whole tensors (its trust ratio): each replica steps its shard of every tensor, norms over the whole
     "1f1b-lars": ("mlp", dict(schedule="1f1b", optimizer=lars)),
+    "1f1b-lamb": ("mlp", dict(schedule="1f1b", optimizer=lamb)),
     "interleaved-1f1b": ("mlp", dict(schedule="interleaved-1f1b")),
     "zb-h1": ("mlp", dict(schedule="zb-h1")),
     **{s: ("mlp", dict(schedule=s)) for s in ("zbv", "dualpipev", "interleaved-zb")},  # split backward, 2 chunks
