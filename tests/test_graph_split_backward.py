@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-import torch._inductor
 from torch import fx, nn
 from torch.nn import functional as F
 
@@ -264,31 +263,6 @@ def test_unsplittable_stages_say_why(case, reason):
 
 
 # -- pipelines ---------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_each_graph_once():
-    """Inductor compiles a derived graph once per module: a pipeline of the same stages (the eager-vs-compiled,
-    recompute and schedule cases cut the same "skip" model into the same chunks) gets the code an earlier one
-    compiled from the very same graph and input layouts. Inductor's own FX graph cache would hand it over the same
-    way, but torch._inductor.compile bypasses that cache for a graph without a shape env ('No shape env'), so
-    every pipeline recompiled each graph: most of this module's CPU time. Graphs holding constants or submodules
-    (which the code does not name by value) compile afresh."""
-    compile, compiled = torch._inductor.compile, {}
-
-    def once(gm, example_inputs, options=None):
-        if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
-            return compile(gm, example_inputs, options=options)
-        layouts = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
-                        if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs)
-        key = (gm.code, layouts, repr(sorted((options or {}).items())), torch.is_grad_enabled())
-        if key not in compiled:
-            compiled[key] = compile(gm, example_inputs, options=options)
-        return compiled[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch._inductor, "compile", once)
-        yield
-
 
 def train(model, compile, stages=2, recompute="none", precision="fp32", steps=3, engine="local", schedule="zb-h1"):
     data = batches(model, steps, 8, seed=3)

@@ -250,6 +250,29 @@ def _subgraph(root: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node
     return fx.GraphModule(root, graph)
 
 
+# Inductor's code per (graph code, input layouts, options, grad mode), shared by every stage and pipeline of the
+# process. torch._inductor.compile bypasses inductor's own FX graph cache for a graph without a shape env (its log:
+# 'No shape env'), so without this each stage, chunk and pipeline of the same graph compiled it again (a test
+# module of compiled zero-bubble pipelines spent most of its time there). Sharing is safe: weights and buffers are
+# graph inputs, CUDA graphs are off (runtime.compiled.graph_compile_options), and graphs that hold constants or
+# submodules, which their code names but does not show, are not shared.
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def _compiled(graph: fx.GraphModule, args: list[torch.Tensor], options: dict[str, Any]) -> Callable:
+    """Inductor's compiled ``graph`` for ``args``, compiled once per process for the same code and layouts."""
+    import torch._inductor
+
+    if any(node.op in ("get_attr", "call_module") for node in graph.graph.nodes):
+        return torch._inductor.compile(graph, args, options=options)
+    layouts = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+                    if isinstance(t, torch.Tensor) else repr(t) for t in args)
+    key = (graph.code, layouts, repr(sorted(options.items())), torch.is_grad_enabled())
+    if key not in _COMPILED:
+        _COMPILED[key] = torch._inductor.compile(graph, args, options=options)
+    return _COMPILED[key]
+
+
 class _Inductor:
     """A graph compiled with inductor at its first call, for the tensors of that call (a graph is
     derived per input signature, so its shapes never change)."""
@@ -260,6 +283,5 @@ class _Inductor:
 
     def __call__(self, *args: torch.Tensor) -> tuple:
         if self.compiled is None:
-            import torch._inductor
-            self.compiled = torch._inductor.compile(self.graph, list(args), options=self.options)
+            self.compiled = _compiled(self.graph, list(args), self.options)
         return self.compiled(*args)
