@@ -37,8 +37,15 @@ MAX_NORM = 0.05  # below the first steps' gradient norms (~0.3): every step clip
 PREDICTED = data("mlp", SIZE, seed=5)  # predicted after three steps, then a fourth step's mini-batch
 
 
+# Adam and LAMB divide by sqrt(v) + eps: a gradient of ~0 whose float32 rounding d (~1e-7 of its terms' scale, the
+# replicas' reduce-scatter summing in another order than the reference) differs by kernel would move a weight by up to
+# lr * d / eps. eps = 1e-3 bounds that by 1e-2 * 1e-7 / 1e-3 = 1e-6 a step, 3e-6 over three steps: within TOL on any
+# CPU's kernels (at torch's eps, 1e-8, the bound is a whole lr step; see docs/exactness.md).
+ROUNDING_EPS = 1e-3
+
+
 def adam(params):
-    return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.Adam(params, lr=0.01, eps=ROUNDING_EPS)
 
 
 def lars(params):
@@ -49,7 +56,7 @@ def lars(params):
 
 def lamb(params):
     """LAMB reads whole tensors too (its trust ratio ||w|| / ||r||); each step moves a weight by ~lr of its norm."""
-    return pipetrain.optim.LAMB(params, lr=0.01, weight_decay=0.01)
+    return pipetrain.optim.LAMB(params, lr=0.01, weight_decay=0.01, eps=ROUNDING_EPS)
 
 
 CASES = {  # name -> (model, wrap options); every case: 2 stages x 2 replicas, zero=3, SGD with momentum (Adam,
