@@ -115,7 +115,8 @@ def wrap(model: nn.Module, example_inputs: Any, *,
         compile: torch.compile each stage: False, True or a dict of torch.compile arguments.
         dynamic_shapes: boundary shapes may depend on values (a header per message).
         receive_ahead: distributed engine: post each receive one computation early.
-        timeout: seconds a rank waits for another before it stops with an error naming it.
+        timeout: seconds a rank waits for another before it stops with an error naming it (with compile, at least
+            10 minutes while a peer may still be compiling: pipetrain.comm.compile_grace).
     Hybrid mode:
         allreduce: "hybrid" (per bucket, flat or hierarchical as ``cluster`` prices them), "flat",
             "hierarchical" or "per-tensor". cluster: a preset or Cluster JSON. bucket_mb: bucket size.

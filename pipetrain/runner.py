@@ -77,6 +77,7 @@ class Runner:
             p.connections.transport.flush()
             for rt in p.stages.values():
                 rt.end_step()
+            self._settled(feed, 0)
             return self._finish(report.result)
 
     def _connected(self) -> None:
@@ -153,6 +154,7 @@ class Runner:
                 report.skipped = [ex.skipped.pop(reported) for ex in executors.values()][0]  # agreed: any position
                 report.grad_norm = [s.grad_norms.pop(reported, float("nan")) for s in p.steppers.values()][0]
                 start = now
+                self._settled(feed, reported)
                 feed.release(reported)
                 reported += 1
                 if not p.engine.distributed:
@@ -191,12 +193,14 @@ class Runner:
         actions = p.schedules.forward_only(m)
         for rt in p.stages.values():
             rt.module.eval()
+        grace = p.connections.grace
         try:
             executors = self._executors(feed, Recompute(), train=False)
-            with self._abandoned_on_error():
+            with self._abandoned_on_error(), grace.predicting() if grace else contextlib.nullcontext():
                 for _ in drive({d: ex.run(p.schedules.posted(actions[d], self._ahead)) for d, ex in executors.items()}):
                     pass
                 p.connections.transport.flush()
+                self._settled(feed, 0)
         finally:
             for rt in p.stages.values():
                 rt.module.train()
@@ -206,6 +210,11 @@ class Runner:
         outputs = sorted((g, out) for ex in executors.values() for g, out in ex.predictions.items())
         merged = merge_micro_batches([out for _, out in outputs]) if outputs else None
         return to_device(p.engine.share_prediction(merged, p.topology), caller_device(x))
+
+    def _settled(self, feed: Feed, t: int) -> None:
+        """Mini-batch ``t`` finished here: under compile=, its shapes are one mini-batch closer to compiled."""
+        if self.parts.connections.grace is not None:
+            self.parts.connections.grace.finished_mini_batch(feed.mini_batch_shapes(t))
 
     def _start(self, stream: bool) -> None:
         for stepper in self.parts.steppers.values():

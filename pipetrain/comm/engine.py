@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import partitioners
+from pipetrain.comm.compile_grace import CompileGrace, group_timeout
 from pipetrain.comm.consensus import Consensus, default_store
 from pipetrain.comm.failures import FailureBoard
 from pipetrain.comm.replica_start import check_replicas_read_alike, start_replicas_equal
@@ -66,6 +67,7 @@ class EngineOptions(Protocol):
     receive_ahead: bool
     norm_type: float
     tensor_parallel: int
+    compile: bool | dict
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Connections:
     reporter: Reporter
     reducers: dict[int, StageReducer | FullyShardedReducer]  # hybrid mode: position -> its gradient reducer
     counter: CommCounter
+    grace: CompileGrace | None = None  # compile=: which waits allow for a compiling peer
 
     def abandon(self) -> None:
         """A step raised: drop what each piece kept for it, so the next step starts clean."""
@@ -163,7 +166,9 @@ class DistributedEngine:
     world: World
 
     def __init__(self, options: EngineOptions):
-        ensure_process_group(options.timeout)
+        # A compiling peer holds up collectives too: the groups' timeout leaves room for it (comm.compile_grace).
+        self.group_timeout = group_timeout(options.timeout, bool(options.compile))
+        ensure_process_group(self.group_timeout)
         self.options = options
         self.data_parallel = options.data_parallel
         self.dynamic_shapes, self.timeout = options.dynamic_shapes, options.timeout
@@ -189,7 +194,7 @@ class DistributedEngine:
     def _new_world(self) -> World:
         o = self.options
         with peers_answer(SETTING_UP):
-            return World(o.stages, o.data_parallel, o.allreduce, o.hierarchy, o.timeout, o.tensor_parallel)
+            return World(o.stages, o.data_parallel, o.allreduce, o.hierarchy, self.group_timeout, o.tensor_parallel)
 
     def reconnect(self, topology: Topology, stages: dict[int, StageRuntime], tied: Tied) -> Connections:
         """Fresh process groups and connections after a step that raised on some rank: the old groups may hold
@@ -263,9 +268,10 @@ class DistributedEngine:
             from pipetrain.tensor_parallel import Lanes
 
             lanes = Lanes(world.tensor_group, world.tensor_parallel, world.lane)
+        grace = CompileGrace(self.timeout, topology.positions) if self.options.compile else None
         transport = DistributedTransport(topology, lambda v: world.rank_of(topology.position_of(v)), links,
                                          world.device, counter, self.dynamic_shapes, self.timeout, self.receive_ahead,
-                                         lanes)
+                                         lanes, grace)
         tied_sync = DistributedTiedSync(tied, stages, tied_groups, counter)
         # Every lane of the last stage computes the same loss: lane 0 reports it; per-stage numbers are averaged over
         # the stage's replicas and lanes.
@@ -284,7 +290,7 @@ class DistributedEngine:
             else:
                 reducers[world.position] = StageReducer(held, world.data_parallel_group, world.hierarchy,
                                                         self.reduction, counter, tied)
-        return Connections(transport, tied_sync, agreement, reporter, reducers, counter)
+        return Connections(transport, tied_sync, agreement, reporter, reducers, counter, grace)
 
     def explain_failure(self, error: BaseException) -> BaseException:
         """The error to raise for a step that raised here (see pipetrain.comm.failures)."""

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from pipetrain.comm import recording
 from pipetrain.comm.agreed_shapes import KEPT_SHAPES, AgreedShapes
+from pipetrain.comm.compile_grace import CompileGrace
 from pipetrain.comm.failures import PeerFailure
 from pipetrain.comm.wire import HEADER_BYTES, decode_header, describe, encode_header, flatten, list_spec
 from pipetrain.runtime import host_sync
@@ -105,7 +106,8 @@ class DistributedTransport:
 
     def __init__(self, topology: Topology, rank_of: Callable[[int], int], groups: dict[Hashable, Any],
                  device: torch.device, counter: CommCounter, dynamic_shapes: bool = False,
-                 timeout: float = 30.0, receive_ahead: bool = True, lanes: Lanes | None = None):
+                 timeout: float = 30.0, receive_ahead: bool = True, lanes: Lanes | None = None,
+                 grace: CompileGrace | None = None):
         self.topology = topology
         self.lanes = lanes
         # Looked up for every message: evaluated once per stage here.
@@ -113,6 +115,7 @@ class DistributedTransport:
         self.device = device
         self.dynamic_shapes = dynamic_shapes
         self.timeout = timedelta(seconds=timeout)
+        self.grace = grace  # compile=: longer waits while a peer may be compiling (see comm.compile_grace)
         self.rank = dist.get_rank()
         self.local = LocalTransport([device] * topology.num_stages, counter)
         self.counter = counter
@@ -120,8 +123,9 @@ class DistributedTransport:
         self.agreed_received = AgreedShapes(KEPT_SHAPES)
         self.sent_meta: dict[tuple[int, int], tuple] = {}  # (link, micro-batch) -> activation meta, for its gradient
         # (its group, tensors kept alive, recorded ids, (link, kind, micro-batch) of the message)
-        self.pending_sends: list[tuple[_Posted, list, list, tuple[Link, str, int]]] = []
-        self.posted: dict[tuple, tuple] = {}  # (link, kind, micro-batch) -> (its group, buffers, meta, recorded ids)
+        self.pending_sends: list[tuple[_Posted, list, list, tuple[Link, str, int], timedelta]] = []
+        # (link, kind, micro-batch) -> (its group, buffers, meta, recorded ids, how long to wait for it)
+        self.posted: dict[tuple, tuple] = {}
         self.deferred: list[Message] = []  # receives to post ahead whose shapes were not agreed: due next exchange
         self.recorder = recording.active()  # None unless a test records what is posted
         # gloo runs every op of a batch_isend_irecv group on its own (one work each): posting them one by one
@@ -171,7 +175,7 @@ class DistributedTransport:
         for comm, group in batch.payloads.items():
             self._post(comm, group)
         for m, header, works, recorded in reads:
-            self._wait(works, m.link, m.kind, m.micro_batch, recorded)
+            self._wait(works, m.link, m.kind, m.micro_batch, recorded, self._limit(m))
             host_sync.note("shape header")
             meta = decode_header(header.cpu())
             if not self.dynamic_shapes:
@@ -213,7 +217,8 @@ class DistributedTransport:
                 message = self._message("header", link, m.micro_batch)
                 works = batch.add(batch.headers, comm, dist.P2POp(dist.isend, header, peer, group),
                                   self._op(True, peer, message))
-                self.pending_sends.append((works, [header], self._recorded(message), (link, kind, m.micro_batch)))
+                self.pending_sends.append((works, [header], self._recorded(message), (link, kind, m.micro_batch),
+                                           self._limit(m)))
             elif agreed != meta:
                 raise RuntimeError(
                     f"boundary values {link.names} from stage {link.src} to {link.dst} changed shape or "
@@ -231,7 +236,8 @@ class DistributedTransport:
                               self._op(True, peer, message, i))
         src = link.src if kind == ACT else link.dst
         self.counter.add(COMM_KIND[kind], src, sum(t.numel() * t.element_size() for t in tensors))
-        self.pending_sends.append((works, tensors, self._recorded(message, len(tensors)), (link, kind, m.micro_batch)))
+        self.pending_sends.append((works, tensors, self._recorded(message, len(tensors)), (link, kind, m.micro_batch),
+                                   self._limit(m)))
 
     def _known_meta(self, m: Message) -> tuple | None:
         """The metadata of a message to receive, or None when a header must bring it."""
@@ -265,7 +271,7 @@ class DistributedTransport:
             part = b if self.lanes is None else self._lane_part(b)
             works = _Batch.add(table, comm, dist.P2POp(dist.irecv, part, peer, group),
                                self._op(False, peer, message, i))
-        return works, buffers, (described, spec), self._recorded(message, len(buffers))
+        return works, buffers, (described, spec), self._recorded(message, len(buffers)), self._limit(m)
 
     def _lane_part(self, t: torch.Tensor) -> torch.Tensor:
         """What crosses the link of ``t`` (a boundary value, whole and the same on every tensor-parallel lane): this
@@ -315,14 +321,14 @@ class DistributedTransport:
             self._wait_sent(self.pending_sends.pop(0))
 
     def _wait_sent(self, entry: tuple) -> None:
-        works, _, recorded, _ = entry
+        works, _, recorded, _, limit = entry
         if self.recorder is not None and recorded:
             self.recorder.wait(recorded)
         try:
-            works.wait(self.timeout)
+            works.wait(limit)
         except RuntimeError as error:
             raise PeerFailure(f"rank {self.rank}: a send to another stage did not complete within "
-                              f"{self.timeout.total_seconds():g} s (the receiver died or hangs): {error}") from error
+                              f"{limit.total_seconds():g} s (the receiver died or hangs): {error}") from error
 
     def ready(self, link: Link, kind: str, micro_batch: int) -> bool:
         if self._is_local(link):
@@ -335,8 +341,8 @@ class DistributedTransport:
         key = (link.index, kind, micro_batch)
         if key not in self.posted:
             raise RuntimeError(f"schedule error: {kind} of micro-batch {micro_batch} taken before it was received")
-        works, buffers, (described, spec), recorded = self.posted.pop(key)
-        self._wait(works, link, kind, micro_batch, recorded)
+        works, buffers, (described, spec), recorded, limit = self.posted.pop(key)
+        self._wait(works, link, kind, micro_batch, recorded, limit)
         if self.lanes is not None:
             self._gather_lanes(buffers)
         if kind == GRAD:
@@ -350,18 +356,23 @@ class DistributedTransport:
         leaves = [next(it) if d[0] == "t" else d[1] for d in described]
         return pytree.tree_unflatten(leaves, spec)
 
-    def _wait(self, works: _Posted, link: Link, kind: str, micro_batch: int, recorded: list) -> None:
+    def _limit(self, m: Message) -> timedelta:
+        """How long to wait for message ``m`` before calling its peer dead."""
+        return self.timeout if self.grace is None else self.grace.timeout(m.shape_key)
+
+    def _wait(self, works: _Posted, link: Link, kind: str, micro_batch: int, recorded: list,
+              limit: timedelta) -> None:
         """Wait for the group of a receive; a dead or hung peer becomes an error that names it, within the timeout."""
         if self.recorder is not None and recorded:
             self.recorder.wait(recorded)
         try:
-            works.wait(self.timeout)
+            works.wait(limit)
         except RuntimeError as error:
             src, dst = (link.src, link.dst) if kind == ACT else (link.dst, link.src)
             what = "activations" if kind == ACT else "gradients"
             raise PeerFailure(
                 f"stage {dst} (rank {self.rank}) got no {what} of micro-batch {micro_batch} from stage {src} "
-                f"(rank {self.rank_of(src)}) within {self.timeout.total_seconds():g} s: rank {self.rank_of(src)} "
+                f"(rank {self.rank_of(src)}) within {limit.total_seconds():g} s: rank {self.rank_of(src)} "
                 f"died or hangs; see its log (raise wrap(..., timeout=...) for very slow stages). "
                 f"Transport said: {error}") from error
 

@@ -72,6 +72,10 @@ class Feed:
         t, j = self._at(g)
         return self._shapes[t][j]
 
+    def mini_batch_shapes(self, t: int) -> list[tuple]:
+        """``shapes`` of each micro-batch of mini-batch ``t``."""
+        return self._shapes[t]
+
     def weight(self, g: int) -> float:
         """Share of micro-batch ``g`` in its mini-batch's mean loss (uneven splits weigh by size)."""
         t, j = self._at(g)
