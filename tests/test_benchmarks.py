@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 import schedules
-from schedules.cluster import Cluster
+from schedules.cluster import PRESETS, Cluster
+from schedules.cluster.reductions import Group, allreduce_time
 
+from dist_harness import free_port
 from helpers import run_script_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,3 +235,58 @@ def test_zero_bubble_benchmark_prints_simulated_and_measured_bubbles_and_each_st
             # kB printed to 1 kB, the error to 0.1%: recomputed from the rounded kB it agrees within their rounding
             assert error == pytest.approx(100 * (predicted / measured - 1), abs=0.05 + 100 * 1.0 / measured), (kind, out)
     assert memory["zb-h1"][1][0] > memory["1f1b"][1][0], out
+
+
+def _two_agents(script: str, *args: str) -> str:
+    """What rank 0 prints when `script` runs on two torchrun agents of 2 ranks each on 127.0.0.1 (two "nodes",
+    static rendezvous), as docs/results.md launches it."""
+    port = str(free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+    agents = [subprocess.Popen([*torchrun, "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
+                                port, str(BENCHMARKS / script), *args],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}) for node in (0, 1)]
+    logs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), "\n".join(log[-3000:] for log in logs)
+    return logs[0]
+
+
+@pytest.mark.slow
+def test_hierarchical_allreduce_benchmark_counts_each_variants_bytes_and_prices_it():
+    # Tiny gradients, two rounds: timing is not checked, only that every variant is there with the bytes its
+    # collectives send on 2 nodes x 2 ranks, the socket bytes that back them, and a ratio that is the printed
+    # measured / predicted; the real clusters' rows are the cost model's own numbers.
+    out = _two_agents("bench_hierarchical_allreduce.py", "--mib", "0.05", "--rounds", "2")
+    width = int(re.search(r"gradients: 4 x Linear\((\d+), \1\)", out).group(1))
+    numel = 4 * (width * width + width)
+    assert f"in 1 bucket(s) of {4 * numel} B" in out, out  # below the first bucket's 1 MiB: one bucket
+    n, padded = 4 * numel, 4 * (-(-numel // 2) * 2)  # fp32 bytes; hierarchical pads to a multiple of 2 ranks
+    number = r"\s+([\d.]+)"
+    rows = {name: [float(v) for v in values] for name, *values in re.findall(
+        r"^(flat|hierarchical|flat \+ fp16|hierarchical \+ fp16)" + number * 7 + "$", out, re.M)}
+    assert list(rows) == ["flat", "hierarchical", "flat + fp16", "hierarchical + fp16"], out
+    # per rank: a ring all-reduce over 4 sends 2 x 3/4 n, to the next rank (across nodes for one rank per node);
+    # hierarchical: all-to-all n/2 in the node, all-reduce of the n/2 shard across (2 x 1/2 x n/2), all-gather
+    # n/2 in the node; across nodes only the shard's all-reduce, n/2 from each of the node's 2 ranks
+    expected = {"flat": (1.5 * n, 1.5 * n), "hierarchical": (1.5 * padded, padded)}
+    for name, (sent, across, socket, measured, predicted, ratio, error) in rows.items():
+        base = name.removesuffix(" + fp16")
+        assert (sent, across) == tuple(b / (2 if "fp16" in name else 1) for b in expected[base]), (name, out)
+        assert sent <= socket <= sent + 8192, (name, out)  # the socket adds gloo's message headers
+        assert predicted > 0 and 0 <= error <= 1, (name, out)
+        # ms printed to 0.001, the ratio to 0.01: recomputed from the rounded times it agrees within their rounding
+        rounding = 5e-4 * (1 / predicted + measured / predicted ** 2)
+        assert ratio == pytest.approx(measured / predicted, abs=0.005 + rounding), (name, out)
+    assert len(re.findall(r"^hierarchical( \+ fp16|) / flat\1: measured [\d.]+, predicted [\d.]+: on this loopback "
+                          r"hierarchy (pays|does not pay)$", out, re.M)) == 2, out
+    presets = re.findall(r"^([\w-]+) .* (\d+)x(\d+)" + number * 3 + "  (pays|does not pay)$", out, re.M)
+    shown = {(name, int(nodes), int(per)) for name, nodes, per, *_ in presets}
+    assert shown == {(c.name, *shape) for c in PRESETS.values() if c.backend == "nccl"
+                     for shape in ((2, 2), (c.nodes, c.devices_per_node))}, out
+    for name, nodes, per, flat, hier, ratio, verdict in presets:
+        group = Group(int(nodes), int(per))
+        assert float(flat) == pytest.approx(1e3 * allreduce_time(n, group, PRESETS[name], False), abs=6e-4), out
+        assert float(hier) == pytest.approx(1e3 * allreduce_time(n, group, PRESETS[name], True), abs=6e-4), out
+        flat, hier = float(flat), float(hier)
+        assert float(ratio) == pytest.approx(hier / flat, abs=0.005 + 5e-4 * (1 / flat + hier / flat ** 2)), out
+        assert (verdict == "pays") == (hier < flat), out

@@ -169,6 +169,10 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "geometric mean of the wire ratio", append="--batch 8 --families vgg", slow=True),
     "python examples/benchmarks/bench_allreduce.py": Run(
         "step time, DDP / fused overlapped", append="--blocks 2 --rounds 1 --steps 1", slow=True),
+    **{f"torchrun --nnodes 2 --nproc-per-node 2 --node-rank {node} --master-addr 127.0.0.1 --master-port 29511 "
+       "examples/benchmarks/bench_hierarchical_allreduce.py": Covered(
+           "tests/test_benchmarks.py::test_hierarchical_allreduce_benchmark_counts_each_variants_bytes_and_prices_it")
+       for node in (1, 0)},
     "python examples/benchmarks/bench_calibration.py": Covered(
         "tests/test_benchmarks.py::test_calibration_runs_predicts_every_layout_and_saves_a_plannable_cluster"),
     "python examples/benchmarks/bench_calibration.py --save-cluster this_machine.json": Covered(
