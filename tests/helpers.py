@@ -79,3 +79,24 @@ def run_script_here(script: Path, *args: str, capsys, monkeypatch) -> str:
     finally:
         torch.set_num_threads(threads)
     return capsys.readouterr().out
+
+
+def optimizer_collectives(pipe: pipetrain.Pipeline) -> list[int]:
+    """The collectives each optimizer step of this rank's stages runs, one count per step, filled as they step."""
+    from torch.distributed.tensor.debug import CommDebugMode  # ~1 s to import: only where collectives are counted
+
+    counts: list[int] = []
+    for rt in pipe.held_stages.values():
+        mode: dict = {}
+
+        def enter(optimizer, args, kwargs, mode=mode) -> None:
+            mode["now"] = CommDebugMode()
+            mode["now"].__enter__()
+
+        def leave(optimizer, args, kwargs, mode=mode) -> None:
+            done = mode.pop("now")
+            done.__exit__(None, None, None)
+            counts.append(done.get_total_counts())
+        rt.optimizer.register_step_pre_hook(enter)
+        rt.optimizer.register_step_post_hook(leave)
+    return counts

@@ -31,7 +31,7 @@ from torch import nn
 
 import pipetrain
 from dist_harness import run_world
-from helpers import capture_once, wrap_unprofiled
+from helpers import capture_once, optimizer_collectives, wrap_unprofiled
 from runtime_models import data, make
 from pipetrain.runtime.local_shards import local
 from pipetrain.tensor_parallel import TensorParallelError
@@ -81,6 +81,13 @@ def adamw(params):
 
 def lars(params):
     return pipetrain.optim.LARS(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+def lamb(params):
+    return pipetrain.optim.LAMB(params, lr=0.01, weight_decay=0.01)
+
+
+TRUST_RATIO = {"lars": lars, "lamb": lamb}  # the optimizers that read whole tensors' norms
 
 
 def sgd(params):
@@ -364,6 +371,16 @@ def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
         pipe.step(x, y)
     out["lars zero2"] = pipe.state_dict()
     pipe.close()
+    # The trust ratios of blocks (zero=0: DTensors on the lanes' mesh) and of FSDP2's shards of blocks (zero=3: a
+    # (replica, lane) mesh): whole tensors' norms, and the all-reduces each optimizer step runs.
+    for optimizer, factory in TRUST_RATIO.items():
+        for zero in (0, 3):
+            pipe = wrap("mlp", data_parallel=2, zero=zero, optimizer=factory)
+            collectives = optimizer_collectives(pipe)
+            for x, y in steps_in("mlp")[:STEPS]:
+                pipe.step(x, y)
+            out[optimizer, "trust", zero] = pipe.state_dict(), collectives
+            pipe.close()
     # sequence parallelism with replicas and ZeRO-1: the norms' weights, whole, summed over the lanes, then averaged
     pipe = wrap("llama", data_parallel=2, zero=1, tp_plan={**llama().tp_plan, **SEQUENCE_NORMS})
     out["llama", "losses", "sequence"] = [pipe.step(x, y) for x, y in steps_in("llama")[:STEPS]]
@@ -490,6 +507,20 @@ def test_zero_with_an_optimizer_reading_whole_tensors(hybrid_ranks):
     split tensor is taken over its blocks on every lane."""
     want, _, _ = reference("mlp", STEPS, optimizer=lars)
     assert_close_states(gathered(hybrid_ranks, "lars zero2"), want)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("optimizer", list(TRUST_RATIO))
+def test_trust_ratios_of_split_and_sharded_tensors_are_the_whole_tensors(hybrid_ranks, optimizer, zero):
+    """LARS and LAMB on blocks of split tensors (zero=0) and on FSDP2 shards of them (zero=3) step as on the unsplit
+    model. The squared norms are summed over each group of mesh dimensions in one all-reduce per dimension: the
+    lanes' (zero=0), and for zero=3 the replicas' and lanes' of the split tensors plus the replicas' of the others,
+    3 at most, where DTensor's own norms take one per tensor and norm."""
+    want, _, _ = reference("mlp", STEPS, optimizer=TRUST_RATIO[optimizer])
+    assert_close_states(gathered(hybrid_ranks, (optimizer, "trust", zero), index=0), want)
+    for result in hybrid_ranks:
+        counts = result[optimizer, "trust", zero][1]
+        assert len(counts) == STEPS and all(1 <= n <= (1 if zero == 0 else 3) for n in counts), counts
 
 
 def test_sequence_parallelism_with_replicas_and_zero(hybrid_ranks):

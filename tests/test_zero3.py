@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 import pipetrain
 from dist_harness import run_world
-from helpers import batches, wrap_unprofiled
+from helpers import batches, optimizer_collectives, wrap_unprofiled
 import third_party_models
 from runtime_models import data, loss_fn, make, reference_training, sgd
 from pipetrain.runtime.local_shards import gathered_bytes, local_bytes
@@ -144,7 +144,9 @@ def zero3_scenarios(rank: int, world: int, root: str, llama_weights: str) -> dic
     steps = batches("mlp", size=SIZE)
     for case, (model, kw) in CASES.items():
         pipe = wrap(model, **kw)
+        collectives = optimizer_collectives(pipe)
         out[case] = [r.loss for r in pipe.train(batches(model, size=SIZE))], pipe.state_dict()
+        out["collectives", case] = collectives
         # Closed, its groups' threads end. The next pipeline's meshes span the same ranks: their DTensors must
         # not run on the destroyed groups (DeviceMesh equality ignores groups; see fully_sharded._dim_name).
         pipe.close()
@@ -250,6 +252,15 @@ def test_zero3_trains_like_the_unsplit_model(ranks: list[dict], case: str) -> No
         torch.testing.assert_close(state[name], value, atol=TOL, rtol=0, msg=f"{case} {name}")
     before = make(model).state_dict()
     assert all((state[n] - before[n]).abs().max() > 10 * TOL for n in before)  # every tensor trained, beyond TOL
+
+
+@pytest.mark.parametrize("case", ["1f1b-lars", "1f1b-lamb"])
+def test_trust_ratios_read_whole_tensors_with_one_all_reduce_per_step(ranks: list[dict], case: str) -> None:
+    # Each stage's optimizer holds FSDP2 shards of its weights (2-D, with a trust ratio) and biases (1-D, without):
+    # the weights' and their gradients' (LAMB: updates') squared norms, summed over the 2 replicas in one all-reduce
+    # per step, where DTensor's own norms would take one per tensor and norm. Trained exactly: the test above.
+    steps = len(batches("mlp", size=SIZE))
+    assert [rank["collectives", case] for rank in ranks] == [[1] * steps] * len(ranks)
 
 
 @pytest.mark.parametrize("precision", LOW_PRECISION)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipetrain.optim.whole_norms import local_part, whole_norms
+
 
 class LAMB(torch.optim.Optimizer):
     """Adam whose per-tensor step is scaled by ``||w|| / ||r||``.
@@ -63,11 +65,10 @@ class LAMB(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise TypeError("LAMB: sparse gradients are not supported; use dense embeddings")
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise TypeError("LAMB: sparse gradients are not supported; use dense embeddings")
+            for p in params:
                 state = self.state[p]
                 if not state:
                     # A 0-dim step count on the CPU, as torch's Adam keeps it: checkpoints treat it alike.
@@ -77,27 +78,47 @@ class LAMB(torch.optim.Optimizer):
                 state["step"] += 1
                 state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                p.add_(self._direction(p, group), alpha=-group["lr"])
+            updates = {p: self._update(p, group) for p in params}
+            adaptive = [p for p in params if self._adapts(p, group)]
+            # The whole tensors' norms (sharded ones: one all-reduce per process group for all of them).
+            norms = whole_norms([*adaptive, *(updates[p] for p in adaptive)])
+            trusts = {p: _trust(w, r) for p, w, r in zip(adaptive, norms, norms[len(adaptive):])}
+            for p in params:
+                r = local_part(updates[p])  # element-wise from here on: each rank steps its own part
+                local_part(p).add_(r * trusts[p] if p in trusts else r, alpha=-group["lr"])
         return loss
 
-    def _direction(self, p: Tensor, group: dict[str, Any]) -> Tensor:
-        """``trust * r`` from the current moments: the step is ``w <- w - lr * direction``."""
+    @staticmethod
+    def _adapts(p: Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``p`` gets decay and a trust ratio (not a 1-D tensor under ``exclude_1d``)."""
+        return not (group["exclude_1d"] and p.dim() == 1)
+
+    def _update(self, p: Tensor, group: dict[str, Any]) -> Tensor:
+        """``r``, Adam's bias-corrected step plus decoupled weight decay (no decay for a tensor without a trust
+        ratio), from the current moments."""
         state = self.state[p]
         beta1, beta2 = group["betas"]
         step = float(state["step"])
         v_hat = state["exp_avg_sq"] / (1 - beta2**step)
         r = state["exp_avg"] / (1 - beta1**step) / (v_hat.sqrt() + group["eps"])
-        if group["exclude_1d"] and p.dim() == 1:
-            return r
-        if group["weight_decay"] != 0:
+        if self._adapts(p, group) and group["weight_decay"] != 0:
             r = r.add(p, alpha=group["weight_decay"])
-        w_norm = torch.linalg.vector_norm(p)
-        r_norm = torch.linalg.vector_norm(r)
-        # torch.where keeps this free of host syncs on accelerators (and works on DTensors, like LARS's).
-        trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, torch.ones_like(w_norm))
-        return r * trust
+        return r
+
+    def _direction(self, p: Tensor, group: dict[str, Any]) -> Tensor:
+        """``trust * r`` from the current moments: the step is ``w <- w - lr * direction`` (one tensor's norms, a
+        DTensor's by DTensor's own reduction)."""
+        r = self._update(p, group)
+        if not self._adapts(p, group):
+            return r
+        return r * _trust(torch.linalg.vector_norm(p), torch.linalg.vector_norm(r))
 
     def smoothed_update(self, param: Tensor, group: dict[str, Any]) -> Tensor | None:
         """The direction of the last step from the current moments and weights (None before the first step):
         the next step's if the next gradient equals the running average, as for Adam."""
         return self._direction(param, group) if param in self.state and self.state[param] else None
+
+
+def _trust(w_norm: Tensor, r_norm: Tensor) -> Tensor:
+    """``||w|| / ||r||``, or 1 when either is 0; torch.where keeps it free of host syncs (and works on DTensors)."""
+    return torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, torch.ones_like(w_norm))

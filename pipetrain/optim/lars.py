@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipetrain.optim.whole_norms import local_part, whole_norms
+
 
 class LARS(torch.optim.Optimizer):
     """Momentum SGD whose per-tensor step is scaled by a trust ratio.
@@ -79,42 +81,50 @@ class LARS(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr = group["lr"]
-            momentum = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise TypeError("LARS: sparse gradients are not supported; use dense embeddings")
-                update = self._scaled_gradient(p, group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise TypeError("LARS: sparse gradients are not supported; use dense embeddings")
+            adaptive = [p for p in params if self._adapts(p, group)]
+            # The whole tensors' norms (sharded ones: one all-reduce per process group for all of them).
+            norms = whole_norms([*adaptive, *(p.grad for p in adaptive)])
+            trusts = {p: self._trust(w, g, group) for p, w, g in zip(adaptive, norms, norms[len(adaptive):])}
+            for p in params:
+                # Element-wise from here on: each rank updates its own part of a sharded tensor.
+                update = self._update(local_part(p), local_part(p.grad), group, trusts.get(p))
                 state = self.state[p]
-                buf = state.get("momentum_buffer")
-                if buf is None:
-                    state["momentum_buffer"] = update.clone()
-                    buf = state["momentum_buffer"]
+                if "momentum_buffer" not in state:  # like torch's SGD, the buffer starts as the first update
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    local_part(state["momentum_buffer"]).copy_(update)
                 else:
-                    buf.mul_(momentum).add_(update)
-                p.add_(buf, alpha=-lr)
+                    local_part(state["momentum_buffer"]).mul_(group["momentum"]).add_(update)
+                local_part(p).add_(local_part(state["momentum_buffer"]), alpha=-group["lr"])
         return loss
 
-    def _scaled_gradient(self, p: Tensor, group: dict[str, Any]) -> Tensor:
-        """The gradient (plus weight decay) times the local adaptive rate."""
-        g = p.grad
+    @staticmethod
+    def _adapts(p: Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``p`` gets a trust ratio (not 1-D tensors under ``exclude_1d``, nor ``lars_exclude`` groups)."""
+        return not group["lars_exclude"] and not (group["exclude_1d"] and p.dim() == 1)
+
+    @staticmethod
+    def _trust(w_norm: Tensor, g_norm: Tensor, group: dict[str, Any]) -> Tensor:
+        """The local adaptive rate from the whole tensor's weight and gradient norms."""
         wd = group["weight_decay"]
-        auto_excluded = group["exclude_1d"] and p.dim() == 1
-        if auto_excluded:
-            return g
-        update = g.add(p, alpha=wd) if wd != 0 else g
-        if group["lars_exclude"]:
-            return update
-        w_norm = torch.linalg.vector_norm(p)
-        g_norm = torch.linalg.vector_norm(g)
         trust = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"])
         # torch.where keeps this free of host syncs on accelerators.
         trust = torch.where((w_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
         if group["clip"]:
             trust = torch.clamp(trust / group["lr"], max=1.0)
-        return update * trust
+        return trust
+
+    @staticmethod
+    def _update(w: Tensor, g: Tensor, group: dict[str, Any], trust: Tensor | None) -> Tensor:
+        """The gradient plus weight decay, times the trust ratio; a 1-D tensor under ``exclude_1d`` gets its
+        gradient alone (no decay)."""
+        if group["exclude_1d"] and w.dim() == 1:
+            return g
+        wd = group["weight_decay"]
+        update = g.add(w, alpha=wd) if wd != 0 else g
+        return update if trust is None else update * trust
 
     def smoothed_update(self, param: Tensor) -> Tensor | None:
         """The scaled momentum buffer of `param` (None before its first step)."""
