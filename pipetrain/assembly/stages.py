@@ -11,6 +11,7 @@ import partitioners
 from pipetrain.allreduce.slices import shards_evenly
 from pipetrain.assembly.parameter_names import name_parameters
 from pipetrain.comm.replicas import position_owners, trainable
+from pipetrain.optim.combined import combine
 from pipetrain.runtime.compiled import compile_arguments, compile_stage, graph_compile_options
 from pipetrain.runtime.graph_backward import GraphBackward
 from pipetrain.runtime.optimizer_step import GradientNorm, OptimizerStep
@@ -27,13 +28,14 @@ if TYPE_CHECKING:
 
 
 def make_optimizer(params: list[nn.Parameter], factory: Callable) -> torch.optim.Optimizer | None:
-    """The stage's optimizer from the user's factory (None for a stage without parameters)."""
+    """The stage's optimizer from the user's factory (None for a stage without parameters); a factory returning
+    several optimizers (a list or tuple) gets them combined into one (`pipetrain.optim.CombinedOptimizer`)."""
     if not params:
         return None
-    optimizer = factory(params)
+    optimizer = combine(factory(params))
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("optimizer must be a factory: params -> torch.optim.Optimizer, "
-                        "e.g. lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)")
+        raise TypeError("optimizer must be a factory: params -> torch.optim.Optimizer (or a list of optimizers over "
+                        "disjoint parameters), e.g. lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)")
     return optimizer
 
 

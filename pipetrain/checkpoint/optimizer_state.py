@@ -13,6 +13,7 @@ import torch
 from pipetrain.allreduce.local import local
 from pipetrain.allreduce.slices import cut_state, source_of
 from pipetrain.checkpoint.errors import CheckpointError
+from pipetrain.optim.combined import CombinedOptimizer
 from pipetrain.runtime.staleness.corrections import BASE_KEY
 
 
@@ -41,7 +42,11 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer | None, names: dict
 
 
 def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    """The optimizer's class (a combination's with its inner optimizers' classes, in order)."""
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if isinstance(optimizer, CombinedOptimizer):
+        name += f"[{', '.join(optimizer_class(o) for o in optimizer.optimizers)}]"
+    return name
 
 
 def merge_optimizer_shares(shares: list[dict]) -> dict:

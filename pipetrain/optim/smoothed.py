@@ -3,7 +3,7 @@
 `smoothed_update(optimizer, param)` returns the direction ``v`` such that the
 optimizer's next update is approximately ``W <- W - lr * v``. SpecTrain weight
 prediction (``W_hat = W - s * lr * v``) reads it; it is defined for SGD with
-momentum, Adam/AdamW, LARS and LAMB.
+momentum, Adam/AdamW, LARS, LAMB, Muon and a CombinedOptimizer of them.
 """
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipetrain.optim.combined import CombinedOptimizer
 from pipetrain.optim.lamb import LAMB
 from pipetrain.optim.lars import LARS
+from pipetrain.optim.muon import muon_update
 
 
 def _group_of(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str, Any]:
@@ -25,8 +27,8 @@ def _group_of(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str, Any]
 
 _NO_SMOOTHED = (
     "has no smoothed update direction for weight prediction; use "
-    "torch.optim.SGD(momentum > 0), torch.optim.Adam, torch.optim.AdamW or "
-    "pipetrain.optim.LARS or pipetrain.optim.LAMB, or choose staleness='stash' / 'vanilla' which need none"
+    "torch.optim.SGD(momentum > 0), torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon, "
+    "pipetrain.optim.LARS or pipetrain.optim.LAMB (or a pipetrain.optim.CombinedOptimizer of them), or choose staleness='stash' / 'vanilla' which need none"
 )
 
 
@@ -49,12 +51,19 @@ def smoothed_update(optimizer: torch.optim.Optimizer, param: Tensor,
       Adam (and ``maximize``) are in ``m`` already.
     * LARS: its scaled momentum buffer.
     * LAMB: Adam's direction (decay added, 1-D tensors excluded) times its trust ratio at the current weights.
+    * Muon: the orthogonalised momentum buffer, scaled and decayed as its step does (`muon.muon_update`).
+    * CombinedOptimizer: the direction of the inner optimizer that steps ``param``.
 
     Returns None before the parameter's first step (no history yet; predict
     ``W_hat = W``). Raises TypeError for optimizers without a running
     average (e.g. SGD without momentum), naming the working choices.
     ``group``: the parameter's group when the caller knows it (saves a scan of every group).
     """
+    if isinstance(optimizer, CombinedOptimizer):
+        return smoothed_update(optimizer.optimizer_of(param), param, group)
+    if isinstance(optimizer, torch.optim.Muon):
+        group = group or _group_of(optimizer, param)
+        return muon_update(param, optimizer.state[param] if param in optimizer.state else {}, group)
     if isinstance(optimizer, LARS):
         if group is None:
             _group_of(optimizer, param)

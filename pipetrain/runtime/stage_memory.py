@@ -8,6 +8,7 @@ import torch
 
 import partitioners
 import schedules
+from pipetrain.optim.combined import combine
 from pipetrain.runtime.staleness import POLICIES
 from pipetrain.runtime.tensor_bytes import storage_bytes
 from partitioners.memory_model import SETTINGS, Moments
@@ -48,7 +49,7 @@ def optimizer_state_factor(optimizer: Callable[[list[torch.nn.Parameter]], torch
     factory's optimizer once on a scratch parameter (per-tensor scalars such as Adam's step count are
     left out: they do not grow with the model)."""
     p = torch.nn.Parameter(torch.zeros(64))
-    opt = optimizer([p])
+    opt = combine(optimizer([p]))
     if not isinstance(opt, torch.optim.Optimizer):  # the stages' construction reports it, with the fix
         return 0.0
     p.grad = torch.zeros_like(p)

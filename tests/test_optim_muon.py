@@ -1,0 +1,216 @@
+"""Muon for the matrices and AdamW for the rest as one stage optimizer (pipetrain.optim.CombinedOptimizer,
+muon_with_adamw): against the inner optimizers stepped by hand and the unsplit model, through checkpoints,
+schedulers, clipping and skipped steps, and with every staleness policy and delay correction (predicted, or
+refused naming what works).
+
+Models run in float64 where results are claimed equal. Muon's Newton-Schulz iteration runs in bfloat16 whatever
+the parameter's dtype, so two runs agree only where the matrices it is fed round to the same bfloat16 values:
+float64 gradients that differ by a few units in the 16th digit do (a flip needs a value within 1e-16 of a
+bfloat16 rounding boundary), float32 ones would not reliably.
+"""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from helpers import wrap_unprofiled
+from pipetrain.assembly.stages import make_optimizer
+from pipetrain.optim import CombinedOptimizer, muon_with_adamw, smoothed_update
+from pipetrain.options import PipelineOptions
+from runtime_models import data, make
+from test_staleness_reference import SIZE, Reference, chain, lag, stream
+
+pytestmark = pytest.mark.exact
+
+LR, ADAMW_LR = 0.02, 0.01
+FACTORY = muon_with_adamw(lr=LR, adamw_lr=ADAMW_LR, weight_decay=0.01, adamw_weight_decay=0.01)
+
+
+def by_hand(model: nn.Module) -> tuple[torch.optim.Muon, torch.optim.AdamW]:
+    """The pair torch's Muon documentation writes out: Muon over the 2-D parameters, AdamW over the others."""
+    params = list(model.parameters())
+    return (torch.optim.Muon([p for p in params if p.dim() == 2], lr=LR, weight_decay=0.01),
+            torch.optim.AdamW([p for p in params if p.dim() != 2], lr=ADAMW_LR, weight_decay=0.01))
+
+
+def mlp64() -> nn.Module:
+    return make("mlp").double()
+
+
+def batches64(steps: int, size: int = 8, seed: int = 1) -> list:
+    x, y = data("mlp", steps * size, seed=seed)
+    return [(x[i * size:(i + 1) * size].double(), y[i * size:(i + 1) * size]) for i in range(steps)]
+
+
+def train_unsplit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, micro_batches: int,
+                  max_grad_norm: float | None = None, schedulers: tuple = ()) -> None:
+    """Gradient accumulation over the micro-batches, clipping as torch.nn.utils.clip_grad_norm_, one step each."""
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xb, yb in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)):
+            (nn.functional.cross_entropy(model(xb), yb) * (len(xb) / len(x))).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        for s in schedulers:
+            s.step()
+
+
+# ----- the combined optimizer on its own -------------------------------------------------------------------
+
+
+def test_combined_steps_and_schedules_exactly_as_its_inner_optimizers_by_hand():
+    mine, theirs = mlp64(), mlp64()
+    combined = FACTORY(list(mine.parameters()))
+    pair = by_hand(theirs)
+    halve = lambda step: 0.5 ** step  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(combined, halve)
+    by_hand_scheds = [torch.optim.lr_scheduler.LambdaLR(o, halve) for o in pair]
+    for x, y in batches64(4):
+        for model, opts in ((mine, [combined]), (theirs, pair)):
+            for o in opts:
+                o.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            for o in opts:
+                o.step()
+        sched.step()
+        for s in by_hand_scheds:
+            s.step()
+    # The scheduler reached the inner optimizers' rates: Muon's group and AdamW's, each halved 4 times.
+    assert [g["lr"] for o in combined.optimizers for g in o.param_groups] == [LR / 16, ADAMW_LR / 16]
+    for (name, a), b in zip(mine.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)  # the same kernels on the same values
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    first, second = mlp64(), mlp64()
+    data_ = batches64(4)
+    opt = FACTORY(list(first.parameters()))
+    train_unsplit(first, opt, data_[:2], 1)
+    second.load_state_dict(first.state_dict())
+    resumed = FACTORY(list(second.parameters()))
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch's load_state_dict shares tensors
+    train_unsplit(first, opt, data_[2:], 1)
+    train_unsplit(second, resumed, data_[2:], 1)
+    for a, b in zip(first.parameters(), second.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # One state per parameter, routed to the optimizer that steps it: Muon's buffer or AdamW's moments.
+    assert {k for s in resumed.state.values() for k in s} == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
+
+
+def test_a_factory_returning_several_optimizers_is_combined_and_a_shared_parameter_refused():
+    model = mlp64()
+    optimizer = make_optimizer(list(model.parameters()), lambda params: list(by_hand(model)))
+    assert isinstance(optimizer, CombinedOptimizer) and len(optimizer.param_groups) == 2
+    p = nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="in two of the optimizers"):
+        CombinedOptimizer([torch.optim.Muon([p]), torch.optim.AdamW([p])])
+
+
+def test_every_stage_gets_both_groups_even_without_matrices():
+    # The same two groups on every stage: checkpoints then load at any stage count.
+    only_bias = FACTORY([nn.Parameter(torch.zeros(3))])
+    assert [len(g["params"]) for g in only_bias.param_groups] == [0, 1]
+    assert "ns_steps" in only_bias.param_groups[0] and "betas" in only_bias.param_groups[1]
+
+
+# ----- Muon's predicted update ------------------------------------------------------------------------------
+
+
+def next_step_direction(muon: torch.optim.Muon, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """(W - W_next) / lr for one step of a copy of ``muon`` with gradient ``grad``: what torch's Muon applies."""
+    twin = nn.Parameter(p.detach().clone())
+    group = {k: v for k, v in muon.param_groups[0].items() if k != "params"}
+    copy_ = torch.optim.Muon([twin], **group)
+    copy_.state[twin] = {"momentum_buffer": muon.state[p]["momentum_buffer"].clone()}
+    twin.grad = grad.clone()
+    copy_.step()
+    return (p.detach() - twin.detach()) / group["lr"]
+
+
+@pytest.mark.parametrize("shape,adjust", [((5, 3), None), ((3, 7), "match_rms_adamw")])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_predicted_update_is_the_next_step_when_the_gradient_stays(shape, adjust, nesterov):
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(*shape, dtype=torch.float64))
+    muon = torch.optim.Muon([p], lr=0.05, momentum=0.5, nesterov=nesterov, weight_decay=0.1, adjust_lr_fn=adjust)
+    combined = CombinedOptimizer([muon, torch.optim.AdamW([nn.Parameter(torch.zeros(2))])])
+    assert smoothed_update(combined, p) is None  # no momentum yet: the prediction is W itself
+    # Quarter-integer gradients are exact in bfloat16; after 60 steps at momentum 0.5 the buffer is the gradient
+    # to float64 precision, so its bfloat16 rounding is the gradient's and the next step's input is known exactly.
+    steady = torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(1)).double() / 4
+    for _ in range(60):
+        p.grad = steady.clone()
+        combined.step()
+    expected = next_step_direction(muon, p, steady)
+    # Both sides: the same bfloat16 Newton-Schulz result, scaled and decayed in float64 (a few ulps apart).
+    torch.testing.assert_close(smoothed_update(combined, p), expected, rtol=1e-12, atol=1e-12)
+
+
+# ----- a 2-stage pipeline against the unsplit model ---------------------------------------------------------
+
+
+def wrap_mlp(schedule: str = "1f1b", stages: int = 2, **options) -> pipetrain.Pipeline:
+    options = {"lr_scheduler": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)), **options}
+    return wrap_unprofiled(mlp64(), batches64(1)[0][0][:2], stages=stages, micro_batches=4, schedule=schedule,
+                           optimizer=FACTORY, partitioner="uniform", engine="local", **options)
+
+
+def assert_equal_to(pipe: pipetrain.Pipeline, model: nn.Module) -> None:
+    state = pipe.state_dict()
+    for name, p in model.named_parameters():
+        # Float64 gradients accumulated in another order; the bfloat16 Newton-Schulz inputs round alike.
+        torch.testing.assert_close(state[name], p.detach(), rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_two_stages_train_like_the_unsplit_model_with_clipping_and_a_scheduler(schedule):
+    data_ = batches64(4)
+    pipe = wrap_mlp(schedule, max_grad_norm=0.5)
+    for x, y in data_:
+        pipe.step(x, y)
+    model = mlp64()
+    optimizer = FACTORY(list(model.parameters()))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    train_unsplit(model, optimizer, data_, 4, max_grad_norm=0.5, schedulers=(scheduler,))
+    assert_equal_to(pipe, model)
+    assert all(isinstance(s.optimizer, CombinedOptimizer) for s in pipe.held_stages.values())
+
+
+def test_checkpoint_resumes_exactly_at_another_stage_count(tmp_path):
+    data_ = batches64(4)
+    first = wrap_mlp()
+    for x, y in data_[:2]:
+        first.step(x, y)
+    first.save(tmp_path / "ckpt")
+    resumed = wrap_mlp(stages=3)
+    resumed.load(tmp_path / "ckpt")
+    for x, y in data_[2:]:
+        resumed.step(x, y)
+    model = mlp64()
+    optimizer = FACTORY(list(model.parameters()))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    train_unsplit(model, optimizer, data_, 4, schedulers=(scheduler,))
+    assert_equal_to(resumed, model)
+
+
+def test_a_nonfinite_step_is_skipped_leaving_weights_and_muon_state_as_they_were():
+    data_ = batches64(3)
+    pipe = wrap_mlp(nonfinite="skip")
+    pipe.step(*data_[0])
+    before = copy.deepcopy([(s.module.state_dict(), s.optimizer.state_dict()) for s in pipe.held_stages.values()])
+    x, y = data_[1]
+    x = x.clone()
+    x[0, 0] = math.nan
+    pipe.step(x, y)
+    after = [(s.module.state_dict(), s.optimizer.state_dict()) for s in pipe.held_stages.values()]
+    for (weights, opt), (weights2, opt2) in zip(before, after):
+        for name in weights:
+            assert torch.equal(weights[name], weights2[name]), name
+        for inner, inner2 in zip(opt["optimizers"], opt2["optimizers"]):
+            for k, state in inner["state"].items():
+                for key, value in state.items():
+                    assert torch.equal(torch.as_tensor(value), torch.as_tensor(inner2["state"][k][key])), key
