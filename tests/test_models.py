@@ -39,7 +39,7 @@ def test_symbolic_trace_matches_model_with_one_node_per_layer(name):
     torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
     called = [n.target for n in gm.graph.nodes if n.op == "call_module"]
     depth = DEFAULT_SIZE[name][1]
-    if name in ("transformer", "lstm", "transformer-lm", "lstm-lm"):
+    if name in ("cnn1d", "transformer", "lstm", "transformer-lm", "lstm-lm"):
         assert sum(t.startswith("layers.") for t in called) == depth  # partitioner can split between layers
     else:
         assert sum(isinstance(gm.get_submodule(t), torch.nn.Conv2d) for t in called) >= depth - 3

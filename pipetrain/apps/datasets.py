@@ -3,7 +3,8 @@
 Three real datasets ship offline (nothing here touches the network unless
 ``download=True``): "digits" (scikit-learn's 8x8 handwritten digits, upscaled
 to 32x32 RGB for the image models), "mnist1d" (the MNIST-1D benchmark, generated
-locally with the paper's default arguments) and "text" (character-level Python
+locally with the paper's default arguments; "mnist1d-large" is the same generator's
+50,000 samples, for batches of thousands) and "text" (character-level Python
 language reference, from the standard library's ``pydoc_data``). "cifar10",
 "cifar100" and "imagefolder" read torchvision datasets from ``data_dir``.
 """
@@ -25,8 +26,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from pipetrain.apps.extras import import_extra
 
-DATASETS = ["digits", "mnist1d", "text", "cifar10", "cifar100", "imagefolder"]
-OFFLINE_DATASETS = ["digits", "mnist1d", "text"]
+DATASETS = ["digits", "mnist1d", "mnist1d-large", "text", "cifar10", "cifar100", "imagefolder"]
+OFFLINE_DATASETS = ["digits", "mnist1d", "mnist1d-large", "text"]
+# Samples MNIST-1D generates (a fifth of them the test split, our "val"): the paper's 5,000, and 10x that for
+# the large-batch study, where a batch of 2,048 must still take many updates per epoch.
+MNIST1D_SAMPLES = {"mnist1d": 5_000, "mnist1d-large": 50_000}
 
 TEXT_SEQ_LEN = 64
 # Fixed vocabulary (newline + printable ASCII) so token ids do not depend on the corpus.
@@ -59,7 +63,7 @@ def dataset_info(name: str, *, data_dir: str | os.PathLike | None = None) -> Dat
     """Classes, per-sample input shape and kind of dataset `name` (imagefolder reads data_dir)."""
     if name == "digits":
         return DatasetInfo(10, (3, 32, 32), "image")
-    if name == "mnist1d":
+    if name in MNIST1D_SAMPLES:
         return DatasetInfo(10, (40, 1), "sequence")
     if name == "text":
         return DatasetInfo(len(TEXT_VOCAB), (TEXT_SEQ_LEN,), "text")
@@ -83,15 +87,15 @@ def load_dataset(
     """Return the `split` ("train" or "val") of dataset `name` as (input, label) pairs.
 
     `seed` picks the train/val split of "digits" and "text"; "mnist1d" uses the
-    benchmark's own fixed split (4,000 train / 1,000 test as "val"). Only
+    benchmark's own fixed split (4,000 train / 1,000 test as "val"; "mnist1d-large" 40,000 / 10,000). Only
     cifar10/cifar100 with ``download=True`` use the network.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if name == "digits":
         return _split(_digits(), split, seed)
-    if name == "mnist1d":
-        x_train, y_train, x_test, y_test = _mnist1d()
+    if name in MNIST1D_SAMPLES:
+        x_train, y_train, x_test, y_test = _mnist1d(MNIST1D_SAMPLES[name])
         x, y = (x_train, y_train) if split == "train" else (x_test, y_test)
         return TensorDataset(x, y)
     if name == "text":
@@ -135,15 +139,17 @@ def _digits() -> TensorDataset:
     return TensorDataset(x, torch.tensor(target, dtype=torch.long))
 
 
-@functools.lru_cache(maxsize=1)
-def _mnist1d() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=2)
+def _mnist1d(samples: int = MNIST1D_SAMPLES["mnist1d"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = import_extra("mnist1d.data", "mnist1d", "the mnist1d dataset")
 
     # make_dataset reseeds the global `random` and numpy generators; restore them
     # so loading data never changes the caller's random stream.
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
-        d = generator.make_dataset(generator.get_dataset_args())  # local generation, never the download path
+        arguments = generator.get_dataset_args()
+        arguments.num_samples = samples
+        d = generator.make_dataset(arguments)  # local generation, never the download path
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)

@@ -11,24 +11,25 @@ from typing import Any
 
 from torch import nn
 
+from pipetrain.apps.models.cnn1d import Conv1dClassifier
 from pipetrain.apps.models.lstm import LSTMLM, LSTMClassifier
 from pipetrain.apps.models.resnet import CifarResNet, torchvision_resnet
 from pipetrain.apps.models.transformer import TransformerClassifier, TransformerLM
 from pipetrain.apps.models.vgg import VGG
 
-MODELS = ["vgg", "resnet", "transformer", "lstm", "transformer-lm", "lstm-lm", "resnet18", "resnet50"]
+MODELS = ["vgg", "resnet", "cnn1d", "transformer", "lstm", "transformer-lm", "lstm-lm", "resnet18", "resnet50"]
 
 # Each family's natural offline dataset (pipetrain.apps.datasets names).
 DEFAULT_DATASET = {
     "vgg": "digits", "resnet": "digits", "resnet18": "digits", "resnet50": "digits",
-    "transformer": "mnist1d", "lstm": "mnist1d",
+    "cnn1d": "mnist1d", "transformer": "mnist1d", "lstm": "mnist1d",
     "transformer-lm": "text", "lstm-lm": "text",
 }
 
 # Tiny defaults (width, depth): one epoch of the default dataset takes a few seconds on 2 CPU cores.
 # width = first conv's channels (vgg, resnet) or model/hidden dimension (transformer, lstm).
 DEFAULT_SIZE = {
-    "vgg": (8, 11), "resnet": (8, 20),
+    "vgg": (8, 11), "resnet": (8, 20), "cnn1d": (32, 3),
     "transformer": (32, 2), "lstm": (32, 2),
     "transformer-lm": (64, 2), "lstm-lm": (64, 2),
 }
@@ -38,6 +39,7 @@ DEFAULT_SIZE = {
 DEFAULT_HPARAMS = {
     "vgg": {"lr": 0.05, "batch_size": 64, "epochs": 3},
     "resnet": {"lr": 0.02, "batch_size": 32, "epochs": 4},
+    "cnn1d": {"lr": 0.05, "batch_size": 64, "epochs": 10},
     "transformer": {"lr": 0.03, "batch_size": 64, "epochs": 8},
     "lstm": {"lr": 0.1, "batch_size": 64, "epochs": 10},
     "transformer-lm": {"lr": 0.1, "batch_size": 64, "epochs": 4},
@@ -67,10 +69,10 @@ def build_model(name: str, *, num_classes: int, width: int | None = None, depth:
         return VGG(depth, num_classes=num_classes, width=width, **kw)
     if name == "resnet":
         return CifarResNet(depth, num_classes=num_classes, width=width, **kw)
-    cls = {"transformer": TransformerClassifier, "lstm": LSTMClassifier,
+    cls = {"cnn1d": Conv1dClassifier, "transformer": TransformerClassifier, "lstm": LSTMClassifier,
            "transformer-lm": TransformerLM, "lstm-lm": LSTMLM}[name]
     return cls(num_classes=num_classes, width=width, depth=depth, **kw)
 
 
-__all__ = ["MODELS", "DEFAULT_DATASET", "DEFAULT_SIZE", "DEFAULT_HPARAMS", "build_model", "VGG", "CifarResNet",
+__all__ = ["MODELS", "DEFAULT_DATASET", "DEFAULT_SIZE", "DEFAULT_HPARAMS", "build_model", "VGG", "CifarResNet", "Conv1dClassifier",
            "torchvision_resnet", "TransformerClassifier", "TransformerLM", "LSTMClassifier", "LSTMLM"]
