@@ -11,6 +11,7 @@ from partitioners.memory_model import SETTINGS
 from partitioners.partition import METHODS as PARTITIONERS
 from pipetrain.allreduce.reducer import ALGORITHMS as ALLREDUCE
 from pipetrain.comm.engine import ENGINES
+from pipetrain.optim.muon import factory_orthogonalises
 from pipetrain.runtime.compiled import compile_arguments
 from pipetrain.runtime.nonfinite import NONFINITE
 from pipetrain.runtime.precision import PRECISIONS
@@ -220,6 +221,19 @@ class PipelineOptions:
             raise TypeError(f"optimizer must be a factory: params -> torch.optim.Optimizer, got "
                             f"{type(self.optimizer).__name__}; fix: optimizer=lambda params: "
                             "torch.optim.SGD(params, lr=0.05, momentum=0.9)")
+        self._check_whole_matrices()
+
+    def _check_whole_matrices(self) -> None:
+        """Refuse Muon where a rank holds part of a matrix: its Newton-Schulz step orthogonalises the whole matrix,
+        and orthogonalising each part is another update (the gather it would need is not implemented)."""
+        split = {"zero=3": self.zero == 3, f"tensor_parallel={self.tensor_parallel}": self.tensor_parallel > 1}
+        cut = [what for what, on in split.items() if on]
+        if cut and factory_orthogonalises(self.optimizer):
+            raise ValueError(f"torch.optim.Muon with {' and '.join(cut)} is not supported: each rank would hold part "
+                             "of a matrix, and Muon orthogonalises whole matrices (orthogonalising the parts is "
+                             "another update); use zero=1 or zero=2, whose replicas own whole matrices, and "
+                             "tensor_parallel=1 with Muon, or AdamW for every parameter with zero=3 or tensor "
+                             "parallelism")
 
     def _check_delay_corrections(self) -> None:
         if not isinstance(self.spike_compensation, bool):

@@ -214,3 +214,130 @@ def test_a_nonfinite_step_is_skipped_leaving_weights_and_muon_state_as_they_were
             for k, state in inner["state"].items():
                 for key, value in state.items():
                     assert torch.equal(torch.as_tensor(value), torch.as_tensor(inner2["state"][k][key])), key
+
+
+# ----- staleness policies: an independent step-by-step reference --------------------------------------------
+
+BETA1 = 0.9  # AdamW's default beta1: the bias's momentum in the nesterov look-ahead
+
+
+def policy_factory(policy: str):
+    # staleness="nesterov" makes the Nesterov look-ahead itself and refuses an optimizer that also does.
+    return muon_with_adamw(lr=LR, adamw_lr=ADAMW_LR, weight_decay=0.01, nesterov=policy != "nesterov")
+
+
+class MuonReference(Reference):
+    """test_staleness_reference's reference in float64, each stage's matrix stepped by its own torch.optim.Muon
+    and its bias by its own torch.optim.AdamW; ``buffers`` holds each version's predicted direction v, taken
+    from the next step of a copy of Muon whose gradient is its momentum buffer (SpecTrain's stationarity),
+    and from AdamW's moments as torch documents its update."""
+
+    def __init__(self, stages: int, m: int, policy: str):
+        super().__init__(stages, m, policy)
+        self.params = [[[t.double() for t in version] for version in stage] for stage in self.params]
+        self.live = [[nn.Parameter(t.clone()) for t in stage[0]] for stage in self.params]
+        self.opts = [(torch.optim.Muon([w], lr=LR, weight_decay=0.01, nesterov=policy != "nesterov"),
+                      torch.optim.AdamW([b], lr=ADAMW_LR, weight_decay=0.01)) for w, b in self.live]
+
+    def weights(self, k: int, version: int, steps: float, nesterov_delay: float | None = None) -> list:
+        w, v = self.params[k][version], self.buffers[k][version]
+        if v is None:
+            return w
+        out = []
+        for p, d, lr, decay in zip(w, v, (LR, ADAMW_LR), (1.0, BETA1)):  # Muon's update keeps its size: decay 1
+            s = steps if nesterov_delay is None else look_ahead(decay, nesterov_delay)
+            out.append(p - s * lr * d)
+        return out
+
+    def train(self, batches: list) -> None:
+        for t, (x, y) in enumerate(batches):
+            total = [[torch.zeros_like(p) for p in self.params[k][0]] for k in range(self.stages)]
+            for j in range(self.m):
+                part = slice(j * SIZE, (j + 1) * SIZE)
+                for k, g in enumerate(self.gradients(t * self.m + j, x[part], y[part])):
+                    total[k] = [a + b for a, b in zip(total[k], g)]
+            for k in range(self.stages):
+                (w, b), (muon, adamw) = self.live[k], self.opts[k]
+                w.grad, b.grad = total[k]
+                muon.step()
+                adamw.step()
+                self.params[k].append([w.detach().clone(), b.detach().clone()])
+                self.buffers[k].append([next_step_direction(muon, w, muon.state[w]["momentum_buffer"]),
+                                        adamw_direction(adamw, b)])
+
+
+def adamw_direction(adamw: torch.optim.AdamW, p: nn.Parameter) -> torch.Tensor:
+    group, state = adamw.param_groups[0], adamw.state[p]
+    beta1, beta2 = group["betas"]
+    t = float(state["step"])
+    m_hat, v_hat = state["exp_avg"] / (1 - beta1 ** t), state["exp_avg_sq"] / (1 - beta2 ** t)
+    return m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p.detach()
+
+
+def look_ahead(gamma: float, delay: float) -> float:
+    """gamma + ... + gamma^(delay + 1), summed term by term (delay + 1 terms at gamma = 1)."""
+    return sum(gamma ** i for i in range(1, int(delay) + 2))
+
+
+@pytest.mark.parametrize("policy,m", [("vanilla", 1), ("stash", 1), ("2bw", 2), ("spectrain", 1), ("spectrain", 2),
+                                      ("nesterov", 1), ("nesterov", 2)])
+def test_async_policies_train_muon_like_the_step_by_step_reference(policy, m):
+    stages, steps = 3, 5
+    batches = [(x.double(), y) for x, y in stream(steps, m)]
+    pipe = wrap_unprofiled(chain(stages).double(), batches[0][0][:SIZE], stages=stages, micro_batches=m,
+                           schedule="async-1f1b", staleness=policy, partitioner=[str(k) for k in range(1, stages)],
+                           optimizer=policy_factory(policy), engine="local")
+    list(pipe.train(batches))
+    ref = MuonReference(stages, m, policy)
+    ref.train(batches)
+    state = pipe.state_dict()
+    for k in range(stages):
+        prefix = f"{k}.0" if k < stages - 1 else f"{k}"
+        for i, name in enumerate(("weight", "bias")):
+            torch.testing.assert_close(state[f"{prefix}.{name}"], ref.params[k][steps][i], rtol=1e-12, atol=1e-12,
+                                       msg=f"{policy} m={m} stage {k} {name}")
+    assert any(lag(u, 0, stages, m) > 0 for u in range(steps * m))  # stage 0's gradients were late
+
+
+def wrap_async(policy: str = "stash", optimizer=FACTORY, **options) -> pipetrain.Pipeline:
+    return wrap_unprofiled(chain(3).double(), stream(1, 1)[0][0][:SIZE].double(), stages=3, micro_batches=1,
+                           schedule="async-1f1b", staleness=policy, partitioner=["1", "2"], optimizer=optimizer,
+                           engine="local", **options)
+
+
+def test_nesterov_refuses_muon_that_looks_ahead_itself():
+    with pytest.raises(ValueError, match="use nesterov=False"):
+        wrap_async("nesterov", muon_with_adamw(lr=LR, adamw_lr=ADAMW_LR, nesterov=True))
+
+
+def test_spike_compensation_refuses_muon_naming_what_works():
+    with pytest.raises(ValueError, match="with Muon use error_feedback, stage_momentum, dc_lambda or stage_lr_warmup"):
+        wrap_async(spike_compensation=True)
+
+
+@pytest.mark.parametrize("split", [{"zero": 3, "data_parallel": 2}, {"tensor_parallel": 2}])
+def test_a_split_matrix_is_refused_at_wrap_naming_what_works(split):
+    with pytest.raises(ValueError, match="Muon orthogonalises whole matrices.*use zero=1 or zero=2"):
+        PipelineOptions(engine="distributed", optimizer=FACTORY, **split)
+    PipelineOptions(engine="distributed", **split)  # the same options with AdamW-like optimizers are taken
+
+
+def test_stage_momentum_lengthens_muons_window_with_the_stage_delay():
+    pipe = wrap_async(stage_momentum=True)
+    for k, rt in pipe.held_stages.items():
+        muon_group, adamw_group = rt.optimizer.param_groups
+        delay = 3 - k - 1  # stage k of 3 at one micro-batch per mini-batch: N - k - 1 updates late
+        assert muon_group["momentum"] == pytest.approx(1 - (1 - 0.95) / (1 + delay) ** 2, rel=1e-15)
+        assert adamw_group["betas"][0] == pytest.approx(1 - (1 - 0.9) / (1 + delay) ** 2, rel=1e-15)
+
+
+@pytest.mark.parametrize("correction", [{"error_feedback": True}, {"dc_lambda": 0.5}, {"stage_lr_warmup": 4},
+                                        {"stage_momentum": True}])
+def test_the_other_corrections_act_on_muons_matrices(correction):
+    # Each changes stage 0's Muon-stepped matrix (its gradients are 2 updates late) and keeps it finite.
+    batches = [(x.double(), y) for x, y in stream(4, 1)]
+    plain, corrected = wrap_async(), wrap_async(**correction)
+    for pipe in (plain, corrected):
+        list(pipe.train(batches))
+    a, b = plain.state_dict()["0.0.weight"], corrected.state_dict()["0.0.weight"]
+    assert torch.isfinite(b).all() and not torch.allclose(a, b, rtol=0, atol=1e-9)

@@ -32,8 +32,8 @@ after clipping and the data-parallel reduction, and a checkpoint of the optimize
   and spectrain policies) the window's slowly turning direction is also what the prediction extrapolates
   (PipeNAG's high-momentum recipe, Ajanthan et al. 2025, made per stage). SGD keeps lr / (1 - beta) through
   its dampening, (1 - dampening_k) = (1 - dampening) (1 - beta_k) / (1 - beta), so the rate and any
-  learning-rate schedule are untouched; Adam/AdamW's beta1 becomes beta_k (its step is normalised: no
-  rate to keep). The last stage (D = 0) keeps the optimizer's own values. Each group keeps the values it was
+  learning-rate schedule are untouched; Adam/AdamW's beta1 and Muon's momentum become beta_k (their steps are
+  normalised, Muon's orthogonalised: no rate to keep). The last stage (D = 0) keeps the optimizer's own values. Each group keeps the values it was
   built with under ``BASE_KEY``, so a checkpoint resumed at another stage count derives its own (at the
   start of the next stream).
 - Error feedback on the update (``error_feedback``), for PipeDream-2BW's one-update delay after Zmushko et al.
@@ -50,12 +50,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pipetrain.optim.combined import CombinedOptimizer
+from pipetrain.optim.muon import is_muon_group, orthogonalises
 from pipetrain.runtime.staleness.base import StalenessPolicy, StashPolicy
 
 DC_AVERAGE = 0.95  # DC-ASGD-a's MeanSquare decay (the paper's m)
 DC_EPS = 1e-7  # keeps 1 / sqrt(MeanSquare) finite where a gradient entry has always been 0
 SPIKE_OPTIMIZERS = "torch.optim.SGD (momentum > 0, Nesterov or not), torch.optim.Adam or torch.optim.AdamW"
-STAGE_MOMENTUM_OPTIMIZERS = "torch.optim.SGD (momentum > 0, nesterov=False), torch.optim.Adam or torch.optim.AdamW"
+STAGE_MOMENTUM_OPTIMIZERS = ("torch.optim.SGD (momentum > 0, nesterov=False), torch.optim.Adam, torch.optim.AdamW, "
+                             "torch.optim.Muon or a pipetrain.optim.CombinedOptimizer of them")
 BASE_KEY = "stage_momentum_base"  # a parameter group's own momentum (and dampening) under stage_momentum
 PREVIOUS_UPDATE_KEY = "ef_previous_update"  # error_feedback: the update the optimizer made at the last step
 
@@ -92,6 +95,11 @@ def check_delay_corrections(corrections: DelayCorrections, policy: str) -> None:
 
 def _spike_kind(optimizer: torch.optim.Optimizer) -> str:
     """"sgd" or "adam": the update rules spike compensation knows (exact types: a subclass may step otherwise)."""
+    if orthogonalises(optimizer):
+        raise ValueError("spike_compensation adds a gradient's missed share to the momentum's update after the step, "
+                         "and Muon steps along its momentum orthogonalised (Newton-Schulz is not linear, so the "
+                         "share cannot be added afterwards): with Muon use error_feedback, stage_momentum, dc_lambda "
+                         f"or stage_lr_warmup; spike_compensation takes {SPIKE_OPTIMIZERS}")
     if type(optimizer) is torch.optim.SGD:
         if any(g["momentum"] == 0 for g in optimizer.param_groups):
             raise ValueError("spike_compensation re-weights the momentum buffer: torch.optim.SGD needs momentum > 0")
@@ -103,7 +111,13 @@ def _spike_kind(optimizer: torch.optim.Optimizer) -> str:
 
 def _check_stage_momentum(optimizer: torch.optim.Optimizer) -> None:
     """Refuse, naming what works, an optimizer whose momentum stage_momentum cannot re-time."""
-    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+    if isinstance(optimizer, CombinedOptimizer):
+        for inner in optimizer.optimizers:
+            _check_stage_momentum(inner)
+        return
+    # Muon's momentum is an exponential average like Adam's beta1, and its step is normalised (orthogonalised),
+    # so a longer window has no rate to keep.
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon):
         return
     if type(optimizer) is not torch.optim.SGD:
         raise ValueError(f"stage_momentum is defined for {STAGE_MOMENTUM_OPTIMIZERS}, not {type(optimizer).__name__}")
@@ -123,6 +137,10 @@ def match_momentum(optimizer: torch.optim.Optimizer, delay: float) -> None:
         if "betas" in group:
             base = group.setdefault(BASE_KEY, {"beta1": float(group["betas"][0])})
             group["betas"] = (delay_matched_momentum(base["beta1"], delay), group["betas"][1])
+            continue
+        if is_muon_group(group):  # an average from a zero buffer (no dampening): only the window changes
+            base = group.setdefault(BASE_KEY, {"momentum": group["momentum"]})
+            group["momentum"] = delay_matched_momentum(base["momentum"], delay)
             continue
         base = group.setdefault(BASE_KEY, {"momentum": group["momentum"], "dampening": group["dampening"]})
         momentum = delay_matched_momentum(base["momentum"], delay)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pipetrain.optim import smoothed_update
+from pipetrain.optim.muon import is_muon_group
 
 
 def require_smoothed_update(optimizer: torch.optim.Optimizer | None) -> None:
@@ -30,6 +31,13 @@ def momentum_of(group: dict) -> float:
     if "betas" in group:
         return float(group["betas"][0])
     return float(group["momentum"])
+
+
+def update_decay(group: dict) -> float:
+    """The factor a parameter group's update shrinks by at each step that brings no new gradient: its momentum,
+    but 1 for Muon, whose Newton-Schulz orthogonalisation is scale-invariant, so the update of a decaying
+    momentum buffer keeps its size."""
+    return 1.0 if is_muon_group(group) else momentum_of(group)
 
 
 class Extrapolation:

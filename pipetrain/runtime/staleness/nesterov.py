@@ -13,12 +13,13 @@ The forward computes at W_hat and the backward reuses it (stashed), so the gradi
 the gradient at W_hat. With D = 0 this is the plain NAG look-ahead: SGD-momentum becomes Nesterov
 momentum. Unlike SpecTrain, which assumes the next gradients equal the running average (v keeps
 its size, distance D), this assumes they are unknown (v decays by gamma each update), which never
-extrapolates further than 1/(1 - gamma) updates. ``lookahead`` scales D.
+extrapolates further than 1/(1 - gamma) updates. ``lookahead`` scales D. Muon's update is its momentum
+orthogonalised, which keeps its size while the momentum decays: its gamma is 1 here (W_hat = W - lr * v * (D + 1)).
 """
 from __future__ import annotations
 
 from pipetrain.runtime.staleness.base import StashPolicy, WeightSet
-from pipetrain.runtime.staleness.extrapolation import momentum_of, require_smoothed_update
+from pipetrain.runtime.staleness.extrapolation import require_smoothed_update, update_decay
 from schedules import StreamLags
 
 
@@ -42,8 +43,9 @@ class NesterovPolicy(StashPolicy):
 
     @property
     def gamma(self) -> float:
-        """The momentum the look-ahead follows: read at each use (stage_momentum sets it after the policy is built)."""
-        return momentum_of(self.optimizer.param_groups[0]) if self.optimizer is not None else 0.0
+        """The momentum the look-ahead follows (the first group's; Muon's: 1, see ``update_decay``): read at each use
+        (stage_momentum sets it after the policy is built)."""
+        return update_decay(self.optimizer.param_groups[0]) if self.optimizer is not None else 0.0
 
     def delay(self, micro_batch: int) -> float:
         return self.lookahead * self.lags(micro_batch)
@@ -56,4 +58,4 @@ class NesterovPolicy(StashPolicy):
 
     def _make_version(self, micro_batch: int) -> WeightSet:
         delay = self.delay(micro_batch)
-        return self._predicted_version(lambda group: look_ahead_steps(momentum_of(group), delay))
+        return self._predicted_version(lambda group: look_ahead_steps(update_decay(group), delay))
