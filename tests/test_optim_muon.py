@@ -16,14 +16,13 @@ import torch
 from torch import nn
 
 import pipetrain
+from dist_harness import run_world
 from helpers import wrap_unprofiled
 from pipetrain.assembly.stages import make_optimizer
 from pipetrain.optim import CombinedOptimizer, muon_with_adamw, smoothed_update
 from pipetrain.options import PipelineOptions
 from runtime_models import data, make
 from test_staleness_reference import SIZE, Reference, chain, lag, stream
-
-pytestmark = pytest.mark.exact
 
 LR, ADAMW_LR = 0.02, 0.01
 FACTORY = muon_with_adamw(lr=LR, adamw_lr=ADAMW_LR, weight_decay=0.01, adamw_weight_decay=0.01)
@@ -178,6 +177,48 @@ def test_two_stages_train_like_the_unsplit_model_with_clipping_and_a_scheduler(s
     train_unsplit(model, optimizer, data_, 4, max_grad_norm=0.5, schedulers=(scheduler,))
     assert_equal_to(pipe, model)
     assert all(isinstance(s.optimizer, CombinedOptimizer) for s in pipe.held_stages.values())
+
+
+def zero_worlds(rank: int, world: int) -> dict:
+    """2 stages x 2 replicas at zero 0, 1 and 2: each rank's stage weights and the tensors its optimizer steps."""
+    out = {}
+    for zero in (0, 1, 2):
+        pipe = wrap_unprofiled(mlp64(), batches64(1)[0][0][:2], stages=2, micro_batches=2, data_parallel=2,
+                               optimizer=FACTORY, partitioner="uniform", engine="distributed", zero=zero,
+                               max_grad_norm=0.5)
+        for x, y in batches64(3):
+            pipe.step(x, y)
+        stepped = [(pipetrain.parameter_name(p), tuple(p.shape), "ns_steps" in g)
+                   for rt in pipe.held_stages.values() for g in rt.optimizer.param_groups for p in g["params"]]
+        out[zero] = {"state": pipe.state_dict(), "stepped": stepped}
+        pipe.close()
+    return out
+
+
+@pytest.mark.slow
+def test_zero_1_and_2_give_muon_whole_matrices_and_train_like_the_unsplit_model(tmp_path):
+    ranks = run_world(4, "test_optim_muon", "zero_worlds", tmp_path)
+    model = mlp64()
+    # The global batch of 8: 2 replicas x 2 micro-batches of 2 samples, the mean of equal-sized parts.
+    train_unsplit(model, FACTORY(list(model.parameters())), batches64(3), 4, max_grad_norm=0.5)
+    reference = dict(model.named_parameters())
+    for zero in (0, 1, 2):
+        for rank, out in enumerate(ranks):
+            for name, value in out[zero]["state"].items():
+                torch.testing.assert_close(value, reference[name].detach(), rtol=1e-12, atol=1e-12,
+                                           msg=f"zero={zero} rank {rank} {name}")
+        if not zero:
+            continue
+        # The two replicas of each stage (the ranks holding its names) split its tensors, each whole, matrices to Muon.
+        stages = {}
+        for out in ranks:
+            stages.setdefault(frozenset(out[zero]["state"]), []).append(out[zero]["stepped"])
+        assert len(stages) == 2
+        for held, (a, b) in stages.items():
+            names = {n for n, _, _ in a} | {n for n, _, _ in b}
+            assert a and b and not {n for n, _, _ in a} & {n for n, _, _ in b}
+            assert names == held
+            assert all(shape == tuple(reference[n].shape) and muon == (len(shape) == 2) for n, shape, muon in a + b)
 
 
 def test_checkpoint_resumes_exactly_at_another_stage_count(tmp_path):
