@@ -38,7 +38,8 @@ def muon_with_adamw(*, lr: float, adamw_lr: float, momentum: float = 0.95, neste
     The default ``muon_for`` takes every 2-D parameter. Embedding tables and output heads are 2-D as well, and
     torch's documentation and Keller Jordan recommend AdamW for them; a parameter list does not say which
     matrix is an embedding, so pass a rule that does, by name, e.g.
-    ``muon_for=lambda p: p.dim() == 2 and not pipetrain.parameter_name(p).startswith(("embed", "lm_head"))``.
+    ``muon_for=lambda p: p.dim() == 2 and not (pipetrain.parameter_name(p) or "").startswith(("embed", "lm_head"))``
+    (``wrap`` also probes the factory with scratch tensors, which have no name).
     Use ``nesterov=False`` with ``staleness="nesterov"``, which makes the look-ahead itself.
     """
     muon = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
