@@ -183,6 +183,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "tests/test_benchmarks.py::test_big_model_benchmark_runs_both_paths_and_checks_the_bound"),
     "python examples/benchmarks/reproduce_jia.py": Covered(
         "tests/test_benchmarks.py::test_jia_reproduction_matches_the_readme"),
+    "python examples/benchmarks/large_batch_study.py --families cnn1d": Covered(
+        "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
 }
 
 
