@@ -185,6 +185,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "tests/test_benchmarks.py::test_jia_reproduction_matches_the_readme"),
     "python examples/benchmarks/large_batch_study.py --families cnn1d": Covered(
         "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
+    "python examples/benchmarks/large_batch_study.py --families lstm": Covered(
+        "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
 }
 
 
