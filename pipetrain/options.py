@@ -11,7 +11,7 @@ from partitioners.memory_model import SETTINGS
 from partitioners.partition import METHODS as PARTITIONERS
 from pipetrain.allreduce.reducer import ALGORITHMS as ALLREDUCE
 from pipetrain.comm.engine import ENGINES
-from pipetrain.optim.muon import factory_orthogonalises
+from pipetrain.optim.muon import factory_cuts_matrices_for_muon
 from pipetrain.runtime.compiled import compile_arguments
 from pipetrain.runtime.nonfinite import NONFINITE
 from pipetrain.runtime.precision import PRECISIONS
@@ -224,16 +224,15 @@ class PipelineOptions:
         self._check_whole_matrices()
 
     def _check_whole_matrices(self) -> None:
-        """Refuse Muon where a rank holds part of a matrix: its Newton-Schulz step orthogonalises the whole matrix,
-        and orthogonalising each part is another update (the gather it would need is not implemented)."""
+        """Refuse torch's own Muon where a rank holds part of a matrix: it would orthogonalise each part, which is
+        another update; pipetrain's Muon, a drop-in subclass, gathers the whole matrix first."""
         split = {"zero=3": self.zero == 3, f"tensor_parallel={self.tensor_parallel}": self.tensor_parallel > 1}
         cut = [what for what, on in split.items() if on]
-        if cut and factory_orthogonalises(self.optimizer):
-            raise ValueError(f"torch.optim.Muon with {' and '.join(cut)} is not supported: each rank would hold part "
-                             "of a matrix, and Muon orthogonalises whole matrices (orthogonalising the parts is "
-                             "another update); use zero=1 or zero=2, whose replicas own whole matrices, and "
-                             "tensor_parallel=1 with Muon, or AdamW for every parameter with zero=3 or tensor "
-                             "parallelism")
+        if cut and factory_cuts_matrices_for_muon(self.optimizer):
+            raise ValueError(f"torch.optim.Muon with {' and '.join(cut)}: each rank holds part of a matrix, and "
+                             "torch's Muon would orthogonalise each part (another update than the unsplit model's); "
+                             "use pipetrain.optim.Muon, torch's Muon with the same arguments that gathers each "
+                             "matrix whole, or pipetrain.optim.muon_with_adamw, which builds it")
 
     def _check_delay_corrections(self) -> None:
         if not isinstance(self.spike_compensation, bool):

@@ -119,6 +119,24 @@ def test_every_stage_gets_both_groups_even_without_matrices():
 # ----- Muon's predicted update ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("nesterov,adjust", [(True, None), (False, "match_rms_adamw")])
+def test_pipetrains_muon_steps_whole_matrices_bit_for_bit_as_torchs(nesterov, adjust):
+    torch.manual_seed(0)
+    weights = [torch.randn(6, 4, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)]
+    ours, theirs = [[nn.Parameter(w.clone()) for w in weights] for _ in range(2)]
+    settings = dict(lr=0.05, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
+    optimizers = pipetrain.optim.Muon(ours, **settings), torch.optim.Muon(theirs, **settings)
+    for _ in range(3):
+        grads = [torch.randn_like(w) for w in weights]
+        for params, optimizer in zip((ours, theirs), optimizers):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        assert torch.equal(optimizers[0].state[a]["momentum_buffer"], optimizers[1].state[b]["momentum_buffer"])
+
+
 def next_step_direction(muon: torch.optim.Muon, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     """(W - W_next) / lr for one step of a copy of ``muon`` with gradient ``grad``: what torch's Muon applies."""
     twin = nn.Parameter(p.detach().clone())
@@ -180,15 +198,16 @@ def test_two_stages_train_like_the_unsplit_model_with_clipping_and_a_scheduler(s
 
 
 def zero_worlds(rank: int, world: int) -> dict:
-    """2 stages x 2 replicas at zero 0, 1 and 2: each rank's stage weights and the tensors its optimizer steps."""
+    """2 stages x 2 replicas at zero 0-3: each rank's stage weights and the tensors its optimizer steps (at zero=3
+    FSDP2's shards: half of each matrix, its rows cut in two)."""
     out = {}
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         pipe = wrap_unprofiled(mlp64(), batches64(1)[0][0][:2], stages=2, micro_batches=2, data_parallel=2,
                                optimizer=FACTORY, partitioner="uniform", engine="distributed", zero=zero,
                                max_grad_norm=0.5)
         for x, y in batches64(3):
             pipe.step(x, y)
-        stepped = [(pipetrain.parameter_name(p), tuple(p.shape), "ns_steps" in g)
+        stepped = [(pipetrain.parameter_name(p), tuple(p.to_local().shape if zero == 3 else p.shape), "ns_steps" in g)
                    for rt in pipe.held_stages.values() for g in rt.optimizer.param_groups for p in g["params"]]
         out[zero] = {"state": pipe.state_dict(), "stepped": stepped}
         pipe.close()
@@ -196,18 +215,25 @@ def zero_worlds(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_zero_1_and_2_give_muon_whole_matrices_and_train_like_the_unsplit_model(tmp_path):
+def test_muon_trains_like_the_unsplit_model_under_zero_0_to_3(tmp_path):
+    """zero 1 and 2 give each replica whole matrices to step; zero=3 steps FSDP2's shards, each update
+    orthogonalised whole (gathered) and cut again."""
     ranks = run_world(4, "test_optim_muon", "zero_worlds", tmp_path)
     model = mlp64()
     # The global batch of 8: 2 replicas x 2 micro-batches of 2 samples, the mean of equal-sized parts.
     train_unsplit(model, FACTORY(list(model.parameters())), batches64(3), 4, max_grad_norm=0.5)
     reference = dict(model.named_parameters())
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         for rank, out in enumerate(ranks):
             for name, value in out[zero]["state"].items():
                 torch.testing.assert_close(value, reference[name].detach(), rtol=1e-12, atol=1e-12,
                                            msg=f"zero={zero} rank {rank} {name}")
-        if not zero:
+        if zero == 3:  # each replica steps the half of every tensor of its stage it holds, matrices with Muon
+            for out in ranks:
+                assert out[3]["stepped"] and all(
+                    shape[0] * 2 == reference[n].shape[0] and shape[1:] == tuple(reference[n].shape[1:])
+                    and muon == (len(shape) == 2) for n, shape, muon in out[3]["stepped"])
+        if zero in (0, 3):
             continue
         # The two replicas of each stage (the ranks holding its names) split its tensors, each whole, matrices to Muon.
         stages = {}
@@ -357,10 +383,14 @@ def test_spike_compensation_refuses_muon_naming_what_works():
 
 
 @pytest.mark.parametrize("split", [{"zero": 3, "data_parallel": 2}, {"tensor_parallel": 2}])
-def test_a_split_matrix_is_refused_at_wrap_naming_what_works(split):
-    with pytest.raises(ValueError, match="Muon orthogonalises whole matrices.*use zero=1 or zero=2"):
-        PipelineOptions(engine="distributed", optimizer=FACTORY, **split)
-    PipelineOptions(engine="distributed", **split)  # the same options with AdamW-like optimizers are taken
+def test_torchs_own_muon_on_a_split_matrix_is_refused_at_wrap_naming_pipetrains(split):
+    def torchs(params):
+        return [torch.optim.Muon([p for p in params if p.dim() == 2], lr=LR),
+                torch.optim.AdamW([p for p in params if p.dim() != 2], lr=ADAMW_LR)]
+
+    with pytest.raises(ValueError, match="would orthogonalise each part.*use pipetrain.optim.Muon"):
+        PipelineOptions(engine="distributed", optimizer=torchs, **split)
+    PipelineOptions(engine="distributed", optimizer=FACTORY, **split)  # pipetrain's Muon gathers: taken
 
 
 def test_stage_momentum_lengthens_muons_window_with_the_stage_delay():

@@ -90,6 +90,11 @@ def lamb(params):
 TRUST_RATIO = {"lars": lars, "lamb": lamb}  # the optimizers that read whole tensors' norms
 
 
+def muon(params):
+    """Muon over the matrices (orthogonalised whole), AdamW over the biases."""
+    return pipetrain.optim.muon_with_adamw(lr=0.02, adamw_lr=0.01, weight_decay=0.01)(list(params))
+
+
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
@@ -381,6 +386,15 @@ def hybrid_scenarios(rank: int, world: int, root: str) -> dict:
                 pipe.step(x, y)
             out[optimizer, "trust", zero] = pipe.state_dict(), collectives
             pipe.close()
+    # Muon on blocks (zero=0) and on FSDP2's shards of blocks (zero=3): each update orthogonalised whole.
+    for zero in (0, 3):
+        pipe = wrap("mlp", data_parallel=2, zero=zero, optimizer=muon)
+        for x, y in steps_in("mlp")[:STEPS]:
+            pipe.step(x, y)
+        split = [p for rt in pipe.held_stages.values() for g in rt.optimizer.param_groups if "ns_steps" in g
+                 for p in g["params"] if local(p).shape != p.shape]
+        out["muon", zero] = pipe.state_dict(), len(split)
+        pipe.close()
     # sequence parallelism with replicas and ZeRO-1: the norms' weights, whole, summed over the lanes, then averaged
     pipe = wrap("llama", data_parallel=2, zero=1, tp_plan={**llama().tp_plan, **SEQUENCE_NORMS})
     out["llama", "losses", "sequence"] = [pipe.step(x, y) for x, y in steps_in("llama")[:STEPS]]
@@ -521,6 +535,16 @@ def test_trust_ratios_of_split_and_sharded_tensors_are_the_whole_tensors(hybrid_
     for result in hybrid_ranks:
         counts = result[optimizer, "trust", zero][1]
         assert len(counts) == STEPS and all(1 <= n <= (1 if zero == 0 else 3) for n in counts), counts
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_muon_orthogonalises_split_and_sharded_matrices_whole(hybrid_ranks, zero):
+    """Muon on a rank's block of a matrix (zero=0) or its FSDP2 shard of one (zero=3) gathers the update, runs
+    Newton-Schulz on the whole matrix and keeps its part: the unsplit model's steps. The model's matrices run in
+    float64 and Newton-Schulz in bfloat16 (torch's Muon), whose inputs the reordered float64 sums do not change."""
+    want, _, _ = reference("mlp", STEPS, optimizer=muon)
+    assert_close_states(gathered(hybrid_ranks, ("muon", zero), index=0), want)
+    assert all(result["muon", zero][1] > 0 for result in hybrid_ranks)  # every rank stepped part of a matrix
 
 
 def test_sequence_parallelism_with_replicas_and_zero(hybrid_ranks):

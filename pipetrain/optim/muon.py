@@ -4,6 +4,10 @@
 with a Newton-Schulz iteration and steps along the result; torch documents it for the matrices of hidden layers,
 with a standard method such as AdamW for every other parameter (biases, normalisation scales, embeddings), and
 Keller Jordan's recipe also keeps the output head on AdamW. `muon_with_adamw` builds that pair for each stage.
+
+Orthogonalising the parts of a matrix is not orthogonalising the matrix, so where a rank holds part of one
+(FSDP2's shards under zero=3, tensor parallelism's blocks: DTensors) `Muon` all-gathers the whole update, runs the
+iteration on it and keeps this rank's part.
 """
 from __future__ import annotations
 
@@ -12,9 +16,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-# Muon's own learning-rate adjustment and Newton-Schulz iteration, so that the predicted update is bit for bit
-# what the next step computes (torch keeps them private; pinned with torch in pyproject).
+from torch.distributed.tensor import DTensor, distribute_tensor
+# Muon's own learning-rate adjustment and Newton-Schulz iteration, so that the steps of a sharded matrix and the
+# predicted update are bit for bit what torch's Muon computes on the whole matrix (torch keeps them private;
+# pinned with torch in pyproject).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim.optimizer import _to_scalar
 
 from pipetrain.optim.combined import CombinedOptimizer, combine, inner_optimizers
 
@@ -24,12 +31,54 @@ def is_matrix(param: Tensor) -> bool:
     return param.dim() == 2
 
 
+def orthogonalise(matrix: Tensor, group: dict[str, Any]) -> Tensor:
+    """Muon's Newton-Schulz orthogonalisation of ``matrix`` with ``group``'s settings. A DTensor (a shard or block
+    of a matrix) is all-gathered first and this rank's part of the result kept, placed as ``matrix`` is: every
+    rank holding part of the matrix computes the whole iteration, on the same values, as the unsplit model does."""
+    settings = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    if not isinstance(matrix, DTensor):
+        return _zeropower_via_newtonschulz(matrix, *settings)
+    whole = _zeropower_via_newtonschulz(matrix.full_tensor(), *settings)
+    # src_data_rank=None: each rank cuts its own part from its own (identical) result, with no communication.
+    return distribute_tensor(whole, matrix.device_mesh, matrix.placements, src_data_rank=None)
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` (the same arguments, state and update) that also steps matrices split over ranks:
+    the parameters of zero=3 (FSDP2) and tensor parallelism are DTensors, and each step orthogonalises the whole
+    matrix (`orthogonalise`). The price: one all-gather of each split matrix's update per step, and the iteration
+    computed on every rank holding part of it. On whole matrices it steps as torch's Muon does."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One Muon step of every parameter with a gradient (the closure, if given, is evaluated first)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            buffers: list[Tensor] = []
+            self._init_group(group, params, grads, buffers)
+            lr, momentum = _to_scalar(group["lr"]), group["momentum"]
+            # torch's single-tensor Muon step, the orthogonalisation reading whole matrices.
+            for param, grad, buffer in zip(params, grads, buffers):
+                if grad.ndim != 2:
+                    raise ValueError("Muon steps 2-D parameters only; give the others to AdamW (muon_with_adamw)")
+                buffer.lerp_(grad, 1 - momentum)
+                update = orthogonalise(grad.lerp(buffer, momentum) if group["nesterov"] else buffer, group)
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+        return loss
+
+
 def muon_with_adamw(*, lr: float, adamw_lr: float, momentum: float = 0.95, nesterov: bool = True,
                     weight_decay: float = 0.1, ns_steps: int = 5, adjust_lr_fn: str | None = None,
                     adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                     adamw_weight_decay: float = 0.01, muon_for: Callable[[Tensor], bool] = is_matrix,
                     ) -> Callable[[list[nn.Parameter]], CombinedOptimizer]:
-    """An optimizer factory for ``pipetrain.wrap(optimizer=...)``: per stage, ``torch.optim.Muon`` (``lr``,
+    """An optimizer factory for ``pipetrain.wrap(optimizer=...)``: per stage, `Muon` (torch's, on any layout; ``lr``,
     ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``, ``adjust_lr_fn``; torch's defaults) over the
     parameters ``muon_for`` selects and ``torch.optim.AdamW`` (the ``adamw_*`` arguments) over the others, as one
     `CombinedOptimizer` whose groups are [Muon's, AdamW's] on every stage (either may be empty), so checkpoints
@@ -50,7 +99,7 @@ def muon_with_adamw(*, lr: float, adamw_lr: float, momentum: float = 0.95, neste
         matrices = [p for p in params if muon_for(p)]
         others = [p for p in params if not muon_for(p)]
         # Group dicts, so that an empty list is accepted: a stage without matrices keeps the same two groups.
-        return CombinedOptimizer([torch.optim.Muon([{"params": matrices}], **muon),
+        return CombinedOptimizer([Muon([{"params": matrices}], **muon),
                                   torch.optim.AdamW([{"params": others}], **adamw)])
 
     return factory
@@ -64,7 +113,7 @@ def muon_update(param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> 
     buf = state.get("momentum_buffer")
     if buf is None:
         return None
-    orthogonal = _zeropower_via_newtonschulz(buf, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    orthogonal = orthogonalise(buf, group)
     ratio = _adjust_lr(1.0, group["adjust_lr_fn"], param.shape)
     direction = orthogonal.to(param.dtype) * ratio
     if group["weight_decay"] != 0:
@@ -82,8 +131,10 @@ def orthogonalises(optimizer: torch.optim.Optimizer) -> bool:
     return any(isinstance(o, torch.optim.Muon) for o in inner_optimizers(optimizer))
 
 
-def factory_orthogonalises(factory: Callable[[list[nn.Parameter]], Any]) -> bool:
-    """Whether the optimizers ``factory`` builds orthogonalise matrices, probed on one scratch matrix (every
-    rank decides alike, before building anything)."""
-    made = combine(factory([nn.Parameter(torch.zeros(2, 2))]))
-    return isinstance(made, torch.optim.Optimizer) and orthogonalises(made)
+def factory_cuts_matrices_for_muon(factory: Callable[[list[nn.Parameter]], Any]) -> bool:
+    """Whether ``factory`` builds torch's own Muon, which orthogonalises whatever part of a matrix a rank holds
+    (pipetrain's `Muon` gathers it), probed on a scratch matrix and vector, so that a factory splitting matrices
+    from the rest builds both optimizers: every rank decides alike, before building anything."""
+    made = combine(factory([nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))]))
+    return isinstance(made, torch.optim.Optimizer) and any(
+        isinstance(o, torch.optim.Muon) and not isinstance(o, Muon) for o in inner_optimizers(made))

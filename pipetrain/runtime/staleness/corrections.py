@@ -117,7 +117,7 @@ def _check_stage_momentum(optimizer: torch.optim.Optimizer) -> None:
         return
     # Muon's momentum is an exponential average like Adam's beta1, and its step is normalised (orthogonalised),
     # so a longer window has no rate to keep.
-    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon):
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) or isinstance(optimizer, torch.optim.Muon):
         return
     if type(optimizer) is not torch.optim.SGD:
         raise ValueError(f"stage_momentum is defined for {STAGE_MOMENTUM_OPTIMIZERS}, not {type(optimizer).__name__}")
