@@ -318,11 +318,7 @@ class MuonReference(Reference):
 
     def train(self, batches: list) -> None:
         for t, (x, y) in enumerate(batches):
-            total = [[torch.zeros_like(p) for p in self.params[k][0]] for k in range(self.stages)]
-            for j in range(self.m):
-                part = slice(j * SIZE, (j + 1) * SIZE)
-                for k, g in enumerate(self.gradients(t * self.m + j, x[part], y[part])):
-                    total[k] = [a + b for a, b in zip(total[k], g)]
+            total = self.summed_gradients(t, x, y)
             for k in range(self.stages):
                 (w, b), (muon, adamw) = self.live[k], self.opts[k]
                 w.grad, b.grad = total[k]

@@ -115,13 +115,18 @@ class Reference:
             delta = delta @ pairs[k][1][0]  # the input gradient reads the backward's weights
         return grads
 
+    def summed_gradients(self, t: int, x: torch.Tensor, y: torch.Tensor) -> list:
+        """Each stage's gradients of mini-batch t, summed over its m micro-batches."""
+        total = [[torch.zeros_like(p) for p in self.params[k][0]] for k in range(self.stages)]
+        for j in range(self.m):
+            part = slice(j * SIZE, (j + 1) * SIZE)
+            for k, g in enumerate(self.gradients(t * self.m + j, x[part], y[part])):
+                total[k] = [a + b for a, b in zip(total[k], g)]
+        return total
+
     def train(self, batches: list) -> None:
         for t, (x, y) in enumerate(batches):
-            total = [[torch.zeros_like(p) for p in self.params[k][0]] for k in range(self.stages)]
-            for j in range(self.m):
-                part = slice(j * SIZE, (j + 1) * SIZE)
-                for k, g in enumerate(self.gradients(t * self.m + j, x[part], y[part])):
-                    total[k] = [a + b for a, b in zip(total[k], g)]
+            total = self.summed_gradients(t, x, y)
             for k in range(self.stages):  # torch.optim.SGD: buf = momentum * buf + g; W -= lr * buf
                 old = self.buffers[k][t]
                 buf = total[k] if old is None else [MOMENTUM * b + g for b, g in zip(old, total[k])]

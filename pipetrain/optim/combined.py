@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipetrain.optim.closure import closure_loss
+
 
 class _RoutedState(MutableMapping):
     """parameter -> its state in the inner optimizer that steps it (created there on first access, as a
@@ -106,10 +108,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step every inner optimizer (the closure, if given, is evaluated once)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for o in self.optimizers:
             o.step()
         return loss

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipetrain.optim.closure import closure_loss
 from pipetrain.optim.whole_norms import local_part, whole_norms
 
 
@@ -59,10 +60,7 @@ class LAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimizer step (optionally re-evaluating the loss via closure)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             params = [p for p in group["params"] if p.grad is not None]

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
+from pipetrain.optim.closure import closure_loss
 from pipetrain.optim.combined import CombinedOptimizer, combine, inner_optimizers
 
 
@@ -52,10 +53,7 @@ class Muon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One Muon step of every parameter with a gradient (the closure, if given, is evaluated first)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params: list[Tensor] = []
             grads: list[Tensor] = []
