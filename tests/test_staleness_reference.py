@@ -245,14 +245,15 @@ def test_diagnostics_report_distance_and_error_per_stage():
     assert 0.0 < max(measured[0]) < 3 * max(lag(u, 0, stages, m) for u in range(20))
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "lars"])
-def test_nesterov_and_spectrain_predict_from_adam_and_lars_state(optimizer):
+@pytest.mark.parametrize("optimizer", ["adam", "lars", "lamb"])
+def test_nesterov_and_spectrain_predict_from_adam_lars_and_lamb_state(optimizer):
     # W - s * lr * v with v computed here from the optimizer's state: Adam's bias-corrected
-    # m_hat / (sqrt(v_hat) + eps) with beta1 as the momentum, LARS's scaled momentum buffer.
-    from pipetrain.optim import LARS
+    # m_hat / (sqrt(v_hat) + eps) with beta1 as the momentum, LARS's scaled momentum buffer, and LAMB's
+    # r = Adam's direction + weight_decay * W scaled by ||W|| / ||r|| (the paper's; 1-D tensors: Adam's alone).
+    from pipetrain.optim import LAMB, LARS
 
-    make_opt = ((lambda p: torch.optim.Adam(p, lr=0.01)) if optimizer == "adam"
-                else (lambda p: LARS(p, lr=0.1, momentum=0.8)))
+    make_opt = {"adam": lambda p: torch.optim.Adam(p, lr=0.01), "lars": lambda p: LARS(p, lr=0.1, momentum=0.8),
+                "lamb": lambda p: LAMB(p, lr=0.01, weight_decay=0.01)}[optimizer]
     for policy in ("nesterov", "spectrain"):
         pipe = wrap_unprofiled(chain(3), stream(1, 2)[0][0][:SIZE], stages=3, micro_batches=2, schedule="async-1f1b",
                                staleness=policy, partitioner=["1", "2"], optimizer=make_opt,
@@ -265,7 +266,7 @@ def test_nesterov_and_spectrain_predict_from_adam_and_lars_state(optimizer):
         u = 9  # lag 1 at stage 0 of 3 with 2 micro-batches (u // 2 - (u - 2) // 2)
         assert lag(u, 0, 3, 2) == 1
         if policy == "nesterov":
-            gamma = group["betas"][0] if optimizer == "adam" else group["momentum"]
+            gamma = group["momentum"] if optimizer == "lars" else group["betas"][0]
             steps = gamma + gamma ** 2
             weights = rt.policy._make_version(u)
         else:
@@ -273,10 +274,13 @@ def test_nesterov_and_spectrain_predict_from_adam_and_lars_state(optimizer):
             weights = rt.policy.forward_weights(u)
         for name, p in rt.module.named_parameters():
             state = opt.state[p]
-            if optimizer == "adam":
+            if optimizer in ("adam", "lamb"):
                 beta1, beta2 = group["betas"]
                 t = float(state["step"])
                 v = (state["exp_avg"] / (1 - beta1 ** t)) / ((state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt() + group["eps"])
+                if optimizer == "lamb" and p.dim() > 1:
+                    r = v + group["weight_decay"] * p.detach()
+                    v = p.detach().norm() / r.norm() * r
             else:
                 v = state["momentum_buffer"]
             torch.testing.assert_close(weights[name].detach(), p.detach() - steps * group["lr"] * v,
