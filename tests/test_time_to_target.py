@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import statistics
@@ -15,7 +16,8 @@ from pipetrain.apps.run_config import RunConfig
 from pipetrain.apps.run_summary import EpochRecord, RunSummary
 from pipetrain.apps.throughput import local_cluster
 from pipetrain.apps.time_to_target import (Ratio, Reach, baseline_of, epochs_to_target, mean_curve,
-                                           samples_per_epoch, seconds_to_target, spread_text, target, to_target)
+                                           measured_seconds_to_target, samples_per_epoch, seconds_to_target,
+                                           spread_text, target, to_target)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
@@ -142,3 +144,37 @@ def test_a_real_comparison_prints_epochs_and_time_to_target_computed_from_its_ru
         seconds = reached * 64 / predict_speed(results).of_best(m, results[m]) if reached else None  # 64 per epoch
         assert time_cell == (f"{seconds:.3g} s" if seconds else "never"), (m, time_cell)  # well under 100 s
     assert "target: 1f1b's peak mean val accuracy" in out and "- 2 = " in out
+
+
+def timed(accuracies: list[float], epoch_seconds: list[float], optimizer: tuple[float, int] = (0.0, 0)) -> RunSummary:
+    """summary() whose epochs took ``epoch_seconds`` of training and whose optimizer steps took ``optimizer``
+    (seconds, steps)."""
+    s = summary(*accuracies)
+    s.epochs = [dataclasses.replace(e, train_seconds=t) for e, t in zip(s.epochs, epoch_seconds)]
+    s.train_seconds = sum(epoch_seconds)
+    s.optimizer_seconds, s.optimizer_steps = optimizer
+    return s
+
+
+def test_measured_time_to_target_sums_each_seeds_epochs_to_the_mean_curves_epoch():
+    runs = [timed([0.5, 0.8, 0.9], [2.0, 3.0, 4.0]), timed([0.7, 0.8, 0.9], [1.0, 1.0, 1.0])]
+    # Mean curve 0.6, 0.8, 0.9: a goal of 0.75 is reached at epoch 2; the seeds took 5 s and 2 s to it.
+    assert measured_seconds_to_target(epochs_to_target(mean_curve(runs, 3), 0.75), runs) == pytest.approx(3.5)
+    assert math.isnan(measured_seconds_to_target(Reach(None, 3), runs))
+    assert math.isnan(measured_seconds_to_target(Reach(3, 3), [timed([0.5, 0.8], [1.0, 1.0])]))  # no epoch 3
+
+
+def test_under_torchrun_the_table_gives_measured_time_to_target_and_the_optimizers_share(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sync = MethodResult({(0.1, 0): timed([0.6, 0.8, 0.8], [10.0, 10.0, 10.0], optimizer=(1.5, 12))})
+    recipe = MethodResult({(0.1, 0): timed([0.7, 0.8, 0.8], [12.0, 12.0, 12.0], optimizer=(7.2, 96))})
+    table = format_table({"1f1b": sync, "nesterov": recipe})
+    head, _, sync_row, recipe_row = table.splitlines()[:4]
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    cells = {row.split("|")[1].strip(): [c.strip() for c in row.strip("|").split("|")] for row in (sync_row, recipe_row)}
+    at = columns.index("measured time to target")
+    assert cells["1f1b"][at] == "20 s" and cells["nesterov"][at] == "24 s"  # target 0.79: epoch 2 for both
+    at = columns.index("optimizer step (share)")
+    assert cells["1f1b"][at] == "0.125 s (5%)" and cells["nesterov"][at] == "0.075 s (20%)"
+    monkeypatch.delenv("WORLD_SIZE")
+    assert "measured time to target" not in format_table({"1f1b": sync, "nesterov": recipe})

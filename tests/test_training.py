@@ -134,6 +134,15 @@ def test_adam_option_trains_with_adam_and_its_default_rate():
     assert summary.steps == 6 and all(torch.isfinite(torch.tensor(summary.step_losses)))
 
 
+def test_the_run_times_every_stages_optimizer_step_and_each_epochs_training():
+    sync = run(tiny(schedule="1f1b", staleness="none", micro_batches=2, epochs=1))
+    recipe = run(tiny(epochs=1))
+    for summary in (sync, recipe):  # 96 samples in mini-batches of 16: 6 updates, each stepping both stages
+        assert summary.steps == 6 and summary.optimizer_steps == 2 * 6
+        assert 0 < summary.optimizer_seconds < summary.train_seconds
+        assert summary.epochs[0].train_seconds == summary.train_seconds
+
+
 # ----- command-line flags: declared once on RunConfig, they reach the config and wrap() -----
 
 def other_value(action: argparse.Action):

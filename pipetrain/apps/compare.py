@@ -52,7 +52,8 @@ from pipetrain.apps.throughput import local_cluster, predicted_samples_per_secon
 from pipetrain.apps.run_config import RunConfig, add_arguments, config_from_args
 from pipetrain.apps.run_log import OVERLAY_HINT
 from pipetrain.apps.run_summary import RunSummary, human_bytes
-from pipetrain.apps.time_to_target import BASELINES, MARGIN, ToTarget, seconds_to_target, spread_text, to_target
+from pipetrain.apps.time_to_target import (BASELINES, MARGIN, Reach, ToTarget, seconds_to_target, spread_text,
+                                          to_target)
 from pipetrain.apps.training import is_rank_zero, run
 from pipetrain.options import PREDICTING, STALENESS
 from schedules import Cluster
@@ -289,6 +290,9 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
         head.append("val acc by lr")
     if speed is not None:
         head.append("predicted samples/s")
+    measured = bool(os.environ.get("WORLD_SIZE"))  # real ranks: their seconds are the pipeline's
+    if measured:
+        head.append("optimizer step (share)")
     batches = {m: r.best[0].config.batch_size for m, r in results.items()}
     # With +bs=N the methods' batches differ: the schedule column says each one's.
     schedule = {m: r.best[0].config.describe() + (f", batch {batches[m]}" if len(set(batches.values())) > 1 else "")
@@ -297,6 +301,7 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
     for m, r in results.items():
         best = r.best
         predicted = [] if speed is None else [_rounded(speed.of_best(m, r))]
+        predicted += [_optimizer_cell(best)] if measured else []
         if all(s.diverged for s in best):
             rows.append([m, schedule[m]] + (["-"] if grid else []) + ["diverged"] * 3 + ["-", "-"]
                         + (["every rate diverged"] if grid else []) + predicted)
@@ -317,8 +322,11 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
     if targets is not None:
         head += ["epochs to target", f"x {targets.baseline}'s epochs (seeds)"]
         head += [] if speed is None else ["predicted time to target"]
+        head += ["measured time to target"] if measured else []
         for row, (m, r) in zip(rows, results.items()):
             row += _target_cells(targets.methods[m], None if speed is None else speed.of_best(m, r))
+            row += [_seconds_or_never(targets.methods[m].measured_seconds, targets.methods[m].reach)] if measured \
+                else []
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     if grid and len(set(batches.values())) > 1:
@@ -346,6 +354,12 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
         if speed is not None:
             lines.append("predicted time to target: epochs to target x samples per epoch / predicted samples/s "
                          f"(a prediction for {speed.cluster.name}, not a measurement)")
+        if measured:
+            lines.append("measured time to target: rank 0's training seconds (steps, not validation) through the "
+                         "epoch to target, the mean over the seeds")
+    if measured:
+        lines.append("optimizer step (share): rank 0's mean seconds per optimizer step, and the share of its "
+                     "training seconds spent in them (pipetrain.apps.optimizer_clock)")
     return "\n".join(lines)
 
 
@@ -354,9 +368,23 @@ def _target_cells(t: ToTarget, predicted: float | None) -> list[str]:
     the predicted seconds to target."""
     cells = [str(t.reach), f"{t.ratio} ({spread_text(t.seeds.values())})" if len(t.seeds) > 1 else str(t.ratio)]
     if predicted is not None:
-        seconds = seconds_to_target(t.reach, t.samples_per_epoch, predicted)
-        cells.append(_seconds(seconds) if seconds == seconds else "never" if t.reach.epoch is None else "-")
+        cells.append(_seconds_or_never(seconds_to_target(t.reach, t.samples_per_epoch, predicted), t.reach))
     return cells
+
+
+def _seconds_or_never(seconds: float, reach: Reach) -> str:
+    """Seconds to target as text: "never" where it was not reached, "-" where nothing was measured."""
+    return _seconds(seconds) if seconds == seconds else "never" if reach.epoch is None else "-"
+
+
+def _optimizer_cell(runs: Sequence[RunSummary]) -> str:
+    """Mean seconds per optimizer step over ``runs`` and the share of their training seconds it took."""
+    stepped = [s for s in runs if s.optimizer_steps and s.train_seconds > 0]
+    if not stepped:
+        return "-"
+    per_step = statistics.fmean(s.optimizer_seconds / s.optimizer_steps for s in stepped)
+    share = statistics.fmean(s.optimizer_seconds / s.train_seconds for s in stepped)
+    return f"{_seconds(per_step)} ({100 * share:.0f}%)"
 
 
 def _seconds(value: float) -> str:

@@ -19,6 +19,7 @@ class EpochRecord:
     val_accuracy: float
     samples_per_second: float
     bytes_per_step: float
+    train_seconds: float = math.nan  # the epoch's training: its steps' seconds summed (validation left out)
 
 
 class PerStageMeans:
@@ -65,6 +66,9 @@ class RunSummary:
     gradient_bytes: list[int] = field(default_factory=list)
     samples: int = 0
     train_seconds: float = 0.0
+    # This process's optimizer steps (pipetrain.apps.optimizer_clock): seconds inside them, and how many.
+    optimizer_seconds: float = 0.0
+    optimizer_steps: int = 0
     bytes_sent: int = 0
     steps: int = 0
     wall_seconds: float = 0.0

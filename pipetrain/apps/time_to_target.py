@@ -126,6 +126,18 @@ def seconds_to_target(reach: Reach, epoch_samples: float, samples_per_second: fl
     return reach.epoch * epoch_samples / samples_per_second
 
 
+def measured_seconds_to_target(reach: Reach, runs: Iterable[RunSummary]) -> float:
+    """The training seconds the runs (one per seed) took to the target: each run's epochs up to ``reach``'s
+    (validation left out) summed, the mean over the runs; NaN if the target was never reached or a run lacks
+    those epochs."""
+    if reach.epoch is None:
+        return math.nan
+    totals = [sum(e.train_seconds for e in s.epochs[:reach.epoch]) for s in runs]
+    if not totals or any(len(s.epochs) < reach.epoch for s in runs):
+        return math.nan
+    return statistics.fmean(totals)
+
+
 @dataclass(frozen=True)
 class ToTarget:
     """One method against the target: its mean curve's epochs to it, that over the baseline's, the same per
@@ -135,6 +147,7 @@ class ToTarget:
     ratio: Ratio
     seeds: dict[int, Ratio]
     samples_per_epoch: float
+    measured_seconds: float  # measured_seconds_to_target: meaningful where the run's seconds are, under torchrun
 
 
 @dataclass(frozen=True)
@@ -165,7 +178,7 @@ def to_target(best: Mapping[str, Mapping[int, RunSummary]], margin: float = MARG
     for method, runs in best.items():
         reach = epochs_to_target(mean_curve(runs.values(), epochs), goal)
         methods[method] = ToTarget(reach, ratio(reach, base_reach), seed_ratios(runs, base, goal, epochs),
-                                   samples_per_epoch(runs.values()))
+                                   samples_per_epoch(runs.values()), measured_seconds_to_target(reach, runs.values()))
     return Targets(name, goal, margin, methods)
 
 

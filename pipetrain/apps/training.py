@@ -30,6 +30,7 @@ from torch.utils.data import Dataset, Subset, default_collate
 import pipetrain
 from pipetrain.apps.datasets import dataset_info, load_dataset, make_loader
 from pipetrain.apps.models import build_model
+from pipetrain.apps.optimizer_clock import OptimizerClock
 from pipetrain.apps.run_config import RunConfig
 from pipetrain.apps.run_log import RunLog
 from pipetrain.apps.run_summary import EpochRecord, PerStageMeans, RunSummary
@@ -105,6 +106,7 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
     pipe = pipetrain.wrap(model, example, **c.wrap_options(updates=c.epochs * len(loader)))  # --lr-schedule's length
     if on_step is not None:
         pipe.on_step(on_step)
+    clock = OptimizerClock(pipe)
     rank0 = is_rank_zero()
     log = RunLog(c.logdir, c.batch_size) if c.logdir and rank0 else None  # the runtime's run directory
     summary = RunSummary(c, gradient_bytes=gradient_bytes)
@@ -150,7 +152,7 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
                 break
             val_loss, val_acc = evaluate(pipe, val, c.batch_size)
             record = EpochRecord(epoch + 1, pipe.updates, sum(losses) / len(losses), val_loss, val_acc,
-                                 samples / seconds if seconds > 0 else math.nan, sent / len(losses))
+                                 samples / seconds if seconds > 0 else math.nan, sent / len(losses), seconds)
             summary.epochs.append(record)
             if log is not None:
                 log.epoch(record)
@@ -168,6 +170,7 @@ def run(config: RunConfig, on_step: Callable[[pipetrain.StepResult], None] | Non
                 break
         for name in PerStageMeans.FIELDS:
             setattr(summary, name, per_stage.mean(name))
+        summary.optimizer_seconds, summary.optimizer_steps = clock.seconds, clock.steps
     summary.wall_seconds = time.perf_counter() - wall_start
     return summary
 
