@@ -84,13 +84,13 @@ def final_accuracy(result: MethodResult) -> tuple[float, list[float]]:
 
 
 def run_row(family: Family, row: Row, seeds: list[int], precision: str, train_samples: int | None,
-            logdir: Path) -> MethodResult:
+            val_samples: int | None, logdir: Path) -> MethodResult:
     """Every rate of ``row``'s grid at every seed (pipetrain.apps.compare), warmed up over WARMUP of its updates."""
     train = min(len(load_dataset(DATASET, split="train")), train_samples or math.inf)
     base = RunConfig(model=family.model, dataset=DATASET, epochs=family.epochs, batch_size=row.batch,
                      optimizer=row.optimizer, lr=row.grid[0], lr_schedule="warmup-poly",
                      warmup=max(1, round(WARMUP * family.epochs * train / row.batch)), precision=precision, stages=1,
-                     micro_batches=1, train_samples=train_samples, progress=False)
+                     micro_batches=1, train_samples=train_samples, val_samples=val_samples, progress=False)
     return compare(base, ["data-parallel"], logdir, lrs=row.grid, seeds=seeds)["data-parallel"]
 
 
@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=PRECISIONS)
     parser.add_argument("--train-samples", type=int, default=None,
                         help="train on the first N samples only (a quick look; the study uses all 40,000)")
+    parser.add_argument("--val-samples", type=int, default=None,
+                        help="validate on the first N samples only (a quick look; the study uses all 10,000)")
     parser.add_argument("--logdir", default="runs/large-batch", help="TensorBoard runs, results.json and the curves")
     args = parser.parse_args()
     names = args.families.split(",")
@@ -138,7 +140,7 @@ def main() -> None:
         baseline = None
         curves[name] = {}
         for i, row in enumerate(family.rows):
-            result = run_row(family, row, seeds, args.precision, args.train_samples,
+            result = run_row(family, row, seeds, args.precision, args.train_samples, args.val_samples,
                              root / name / f"row{i}-{row.optimizer}-{row.batch}")
             lr, finals = final_accuracy(result)
             mean = statistics.fmean(finals)
