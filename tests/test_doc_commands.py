@@ -187,6 +187,11 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
     "python examples/benchmarks/large_batch_study.py --families lstm": Covered(
         "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
+    # results.md's time to target on real ranks: the table's measured columns, from torchrun's processes
+    "torchrun --standalone --nproc-per-node 2 -m pipetrain.cli compare --model lstm --stages 2 --micro-batches 8 "
+    "--async-micro-batches 1 --epochs 5 --seeds 3 --lr-grid 0.1,0.3 --methods 1f1b,1f1b+m=4,1f1b+m=2,nesterov+sm+bs=8 "
+    "--no-progress": Run("measured time to target", append=TINY_TRAINING + " --seeds 1 --lr-grid 0.1 --logdir {tmp}/runs",
+                         process=True, slow=True),
 }
 
 
@@ -229,6 +234,16 @@ NOT_RUN: dict[str, str] = {
         "a minute of the suite; the same script runs on the MLP (COMMANDS), and tests/test_sequence_parallel.py "
         "checks the Llama's saved bytes shrink",
     # results.md: measurements of minutes each
+    "torchrun --standalone --nproc-per-node 2 -m pipetrain.cli compare --model transformer --stages 2 "
+    "--micro-batches 8 --async-micro-batches 1 --epochs 4 --seeds 3 --lr-grid 0.03,0.1 "
+    "--methods 1f1b,1f1b+m=4,1f1b+m=2,nesterov+sm+bs=8 --no-progress":
+        "9 minutes here; the LSTM's line beside it runs under torchrun at a tiny size (COMMANDS)",
+    **{f"torchrun --standalone --nproc-per-node 4 examples/lstm.py --stages 2 --data-parallel 2 --epochs 2 "
+       f"--no-progress --schedule {flags}":
+           "a measurement of a minute; tests/test_examples_torchrun.py trains this example under torchrun at 2 stages "
+           "x 2 replicas" for flags in (
+               "1f1b --micro-batches 4 --batch-size 64 --lr 0.1",
+               "async-1f1b --staleness nesterov --stage-momentum --micro-batches 1 --batch-size 8 --lr 0.0375")},
     "pipetrain compare --model lstm --stages 4 --async-micro-batches 1 --epochs 4 --train-samples 1024 --no-progress "
     "--val-samples 512 --seeds 2 --lr-grid 0.03,0.1 --methods 1f1b,spectrain,nesterov --logdir runs/ttt":
         "6.5 minutes here; tests/test_time_to_target.py runs compare with these columns at a tiny size",
