@@ -80,6 +80,7 @@ class RecordedPipeline:
     def __init__(self, model: torch.nn.Module, options: pipetrain.PipelineOptions, events: list):
         self.model, self.options, self.events = model, options, events
         self.world, self.updates, self.last_result, self._callbacks = None, 0, None, []
+        self.held_stages: dict = {}  # no stage runs, so no optimizer steps to time
 
     def on_step(self, callback: Callable[[pipetrain.StepResult], None]) -> None:
         self._callbacks.append(callback)

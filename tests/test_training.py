@@ -134,6 +134,20 @@ def test_adam_option_trains_with_adam_and_its_default_rate():
     assert summary.steps == 6 and all(torch.isfinite(torch.tensor(summary.step_losses)))
 
 
+def test_muon_option_steps_matrices_with_muon_and_the_rest_with_adamw_at_a_share_of_one_rate():
+    assert RunConfig(optimizer="muon").resolved().lr == 0.02  # Keller Jordan's and torch's examples
+    made = optimizer_factory("muon", 0.04, 0.9)([torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(2))])
+    (muon,), (adamw,) = [o.param_groups for o in made.optimizers]
+    assert isinstance(made.optimizers[0], torch.optim.Muon) and isinstance(made.optimizers[1], torch.optim.AdamW)
+    assert (muon["lr"], adamw["lr"], muon["nesterov"]) == (0.04, 0.04 * 0.05, True)
+    # staleness="nesterov" makes the look-ahead itself: the run's Muon has its own off, and trains
+    config = tiny(optimizer="muon", lr=None, staleness="nesterov", epochs=1)
+    assert config.resolved().wrap_options()["optimizer"]([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0][
+        "nesterov"] is False
+    summary = run(config)
+    assert summary.steps == 6 and all(torch.isfinite(torch.tensor(summary.step_losses)))
+
+
 def test_the_run_times_every_stages_optimizer_step_and_each_epochs_training():
     sync = run(tiny(schedule="1f1b", staleness="none", micro_batches=2, epochs=1))
     recipe = run(tiny(epochs=1))

@@ -20,12 +20,13 @@ from torch.optim.lr_scheduler import LambdaLR
 import pipetrain
 from pipetrain.apps.datasets import DATASETS, DOWNLOADABLE, OFFLINE_DATASETS, dataset_info
 from pipetrain.apps.models import DEFAULT_DATASET, DEFAULT_HPARAMS
-from pipetrain.optim import LAMB, LARS, warmup_cosine_decay, warmup_poly_decay
+from pipetrain.optim import LAMB, LARS, muon_with_adamw, warmup_cosine_decay, warmup_poly_decay
 from pipetrain.options import PARTITIONERS, PRECISIONS, SCHEDULES, STALENESS, PipelineOptions
 
 _HPARAMS_FALLBACK = {"resnet18": "resnet", "resnet50": "resnet"}
-# nag: SGD with Nesterov momentum; nadam: Adam with it; lars and lamb: the large-batch optimizers (pipetrain.optim)
-OPTIMIZERS = ("sgd", "nag", "adam", "nadam", "lars", "lamb")
+# nag: SGD with Nesterov momentum; nadam: Adam with it; lars and lamb: the large-batch optimizers (pipetrain.optim);
+# muon: torch's Muon for the matrices, AdamW for the rest (pipetrain.optim.muon_with_adamw)
+OPTIMIZERS = ("sgd", "nag", "adam", "nadam", "lars", "lamb", "muon")
 ADAPTIVE = ("adam", "nadam", "lamb")  # Adam's moments: Adam's rates
 ADAM_LR = 1e-3  # torch.optim.Adam's default (LAMB's paper tunes rates of this size too)
 # LARS's global rate: its trust coefficient (0.001) makes each tensor move by lr * 0.001 of its norm per update, so
@@ -35,6 +36,9 @@ LARS_LR = 1.0
 # LARS with You et al. 2017's momentum and trust coefficient; its trust ratio divides by ||g|| + wd * ||w||, and
 # without decay the weight norms, and with them every step, grow unchecked: their 5e-4 (the families' SGD has none).
 LARS_WEIGHT_DECAY, LARS_TRUST = 5e-4, 0.001
+# Muon's rate (Keller Jordan's and torch's examples), and its AdamW's as a share of it: Adam's default at Muon's
+# default, so that one --lr (a grid, compare's batch scaling) moves both.
+MUON_LR, MUON_ADAMW_SHARE = 0.02, ADAM_LR / 0.02
 LAMB_WEIGHT_DECAY = 0.01  # the BERT recipe's (You et al. 2019); LAMB's betas (0.9, 0.999) and eps 1e-6 are its defaults
 LR_SCHEDULES = ("none", "warmup-cosine", "warmup-poly")  # none: constant
 RESUME = ("never", "auto")  # auto: continue from the newest checkpoint in checkpoint_dir
@@ -112,10 +116,12 @@ class RunConfig:
     epochs: int | None = _flag(None, "default: the model family's DEFAULT_HPARAMS", type=int)
     batch_size: int | None = _flag(None, "global mini-batch size", type=int)
     optimizer: str = _flag("sgd", "sgd (momentum 0.9), nag (the same with Nesterov momentum), adam, nadam, lars "
-                           "(You et al. 2017: momentum 0.9, trust coefficient 0.001, weight decay 5e-4) or lamb "
-                           "(You et al. 2019: weight decay 0.01)", choices=OPTIMIZERS)
+                           "(You et al. 2017: momentum 0.9, trust coefficient 0.001, weight decay 5e-4), lamb "
+                           "(You et al. 2019: weight decay 0.01) or muon (torch's Muon for every 2-D parameter, "
+                           "AdamW at lr x 0.05 for the others: pipetrain.optim.muon_with_adamw)", choices=OPTIMIZERS)
     lr: float | None = _flag(None, "the global learning rate, the peak of --lr-schedule (default: the family's SGD "
-                             f"rate; {ADAM_LR:g} with adam, nadam and lamb; {LARS_LR:g} with lars)", type=float)
+                             f"rate; {ADAM_LR:g} with adam, nadam and lamb; {LARS_LR:g} with lars; {MUON_LR:g} with muon)",
+                             type=float)
     lr_schedule: str = _flag("none", "none (constant --lr), warmup-poly (linear warm-up over --warmup updates, then "
                              "polynomial decay of power --poly-power to 0 at the last update: Jia et al. 2018) or "
                              "warmup-cosine (the same warm-up, then a cosine to 0; huggingface.py's default)",
@@ -170,7 +176,8 @@ class RunConfig:
         options = {f.metadata["wrap"]: getattr(self, f.name) for f in fields(self) if f.metadata["wrap"]}
         # The options no single field holds: only the graph and time partitioners use layer timings.
         options.update(loss_fn=F.cross_entropy, profile=self.profile and self.partitioner in ("graph", "time"),
-                       optimizer=optimizer_factory(self.optimizer, self.lr, self.momentum),
+                       optimizer=optimizer_factory(self.optimizer, self.lr, self.momentum,
+                                                   looks_ahead=self.staleness == "nesterov"),
                        lr_scheduler=self.lr_scheduler(updates))
         return options
 
@@ -234,12 +241,16 @@ def default_lr(optimizer: str, sgd_lr: float) -> float:
     """The global rate of ``optimizer`` when --lr is not given, for a model family whose SGD rate is ``sgd_lr``."""
     if optimizer in ADAPTIVE:
         return ADAM_LR
-    return LARS_LR if optimizer == "lars" else sgd_lr
+    return {"lars": LARS_LR, "muon": MUON_LR}.get(optimizer, sgd_lr)
 
 
-def optimizer_factory(name: str, lr: float, momentum: float) -> Callable[[Any], torch.optim.Optimizer]:
+def optimizer_factory(name: str, lr: float, momentum: float,
+                      looks_ahead: bool = False) -> Callable[[Any], torch.optim.Optimizer]:
     """The ``optimizer=`` factory of wrap() for RunConfig.optimizer; ``lr`` is the global rate (LARS and LAMB
-    scale it per tensor by their trust ratios)."""
+    scale it per tensor by their trust ratios). ``looks_ahead``: the nesterov staleness policy makes the
+    Nesterov look-ahead, so Muon's own is off."""
+    if name == "muon":
+        return muon_with_adamw(lr=lr, adamw_lr=lr * MUON_ADAMW_SHARE, nesterov=not looks_ahead)
     if name == "lars":
         return lambda params: LARS(params, lr=lr, momentum=momentum, weight_decay=LARS_WEIGHT_DECAY,
                                    trust_coefficient=LARS_TRUST)
