@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 # Muon's own learning-rate adjustment and Newton-Schulz iteration, so that the steps of a sharded matrix and the
 # predicted update are bit for bit what torch's Muon computes on the whole matrix (torch keeps them private;
 # pinned with torch in pyproject).
@@ -25,6 +24,7 @@ from torch.optim.optimizer import _to_scalar
 
 from pipetrain.optim.closure import closure_loss
 from pipetrain.optim.combined import CombinedOptimizer, combine, inner_optimizers
+from pipetrain.optim.whole_norms import is_dtensor
 
 
 def is_matrix(param: Tensor) -> bool:
@@ -37,8 +37,10 @@ def orthogonalise(matrix: Tensor, group: dict[str, Any]) -> Tensor:
     of a matrix) is all-gathered first and this rank's part of the result kept, placed as ``matrix`` is: every
     rank holding part of the matrix computes the whole iteration, on the same values, as the unsplit model does."""
     settings = (group["ns_coefficients"], group["ns_steps"], group["eps"])
-    if not isinstance(matrix, DTensor):
+    if not is_dtensor(matrix):
         return _zeropower_via_newtonschulz(matrix, *settings)
+    from torch.distributed.tensor import distribute_tensor  # only where DTensors exist (start-up: test_startup)
+
     whole = _zeropower_via_newtonschulz(matrix.full_tensor(), *settings)
     # src_data_rank=None: each rank cuts its own part from its own (identical) result, with no communication.
     return distribute_tensor(whole, matrix.device_mesh, matrix.placements, src_data_rank=None)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 def local_part(t: Tensor) -> Tensor:
     """This rank's part of ``t`` (``t`` itself when it is not a DTensor); in-place changes to it change ``t``."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def whole_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -26,7 +26,7 @@ def whole_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
     norms: list[Tensor | None] = [None] * len(tensors)
     buckets: dict[tuple, list[int]] = {}  # (mesh, mesh dimensions summed over, dtype, device) -> tensor indices
     for i, t in enumerate(tensors):
-        if not _is_dtensor(t):
+        if not is_dtensor(t):
             norms[i] = torch.linalg.vector_norm(t)
             continue
         placements = t.placements
@@ -47,6 +47,7 @@ def whole_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
     return norms
 
 
-def _is_dtensor(t: Tensor) -> bool:
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a shard or block of a tensor split over ranks)."""
     # By attribute, not isinstance: importing torch.distributed.tensor costs ~1 s, paid only where DTensors exist.
     return hasattr(t, "device_mesh") and hasattr(t, "to_local")
