@@ -334,7 +334,7 @@ def format_table(results: dict[str, MethodResult], speed: SpeedPrediction | None
                      "times its batch over the grid's batch (linear scaling)")
     if seeds > 1:
         lines.append(f"\nmean ± sample standard deviation over {seeds} seeds, each method at its best learning rate")
-    if not os.environ.get("WORLD_SIZE"):
+    if not measured:
         lines.append("\nlocal-engine samples/s: one process runs the stages one after another, so they measure the "
                      "runtime's overhead, not pipeline speed")
     if speed is not None:

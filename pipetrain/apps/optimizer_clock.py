@@ -17,11 +17,10 @@ class OptimizerClock:
         self.seconds = 0.0
         self.steps = 0
         self._started = 0.0
-        self._handles = []
-        for runtime in pipe.held_stages.values():
+        for runtime in pipe.held_stages.values():  # the hooks live as long as the pipeline's optimizers
             if runtime.optimizer is not None:
-                self._handles.append(runtime.optimizer.register_step_pre_hook(self._start))
-                self._handles.append(runtime.optimizer.register_step_post_hook(self._stop))
+                runtime.optimizer.register_step_pre_hook(self._start)
+                runtime.optimizer.register_step_post_hook(self._stop)
 
     def _start(self, optimizer, args, kwargs) -> None:
         self._started = time.perf_counter()
@@ -29,9 +28,3 @@ class OptimizerClock:
     def _stop(self, optimizer, args, kwargs) -> None:
         self.seconds += time.perf_counter() - self._started
         self.steps += 1
-
-    def remove(self) -> None:
-        """Detach the hooks (the pipeline's optimizers step untimed afterwards)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
