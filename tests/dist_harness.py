@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipetrain.comm.local_ranks import start_local_ranks
+
 # What every rank imports (the library, the models the ranks build): the fork server imports it once.
 # torch._dynamo: `import pipetrain` leaves it out, but every rank's optimizer imports it (and it must come before the
 # process group: pipetrain.comm.world.ensure_process_group says why).
@@ -86,9 +88,8 @@ def run_checks(checks: dict) -> dict[str, str]:
 
 
 def start_ranks(fn, args: tuple, nprocs: int, join: bool = True):
-    """``torch.multiprocessing.start_processes`` on fresh processes forked from the preloaded server."""
-    mp.set_forkserver_preload(PRELOAD)
-    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+    """``torch.multiprocessing.start_processes`` on fresh processes forked from the server that preloaded PRELOAD."""
+    return start_local_ranks(fn, args, nprocs, join=join, preload=PRELOAD)
 
 
 def run_world(world: int, module: str, function: str, tmp_path: Path, *args) -> list:

@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from pipetrain.allreduce.reducer import GradientReducer
+from pipetrain.comm.local_ranks import start_local_ranks
 
 WORLD = 4
 LOCAL = "local fwd+bwd (no communication)"
@@ -145,7 +145,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.blocks, args.rounds, args.steps, args.bucket_kib, args.first_bucket_kib), nprocs=WORLD)
+    start_local_ranks(worker, (port, args.blocks, args.rounds, args.steps, args.bucket_kib, args.first_bucket_kib), WORLD)
 
 
 if __name__ == "__main__":

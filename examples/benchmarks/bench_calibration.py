@@ -67,11 +67,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import partitioners
 import pipetrain
 from pipetrain.allreduce.reducer import GradientReducer
+from pipetrain.comm.local_ranks import start_local_ranks
 from schedules.cluster import Cluster
 from schedules.cluster.reductions import Reduction, ring_allreduce_time
 from schedules.cluster.step import StageWork, simulate_cluster_step
@@ -350,7 +350,7 @@ def _timed_burst(profile: "StageProfile", seconds: float) -> list[float]:
 def measure_world(world: int, rounds: int) -> list[dict[str, list]]:
     """Every rank's samples (key -> one value per round) from one spawn of `world` processes."""
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world, _port(), out, rounds), nprocs=world)
+        start_local_ranks(_worker, (world, _port(), out, rounds), world)
         return torch.load(Path(out) / "samples.pt", weights_only=False)
 
 

@@ -11,7 +11,7 @@ mini-batch of `batch` samples from each family's default dataset:
 * pipeline: wrap(stages=4, micro_batches=m, engine="local"); per step, summed over
   stages, activations + activation_grads + tied_grads. Point-to-point messages
   cross the wire once, so payload = wire bytes.
-* data parallel: 4 gloo processes (torch.multiprocessing.spawn), wrap(stages=1,
+* data parallel: 4 gloo processes (start_local_ranks), wrap(stages=1,
   data_parallel=4, engine="distributed"). The runtime counts, per replica, the
   gradient payload it all-reduces (= its parameter bytes); StepResult sums the
   replicas. A ring all-reduce of P bytes over n ranks sends 2(n-1)/n x P bytes
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pipetrain
 from pipetrain.apps.datasets import dataset_info, load_dataset
 from pipetrain.apps.models import DEFAULT_DATASET, build_model
+from pipetrain.comm.local_ranks import start_local_ranks
 
 FAMILIES = ["vgg", "resnet", "transformer", "lstm"]
 STAGES = REPLICAS = 4
@@ -95,7 +95,7 @@ def _dp_worker(rank: int, port: int, name: str, batch: int, out: str) -> None:
 def data_parallel_bytes(name: str, batch: int) -> tuple[int, int, int]:
     """(payload summed over the replicas, parameter bytes, parameter count) of one DP step."""
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_dp_worker, args=(_port(), name, batch, out), nprocs=REPLICAS)
+        start_local_ranks(_dp_worker, (_port(), name, batch, out), REPLICAS)
         got = torch.load(Path(out) / "dp.pt", weights_only=False)
     return sum(got["comm"]["data_parallel"]), got["params"], got["numel"]
 

@@ -30,11 +30,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import pipetrain
 from pipetrain.apps.models import build_model
+from pipetrain.comm.local_ranks import start_local_ranks
 
 STAGES, MICRO_BATCHES, BATCH = 4, 8, 64
 SCHEDULES = ("1f1b", "gpipe")
@@ -169,7 +169,7 @@ def against_torch() -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(port, out), nprocs=STAGES)
+        start_local_ranks(_rank, (port, out), STAGES)
         per_rank = [torch.load(os.path.join(out, f"rank{k}.pt")) for k in range(STAGES)]
     return {name: [per_rank[k][name] for k in range(STAGES)] for name in per_rank[0]}
 

@@ -52,7 +52,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
@@ -60,6 +59,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 import pipetrain
 from pipetrain.apps.models.vgg import VGG
+from pipetrain.comm.local_ranks import start_local_ranks
 
 WORLD = 2
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -434,7 +434,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(tiny_worker if args.tiny else worker, args=(port, args), nprocs=WORLD)
+    start_local_ranks(tiny_worker if args.tiny else worker, (port, args), WORLD)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from pipetrain.comm.local_ranks import start_local_ranks
 
 WAYS = ("whole", "inserted", "dtensor", "sequence")
 NORMS = {"layers.*.input_layernorm": "sequence_parallel", "layers.*.post_attention_layernorm": "sequence_parallel",
@@ -178,7 +179,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     print("2 gloo ranks on this machine (T=2), one thread each; a step = one forward and backward of one micro-batch")
-    mp.spawn(rank_main, args=(2, port, args.steps, args.models, args.width), nprocs=2)
+    start_local_ranks(rank_main, (2, port, args.steps, args.models, args.width), 2)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import pipetrain
+from pipetrain.comm.local_ranks import start_local_ranks
 import schedules
 
 WORLD = 2
@@ -141,7 +141,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args), nprocs=WORLD)
+    start_local_ranks(worker, (port, args), WORLD)
 
 
 if __name__ == "__main__":

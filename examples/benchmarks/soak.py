@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pipetrain
+from pipetrain.comm.local_ranks import start_local_ranks
 
 WORLD, WIDTH, BATCH, MICRO = 4, 16, 8, 2
 MAX_GROWTH = 2.0  # percent of RSS after warm-up that "flat" allows
@@ -101,7 +101,7 @@ def main() -> None:
     if not 0 < args.warmup < args.steps or args.every < 1:
         raise SystemExit("need 0 < --warmup < --steps and --every >= 1")
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(args, out), nprocs=WORLD)
+        start_local_ranks(worker, (args, out), WORLD)
         ranks = [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
     sys.exit(0 if report(args, ranks) else 1)
 
