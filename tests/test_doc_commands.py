@@ -240,6 +240,13 @@ NOT_RUN: dict[str, str] = {
        for rest in ("adam --lr-grid 0.001,0.003 --methods 1f1b,nesterov+sm", "muon --lr-grid 0.01,0.02 --methods "
                     "1f1b,nesterov+sm", "adam --lr 0.003 --methods stash,2bw+ef+m=4",
                     "muon --lr 0.01 --methods stash,2bw+ef+m=4")},
+    **{f"pipetrain compare --model transformer-lm --stages 4 --batch-size 32 --micro-batches 4 --async-micro-batches 1 "
+       f"--epochs 3 --seeds 3 --optimizer {rest}": "a long measurement; tests/test_compare.py runs the methods and "
+                                                   "suffixes, tests/test_training.py trains --optimizer muon"
+       for rest in ("adam --lr 0.003 --methods 1f1b,2bw+ef+m=4,stash+ef",
+                    "muon --lr 0.01 --methods 1f1b,2bw+ef+m=4,stash+ef,nesterov@0.5+sm",
+                    "muon --lr 0.01 --methods 2bw+ef+sm+m=4", "muon --lr 0.005 --methods 1f1b,2bw+ef+m=4",
+                    "muon --lr 0.02 --methods 1f1b,2bw+ef+m=4", "adam --lr 0.006 --methods 1f1b,2bw+ef+m=4")},
     "torchrun --standalone --nproc-per-node 2 -m pipetrain.cli compare --model transformer --stages 2 "
     "--micro-batches 8 --async-micro-batches 1 --epochs 4 --seeds 3 --lr-grid 0.03,0.1 "
     "--methods 1f1b,1f1b+m=4,1f1b+m=2,nesterov+sm+bs=8 --no-progress":
