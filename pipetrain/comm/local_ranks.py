@@ -35,8 +35,6 @@ def _inherited(fd) -> int:
 
 
 def _rank_main(rank: int, fn: Callable, stdout: int, stderr: int, *args) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
     for fd, target in ((stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
         os.close(fd)
