@@ -65,8 +65,9 @@ def test_digits_is_upscaled_sklearn_image():
     assert abs(load_dataset("digits").tensors[0].mean().item()) < 0.05
 
 
-def test_mnist1d_is_benchmark_and_keeps_global_rng():
-    pipetrain.apps.datasets._mnist1d.cache_clear()  # force generation inside this test
+def test_mnist1d_is_benchmark_and_keeps_global_rng(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPETRAIN_CACHE", str(tmp_path))  # an empty cache: generated inside this test
+    pipetrain.apps.datasets._mnist1d.cache_clear()
     np.random.seed(123)
     expected = np.random.rand()
     np.random.seed(123)
@@ -75,6 +76,36 @@ def test_mnist1d_is_benchmark_and_keeps_global_rng():
     x = train.tensors[0]
     assert x.dtype == torch.float32 and x.shape == (4000, 40, 1)
     assert torch.bincount(train.tensors[1], minlength=10).min() > 300  # balanced classes
+
+
+def test_mnist1d_is_generated_once_per_machine_and_again_when_its_file_is_cut_short(tmp_path, monkeypatch):
+    import mnist1d.data
+
+    monkeypatch.setenv("PIPETRAIN_CACHE", str(tmp_path))
+    generate, generated = mnist1d.data.make_dataset, []
+    monkeypatch.setattr(mnist1d.data, "make_dataset", lambda args: generated.append(args) or generate(args))
+    load = pipetrain.apps.datasets._mnist1d.__wrapped__  # past the in-process cache: what a new process does
+    samples = 500  # a tenth of the paper's, to keep the test short
+    arguments = mnist1d.data.get_dataset_args()
+    arguments.num_samples = samples
+    reference = generate(arguments)  # the package's own, independent of our cache and tensors
+
+    first = load(samples)
+    assert len(generated) == 1 and len(list(tmp_path.iterdir())) == 1  # one file, no partial one left
+    assert np.array_equal(first[0].squeeze(-1).numpy(), reference["x"].astype(np.float32))
+    assert np.array_equal(first[3].numpy(), reference["y_test"])
+    again = load(samples)
+    assert len(generated) == 1 and all(torch.equal(a, b) for a, b in zip(again, first))  # read, not generated
+
+    (kept,) = tmp_path.iterdir()
+    kept.write_bytes(kept.read_bytes()[:100])  # a file cut short (a full disk): generated again, and rewritten
+    assert all(torch.equal(a, b) for a, b in zip(load(samples), first)) and len(generated) == 2
+    assert all(torch.equal(a, b) for a, b in zip(load(samples), first)) and len(generated) == 2
+
+    # Another version of the package may generate other data (its default arguments): another file.
+    monkeypatch.setattr(pipetrain.apps.datasets.importlib.metadata, "version", lambda name: "0.0.0-other")
+    assert all(torch.equal(a, b) for a, b in zip(load(samples), first)) and len(generated) == 3
+    assert len(list(tmp_path.iterdir())) == 2
 
 
 def test_text_targets_are_inputs_shifted_and_decode_to_english():

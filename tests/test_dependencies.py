@@ -26,9 +26,11 @@ class NotInstalled(importlib.abc.MetaPathFinder):
         return next(filter(None, (f.find_spec(name, path, target) for f in self.finders
                                   if hasattr(f, "find_spec"))), None)
 
-    def find_distributions(self, context=None):  # importlib.metadata: installed versions (pipetrain's own)
+    def find_distributions(self, context=None):  # importlib.metadata: installed versions, not the extra's
         for f in self.finders:
-            yield from getattr(f, "find_distributions", lambda context: [])(context)
+            for dist in getattr(f, "find_distributions", lambda context: [])(context):
+                if dist.metadata["Name"].lower().replace("-", "_") not in {EXTRA!r} + ("scikit_learn",):
+                    yield dist
 
 sys.meta_path[:] = [NotInstalled(list(sys.meta_path))]
 try:
