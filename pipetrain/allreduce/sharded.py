@@ -106,6 +106,10 @@ class _ShardedBucket(_Bucket):
         return [self.segment[n * self.per_node + local] for n in range(self.parts // self.per_node)]
 
 
+def _closed() -> dist.Work:
+    raise RuntimeError("ShardedReducer: this reducer was closed (its pipeline too); make a new one to reduce again")
+
+
 def _scatter(get: Callable[[], torch.Tensor], splits: list[int], index: int, group,
              keep: Callable[[torch.Tensor], None], sent: Callable[[int], None]) -> Step:
     """Reduce-scatter of uneven ``splits``: rank ``index`` of ``group`` keeps the sum of its split;
@@ -206,6 +210,14 @@ class ShardedReducer(GradientReducer):
             source = (lambda: partial.pop("t")) if h.intra_reduce is not None else (lambda: b.comm)
             steps.append(_scatter(source, b.node_segments(h.local_rank), h.node, h.inter, keep_shard, count))
         return steps
+
+    def close(self) -> None:
+        """Remove the hooks, and each bucket's reduction steps: closures over the bucket and this reducer, a reference
+        cycle that would keep the process groups (and their threads) until a garbage collection. A reduction after
+        it raises."""
+        super().close()
+        for b in self.buckets:
+            b.steps = [(_closed, None)]
 
     def finish(self) -> None:
         """Reduce-scatter what the hooks have not launched, wait; this replica's ranges get the group's mean."""

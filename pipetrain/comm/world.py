@@ -13,6 +13,7 @@ import itertools
 import os
 import queue
 import threading
+import weakref
 from datetime import timedelta
 from typing import Callable, Hashable
 
@@ -202,6 +203,10 @@ class World:
         group = dist.new_group(ranks, timeout=self.timeout)
         self._made.append(group)
         return group
+
+    def group_refs(self) -> list[weakref.ref]:
+        """Weak references to the process groups this rank made and belongs to: dead once nothing holds them."""
+        return [weakref.ref(group) for group in self._made if isinstance(group, dist.ProcessGroup)]
 
     def close(self) -> None:
         """Destroy the process groups made for this world (every rank calls it, as for their creation)."""

@@ -83,14 +83,6 @@ class PositionExecutor:
         self.skipped: dict[int, bool] = {}
         self.steps_done = 0
         self._busy = {stage.index: 0.0 for stage in stages.values()}
-        self._handlers = {
-            ActionKind.FORWARD: self._forward,
-            ActionKind.BACKWARD: self._backward,
-            ActionKind.WEIGHT: self._weight,
-            ActionKind.STEP: self._step,
-            ActionKind.REDUCE: self._reduce,
-            ActionKind.OVERLAP: self._overlap,
-        }
 
     def run(self, program: Iterable[Action | CommBatch], report: StepReport | None = None) -> Iterator[str]:
         """Execute ``program``: a position's actions as ``posted_batches`` yields them; a sync step's STEP hands
@@ -101,11 +93,12 @@ class PositionExecutor:
                                         [m for a in action.ahead for m in self._messages(a)])
                 yield DONE
                 continue
-            handler = self._handlers.get(action.kind)
+            handler = _HANDLERS.get(action.kind)
             if handler is None:
                 raise ValueError(f"the runtime cannot execute action {action} ({action.kind.name}); "
                                  "use a schedule that schedules.build makes")
-            yield from (self._step(action, report) if action.kind == ActionKind.STEP else handler(action))
+            yield from (self._step(action, report) if action.kind == ActionKind.STEP
+                        else getattr(self, handler)(action))
             yield STEPPED if action.kind == ActionKind.STEP else DONE
 
     def _stage(self, action: Action) -> StageRuntime:
@@ -242,6 +235,12 @@ def _count_float(value: Any) -> int:
 
 def _as_tuple(out: Any) -> tuple:
     return out if isinstance(out, tuple) else (out,)
+
+
+# Method names, not bound methods: a table of its own bound methods would hold the executor in a reference cycle, and
+# with it the process groups its transport uses, until a garbage collection (Pipeline.close).
+_HANDLERS = {ActionKind.FORWARD: "_forward", ActionKind.BACKWARD: "_backward", ActionKind.WEIGHT: "_weight",
+             ActionKind.STEP: "_step", ActionKind.REDUCE: "_reduce", ActionKind.OVERLAP: "_overlap"}
 
 
 class DeadlockError(RuntimeError):
