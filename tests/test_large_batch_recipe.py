@@ -22,8 +22,9 @@ def made(name: str, lr: float) -> torch.optim.Optimizer:
 def test_lars_and_lamb_take_the_papers_settings_and_lr_is_the_global_rate():
     lars, lamb = made("lars", 3.0), made("lamb", 0.002)
     assert isinstance(lars, LARS) and isinstance(lamb, LAMB)
-    assert {k: lars.defaults[k] for k in ("lr", "momentum", "trust_coefficient", "weight_decay")} == {
-        "lr": 3.0, "momentum": 0.9, "trust_coefficient": 0.001, "weight_decay": 5e-4}
+    # every tensor adapted, biases too (You et al.'s layer-wise rule; MLPerf's exclusion needs normalised networks)
+    assert {k: lars.defaults[k] for k in ("lr", "momentum", "trust_coefficient", "weight_decay", "exclude_1d")} == {
+        "lr": 3.0, "momentum": 0.9, "trust_coefficient": 0.001, "weight_decay": 5e-4, "exclude_1d": False}
     assert {k: lamb.defaults[k] for k in ("lr", "betas", "weight_decay")} == {
         "lr": 0.002, "betas": (0.9, 0.999), "weight_decay": 0.01}
     assert RunConfig(optimizer="lars").resolved().lr == 1.0  # 1000x SGD's: trust coefficient 0.001

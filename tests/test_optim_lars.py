@@ -59,6 +59,7 @@ def test_lars_clip_caps_local_rate_at_global_rate():
 
 
 def test_excluded_params_get_plain_momentum_sgd():
+    # exclude_1d: MLPerf's variant (biases and normalisation scales at the global rate, no decay); lars_exclude groups
     torch.manual_seed(1)
     bias, weight, other = torch.randn(5), torch.randn(5, 3), torch.randn(4, 2)
     lars_bias, lars_other = torch.nn.Parameter(bias.clone()), torch.nn.Parameter(other.clone())
@@ -66,7 +67,7 @@ def test_excluded_params_get_plain_momentum_sgd():
     ref_bias, ref_other = torch.nn.Parameter(bias.clone()), torch.nn.Parameter(other.clone())
     lars = LARS(
         [{"params": [lars_bias, lars_weight]}, {"params": [lars_other], "lars_exclude": True, "weight_decay": 0.05}],
-        lr=0.1, momentum=0.9, weight_decay=0.01,
+        lr=0.1, momentum=0.9, weight_decay=0.01, exclude_1d=True,
     )
     sgd = torch.optim.SGD(
         [{"params": [ref_bias], "weight_decay": 0.0}, {"params": [ref_other], "weight_decay": 0.05}],
@@ -85,7 +86,7 @@ def test_excluded_params_get_plain_momentum_sgd():
     assert not torch.allclose(lars_weight, weight)
     kept = torch.nn.Parameter(bias.clone())
     kept.grad = torch.ones(5)
-    LARS([kept], lr=0.1, momentum=0.0, weight_decay=0.01, trust_coefficient=0.5, exclude_1d=False).step()
+    LARS([kept], lr=0.1, momentum=0.0, weight_decay=0.01, trust_coefficient=0.5).step()  # by default, adapted too
     trust = 0.5 * _norm(bias) / (_norm(torch.ones(5)) + 0.01 * _norm(bias) + 1e-8)
     torch.testing.assert_close(kept.detach(), bias - 0.1 * trust * (torch.ones(5) + 0.01 * bias))
 

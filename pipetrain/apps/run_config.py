@@ -31,7 +31,8 @@ ADAPTIVE = ("adam", "nadam", "lamb")  # Adam's moments: Adam's rates
 ADAM_LR = 1e-3  # torch.optim.Adam's default (LAMB's paper tunes rates of this size too)
 # LARS's global rate: its trust coefficient (0.001) makes each tensor move by lr * 0.001 of its norm per update, so
 # the rate is 1000x an SGD rate for the same relative step (You et al. 2017 reach global rates of 2-30 at 8K+). 1
-# trains the families at their batches: VGG-11 on digits, 3 epochs, 95.5% against SGD's 96.1% (5: 78%).
+# trains the families at their batches: `examples/vgg.py --optimizer lars` (VGG-11 on digits, 3 epochs) 98.3%
+# against SGD's 96.9% (--lr 5: 96.4%, 20: 91.4%).
 LARS_LR = 1.0
 # LARS with You et al. 2017's momentum and trust coefficient; its trust ratio divides by ||g|| + wd * ||w||, and
 # without decay the weight norms, and with them every step, grow unchecked: their 5e-4 (the families' SGD has none).
