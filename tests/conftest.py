@@ -28,7 +28,7 @@ SECONDS_KEY = "pipetrain/test_seconds"
 EXACT_MODULES = {
     "test_allreduce", "test_batch_forms", "test_checkpoint", "test_clipping_and_schedules", "test_delay_corrections",
     "test_fine_tuning", "test_graph_split_backward", "test_hf_trainer", "test_hybrid", "test_inputs",
-    "test_language_models", "test_live_casts", "test_mixture_of_experts", "test_optim_lamb", "test_optim_lars", "test_optim_muon",
+    "test_language_models", "test_large_batch_compositions", "test_live_casts", "test_mixture_of_experts", "test_optim_lamb", "test_optim_lars", "test_optim_muon",
     "test_partitioners_stage", "test_precision", "test_recompute", "test_runtime_distributed",
     "test_runtime_staleness", "test_runtime_sync", "test_runtime_zero_bubble_v", "test_sequence_lengths",
     "test_sequence_parallel", "test_split_backward", "test_stage_delays", "test_staleness_reference",
