@@ -140,7 +140,8 @@ def test_each_reduction_trains_as_the_paper_does_on_the_unsplit_model(ranks, opt
         state = merged(ranks, (optimizer, case), replica)
         assert state.keys() == expected.keys()
         for k, value in expected.items():
-            torch.testing.assert_close(state[k], value, rtol=0, atol=TOL, msg=f"{optimizer} {case} replica {replica} {k}")
+            torch.testing.assert_close(state[k], value, rtol=0, atol=TOL,
+                                       msg=f"{optimizer} {case} replica {replica} {k}")
     if wire is not None:  # guards the comparison: the wire's rounding moved the weights by far more than TOL
         uncompressed = reference(optimizer, None)
         assert max((expected[k] - uncompressed[k]).abs().max().item() for k in expected) > 1e4 * TOL
