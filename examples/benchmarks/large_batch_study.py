@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--logdir", default="runs/large-batch", help="TensorBoard runs, results.json and the curves")
     parser.add_argument("--jobs", type=int, default=1,
                         help="rows trained at once, each in a process of its own on (intra-op threads) / jobs "
-                             "threads: the same runs and seeds, in less wall time on a machine with cores to spare")
+                             "threads: the same runs and seeds in less wall time (another thread count can change "
+                             "float rounding, not more than the seeds' spread in the study)")
     args = parser.parse_args()
     if args.jobs < 1:
         raise SystemExit(f"--jobs {args.jobs}: pass 1 or more rows to train at once")
