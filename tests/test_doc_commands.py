@@ -185,7 +185,7 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "tests/test_benchmarks.py::test_jia_reproduction_matches_the_readme"),
     "python examples/benchmarks/large_batch_study.py --families cnn1d --jobs 2": Covered(
         "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
-    "python examples/benchmarks/large_batch_study.py --families lstm --epochs 10": Covered(
+    "python examples/benchmarks/large_batch_study.py --families lstm --jobs 3": Covered(
         "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
     # results.md's time to target on real ranks: the table's measured columns, from torchrun's processes
     "torchrun --standalone --nproc-per-node 2 -m pipetrain.cli compare --model lstm --stages 2 --micro-batches 8 "
