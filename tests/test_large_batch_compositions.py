@@ -17,6 +17,8 @@ farther than that from the uncompressed one, so a pipeline that did not compress
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -62,13 +64,13 @@ def mini_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def scenarios(rank: int, world: int) -> dict:
-    out = {}
+    out, steps = {}, mini_batches()
     for optimizer, factory in OPTIMIZERS.items():
         for case, options in CASES.items():
-            pipe = wrap_unprofiled(make("mlp").double(), mini_batches()[0][0][: SIZE // REPLICAS // MICRO], stages=2,
+            pipe = wrap_unprofiled(make("mlp").double(), steps[0][0][: SIZE // REPLICAS // MICRO], stages=2,
                                    micro_batches=MICRO, data_parallel=REPLICAS, optimizer=factory,
                                    loss_fn=F.cross_entropy, partitioner="uniform", engine="distributed", **options)
-            for x, y in mini_batches():
+            for x, y in steps:
                 pipe.step(x, y)
             out[optimizer, case] = pipe.state_dict()
             pipe.close()
@@ -106,6 +108,7 @@ def reduced(halves: list[list[torch.Tensor]], wire: torch.dtype | None) -> list[
     return out
 
 
+@functools.cache  # each test reads it; none changes it
 def reference(optimizer: str, wire: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The unsplit model trained by the paper's optimizer on the reduced gradients of the same mini-batches."""
     model = make("mlp").double()

@@ -2,7 +2,7 @@
 does LARS (LAMB for the Transformer), with warm-up and polynomial decay, end within 1 point of the small-batch
 baseline, where SGD (Adam) with the same schedule and its rate swept does not?
 
-    .venv/bin/python examples/benchmarks/large_batch_study.py [--families cnn1d,lstm,transformer] [--seeds 3]
+    .venv/bin/python examples/benchmarks/large_batch_study.py [--families cnn1d,lstm,transformer] [--seeds 3] [--jobs 2]
 
 Data: MNIST-1D generated offline with 50,000 samples ("mnist1d-large": 40,000 train, 10,000 val), so that a batch
 of 2,048 still takes 19 updates per epoch; the paper's 5,000 samples would leave one. Every run trains through
@@ -39,7 +39,6 @@ from pipetrain.apps.run_config import PRECISIONS, RunConfig
 DATASET = "mnist1d-large"
 SMALL, LARGE = 64, 2048  # 32x
 WARMUP = 0.2  # of every run's updates: 6 of 30 epochs (Goyal et al. warm up over 5 of 90)
-GAP = 1.0  # points: the goal's "within 1 point" of the baseline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +103,6 @@ def run_row(family: Family, row: Row, seeds: list[int], precision: str, train_sa
     return compare(base, ["data-parallel"], logdir, lrs=row.grid, seeds=seeds)["data-parallel"]
 
 
-def run_row_alone(threads: int, *args) -> MethodResult:
-    """``run_row`` in a worker process of its own, on ``threads`` intra-op threads (the jobs share the machine's
-    cores: more threads than cores spin and slow every job)."""
-    torch.set_num_threads(threads)
-    return run_row(*args)
-
-
 def plot(curves: dict[str, dict[str, list[list[float]]]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -164,10 +156,11 @@ def main() -> None:
     if args.jobs == 1:
         results = [run_row(family, row, *options, where) for _, family, _, row, where in rows]
     else:
+        # The jobs share the machine's cores: more threads than cores spin and slow every job.
         threads = max(1, torch.get_num_threads() // args.jobs)
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(run_row_alone, threads, family, row, *options, where)
-                       for _, family, _, row, where in rows]
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=torch.set_num_threads, initargs=(threads,)) as pool:
+            futures = [pool.submit(run_row, family, row, *options, where) for _, family, _, row, where in rows]
             results = [future.result() for future in futures]
     table, curves, record = [], {}, {}
     baseline = None
@@ -183,7 +176,8 @@ def main() -> None:
         record.setdefault(name, []).append({"row": row.label, "optimizer": row.optimizer, "batch": row.batch,
                                             "grid": row.grid, "best_lr": lr, "final_val_accuracy": finals})
     print(f"\n{DATASET}, batch {SMALL} against {LARGE} ({LARGE // SMALL}x), same epochs, warm-up over "
-          f"{WARMUP:.0%} of the updates + poly(2) decay, {args.precision}, seeds {seeds}; final val accuracy at each row's best rate")
+          f"{WARMUP:.0%} of the updates + poly(2) decay, {args.precision}, seeds {seeds}; "
+          "final val accuracy at each row's best rate")
     print("| family | row | best lr | final val acc (%) | vs baseline (points) |\n|---|---|---|---|---|")
     for line in table:
         print("| " + " | ".join(line) + " |")
