@@ -1,4 +1,4 @@
-"""examples/benchmarks/bench_async_goal.py judges each cell of issue 44's goal as the issue defines it.
+"""examples/benchmarks/bench_async_goal.py judges each cell of issues 44 and 60's goals as the issues define them.
 
 The benchmark runs `pipetrain compare` for the synchronous pipeline and for the asynchronous method, then
 judges the cell through pipetrain.apps.time_to_target. Here a tiny cell is run and judged again from the raw
@@ -12,6 +12,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -72,11 +73,45 @@ def test_a_tiny_cell_is_judged_by_the_issues_rules(tmp_path):
     assert written[0]["met"] == met and written[0]["method_epoch"] == our_epoch
 
 
+@pytest.mark.slow
+def test_same_batch_feeds_the_async_method_syncs_mini_batches_at_syncs_rates(tmp_path):
+    """Issue 60's protocol: the method as named (its own +m=N), sync's mini-batch per update, sync's grid unscaled."""
+    grid = (0.01, 0.02)
+    (cell,) = bench().main(["--same-batch", "--method", "2bw+ef+m=4", "--families", "vgg", "--optimizers", "muon",
+                            "--budgets", "1", "--seeds", "1", "--epochs", "2", "--lr-grid", ",".join(map(str, grid)),
+                            "--train-samples", "96", "--val-samples", "64", "--width", "4", "--logdir", str(tmp_path)])
+    where = tmp_path / "vgg-muon-1x"
+    runs = {side: next(iter(json.loads((where / side / "results.json").read_text()).values()))["runs"]
+            for side in ("sync", "async")}
+    assert cell.method == "2bw+ef+m=4"
+    for r in runs["async"]:
+        config = r["config"]
+        assert (config["staleness"], config["error_feedback"], config["micro_batches"]) == ("2bw", True, 4)
+        assert config["optimizer"] == "muon" and config["batch_size"] == runs["sync"][0]["config"]["batch_size"]
+        assert config["lr"] == pytest.approx(r["lr"])  # unscaled: the same samples per update as sync
+    assert sorted(r["lr"] for r in runs["async"]) == sorted(r["lr"] for r in runs["sync"]) == list(grid)
+    assert cell.sync_on_edge and cell.method_on_edge  # two rates: the best is always an edge
+
+
+def test_a_best_rate_is_on_the_edge_only_at_its_grids_ends():
+    module = bench()
+
+    def result(accuracies: dict[float, float]):
+        return module.MethodResult({(lr, 0): SimpleNamespace(max_val_accuracy=a, min_val_loss=1.0)
+                                    for lr, a in accuracies.items()})
+    assert module.on_edge(result({0.01: 0.5, 0.03: 0.9, 0.1: 0.7})) is False
+    assert module.on_edge(result({0.01: 0.9, 0.03: 0.5, 0.1: 0.7})) is True
+    assert module.on_edge(result({0.01: 0.5, 0.03: 0.7, 0.1: 0.9})) is True
+    assert module.on_edge(result({0.03: 0.9})) is False  # one rate: no grid to widen
+
+
 def test_every_cell_of_the_goal_has_both_grids(tmp_path):
     module = bench()
     cells = {(f, o, b) for f in module.FAMILIES for o in module.OPTIMIZERS for b in module.BUDGETS}
-    assert set(module.GRIDS) == cells and len(cells) == 16
+    assert set(module.GRIDS) == cells and len(cells) == 24
     assert all(sync and ours for sync, ours in module.GRIDS.values())
+    with pytest.raises(SystemExit):  # +m=N belongs to the same-batch protocol only
+        module.main(["--method", "2bw+ef+m=4"])
     with pytest.raises(SystemExit):
         module.main(["--method", "nesterov+bs=8"])
     with pytest.raises(SystemExit):  # refused before any cell trains

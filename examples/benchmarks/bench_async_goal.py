@@ -1,13 +1,16 @@
-"""Issue 44's goal, cell by cell: does asynchronous 1F1B at one micro-batch per update learn as fast as sync?
+"""Issues 44 and 60's goals, cell by cell: does asynchronous 1F1B (no flush) learn as fast as sync?
 
 A cell is one example family (VGG-11 and ResNet-20 on digits, the Transformer and the LSTM on MNIST-1D), one
-optimizer (SGD with momentum 0.9, or Adam) and one budget (the README's epochs, or 3x them). In each, at 4
-stages, ``pipetrain compare`` trains
+optimizer (SGD with momentum 0.9, Adam, or Muon for the matrices with AdamW for the rest) and one budget (the
+README's epochs, or 3x them). In each, at 4 stages, ``pipetrain compare`` trains
 
 - the synchronous pipeline, ``1f1b`` at 8 micro-batches per mini-batch, over its learning-rate grid, and
-- the asynchronous method (default ``nesterov+sm``: the Nesterov look-ahead with delay-matched momentum) at
-  one micro-batch per update, fed the synchronous pipeline's micro-batches (``+bs=<its micro-batch>``, the
-  grid's rates scaled by the same factor), over its own grid,
+- the asynchronous method (default ``nesterov+sm``: the Nesterov look-ahead with delay-matched momentum) over
+  its own grid, fed either
+  - (issue 44, the default) the synchronous pipeline's micro-batches, one per update (``+bs=<its micro-batch>``,
+    the grid's rates scaled by the same factor), or
+  - (issue 60, ``--same-batch``) the synchronous pipeline's whole mini-batches, one per update (m = 1, or the
+    method's own ``+m=N``, e.g. ``2bw+ef+m=4``: 2bw needs m >= stages - 1) over the synchronous grid itself,
 
 on the same seeds. Each is taken at its best rate (the highest mean best validation accuracy over the seeds),
 and the cell holds the goal when the asynchronous method's mean validation curve reaches the target, the
@@ -16,7 +19,8 @@ accuracy (mean over the seeds) ends within 1 point of the synchronous one's.
 
 The grids are those docs/results.md ran: at the README budget a grid around the family's rates, at 3x the
 budget each method's best rates of the README budget, widened by one rate wherever a best rate fell on a
-grid's edge. It prints each cell's compare table, then one table of the cells, and writes it to
+grid's edge. Muon's are around torch's rate (0.02), not yet narrowed by a run on these families. A best rate on its
+grid's edge is marked in the table. It prints each cell's compare table, then one table of the cells, and writes it to
 ``<logdir>/goal.json``. The whole goal (16 cells, 5 seeds) takes about 4 hours of one core here.
 """
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pipetrain.apps.run_config import RunConfig
 from pipetrain.apps.time_to_target import MARGIN, Targets, to_target
 
 FAMILIES = ("transformer", "lstm", "vgg", "resnet")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "muon")
 BUDGETS = (1, 3)
 README_EPOCHS = {"transformer": 4, "lstm": 5, "vgg": 3, "resnet": 4}
 STAGES, SYNC_MICRO_BATCHES = 4, 8
@@ -60,6 +64,8 @@ GRIDS = {
     ("vgg", "adam", 3): ((0.0003, 0.001, 0.003), (0.001, 0.003, 0.01)),
     ("resnet", "adam", 1): ((0.0003, 0.001, 0.003, 0.01), (0.001, 0.003, 0.01)),
     ("resnet", "adam", 3): ((0.003, 0.01, 0.03), (0.003, 0.01, 0.03)),
+    **{(family, "muon", budget): ((0.005, 0.01, 0.02, 0.04), (0.005, 0.01, 0.02, 0.04))
+       for family in FAMILIES for budget in BUDGETS},
 }
 
 
@@ -80,6 +86,8 @@ class Cell:
     sync_epoch: int
     method_epoch: int | None  # None: its mean curve never reached the target
     seed_ratios: dict[int, str]
+    sync_on_edge: bool = False  # the best rate is its grid's lowest or highest: a wider grid might do better
+    method_on_edge: bool = False
 
     @property
     def ratio(self) -> float | None:
@@ -128,7 +136,12 @@ def judge(family: str, optimizer: str, budget: int, epochs: int, sync: MethodRes
     ours, theirs = targets.methods[method], targets.methods["1f1b"]
     return Cell(family, optimizer, budget, epochs, sync.best_lr, best_accuracy(sync), method, candidate.best_lr,
                 best_accuracy(candidate), 100 * targets.goal, theirs.reach.epoch, ours.reach.epoch,
-                {seed: str(r) for seed, r in ours.seeds.items()})
+                {seed: str(r) for seed, r in ours.seeds.items()}, on_edge(sync), on_edge(candidate))
+
+
+def on_edge(result: MethodResult) -> bool:
+    """Whether the best rate is the lowest or the highest of a grid of several."""
+    return len(result.lrs) > 1 and result.best_lr in (result.lrs[0], result.lrs[-1])
 
 
 def table(cells: Sequence[Cell]) -> str:
@@ -137,8 +150,10 @@ def table(cells: Sequence[Cell]) -> str:
             "reached at | x 1f1b's epochs (seeds) | goal |", "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         seeds = ", ".join(c.seed_ratios.values())
-        rows.append(f"| {c.family} | {c.optimizer} | {c.epochs} ({c.budget}x) | {c.sync_accuracy:.1f} ({c.sync_lr:g}) "
-                    f"| {c.target:.2f} at {c.sync_epoch} | {c.method_accuracy:.1f} ({c.method_lr:g}) | "
+        sync_lr, method_lr = (f"{lr:g}{', edge' if edge else ''}"
+                              for lr, edge in ((c.sync_lr, c.sync_on_edge), (c.method_lr, c.method_on_edge)))
+        rows.append(f"| {c.family} | {c.optimizer} | {c.epochs} ({c.budget}x) | {c.sync_accuracy:.1f} ({sync_lr}) "
+                    f"| {c.target:.2f} at {c.sync_epoch} | {c.method_accuracy:.1f} ({method_lr}) | "
                     f"{'never' if c.method_epoch is None else c.method_epoch} | "
                     f"{'never' if c.ratio is None else f'{c.ratio:.2f}'} ({seeds}) | {'met' if c.met else 'missed'} |")
     return "\n".join(rows)
@@ -148,7 +163,11 @@ def main(argv: Sequence[str] | None = None) -> list[Cell]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="nesterov+sm",
                         help="the asynchronous method (a compare method name with its suffixes, without +bs=N: the "
-                             "synchronous pipeline's micro-batch is added)")
+                             "synchronous pipeline's micro-batch is added, or with --same-batch its mini-batch kept; "
+                             "+m=N only with --same-batch)")
+    parser.add_argument("--same-batch", action="store_true",
+                        help="issue 60's protocol: the asynchronous method takes the synchronous pipeline's whole "
+                             "mini-batch per update (m = 1 unless --method names +m=N) over the synchronous grid")
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="multiples of the README's epochs")
@@ -160,8 +179,11 @@ def main(argv: Sequence[str] | None = None) -> list[Cell]:
     parser.add_argument("--val-samples", type=int, help="passed to compare (small checks)")
     parser.add_argument("--width", type=int, help="passed to compare (small checks)")
     args = parser.parse_args(argv)
-    if "+bs=" in args.method or "+m=" in args.method:
-        parser.error("--method takes no +bs=N or +m=N: each cell feeds the synchronous pipeline's micro-batches")
+    if "+bs=" in args.method:
+        parser.error("--method takes no +bs=N: each cell feeds the synchronous pipeline's micro-batches, or with "
+                     "--same-batch its mini-batches")
+    if "+m=" in args.method and not args.same_batch:
+        parser.error("--method takes +m=N only with --same-batch: otherwise each update is one micro-batch")
     extra = [f"--{flag.replace('_', '-')}={value}" for flag in ("train_samples", "val_samples", "width")
              if (value := getattr(args, flag)) is not None]
     own_grid = tuple(float(r) for r in args.lr_grid.split(",")) if args.lr_grid else None
@@ -175,12 +197,16 @@ def main(argv: Sequence[str] | None = None) -> list[Cell]:
     for family, optimizer, budget in wanted:
         epochs = args.epochs or budget * README_EPOCHS[family]
         sync_grid, method_grid = (own_grid, own_grid) if own_grid else GRIDS[(family, optimizer, budget)]
-        method = f"{args.method}+bs={micro_batch_of(family)}"
+        if args.same_batch:  # the same batch per update: the rates mean what they mean for sync
+            method, method_grid = args.method, sync_grid
+        else:
+            method = f"{args.method}+bs={micro_batch_of(family)}"
         where = Path(args.logdir) / f"{family}-{optimizer}-{budget}x"
         sync = train(family, optimizer, epochs, sync_grid, "1f1b", args.seeds, where / "sync", extra)
         candidate = train(family, optimizer, epochs, method_grid, method, args.seeds, where / "async", extra)
         cells.append(judge(family, optimizer, budget, epochs, sync, method, candidate))
-    print(f"\nasync at m = 1 against the synchronous pipeline, {STAGES} stages, {args.seeds} seeds, each method at "
+    fed = "the same mini-batches" if args.same_batch else "its micro-batches, one per update"
+    print(f"\nasync fed {fed} against the synchronous pipeline, {STAGES} stages, {args.seeds} seeds, each method at "
           f"its best rate; the goal: the target (1f1b's peak mean accuracy - {100 * MARGIN:g} point) in at most "
           f"{MAX_RATIO}x 1f1b's epochs, ending within {MAX_GAP:g} point of its best accuracy\n")
     print(table(cells))
