@@ -77,13 +77,16 @@ def test_a_tiny_cell_is_judged_by_the_issues_rules(tmp_path):
 def test_same_batch_feeds_the_async_method_syncs_mini_batches_at_syncs_rates(tmp_path):
     """Issue 60's protocol: the method as named (its own +m=N), sync's mini-batch per update, sync's grid unscaled."""
     grid = (0.01, 0.02)
-    (cell,) = bench().main(["--same-batch", "--method", "2bw+ef+m=4", "--families", "vgg", "--optimizers", "muon",
-                            "--budgets", "1", "--seeds", "1", "--epochs", "2", "--lr-grid", ",".join(map(str, grid)),
-                            "--train-samples", "96", "--val-samples", "64", "--width", "4", "--logdir", str(tmp_path)])
+    cell, stashing = bench().main([
+        "--same-batch", "--method", "2bw+ef+m=4,stash", "--families", "vgg", "--optimizers", "muon", "--budgets", "1",
+        "--seeds", "1", "--epochs", "2", "--lr-grid", ",".join(map(str, grid)), "--train-samples", "96",
+        "--val-samples", "64", "--width", "4", "--logdir", str(tmp_path)])
     where = tmp_path / "vgg-muon-1x"
-    runs = {side: next(iter(json.loads((where / side / "results.json").read_text()).values()))["runs"]
-            for side in ("sync", "async")}
-    assert cell.method == "2bw+ef+m=4"
+    written = {side: json.loads((where / side / "results.json").read_text()) for side in ("sync", "async")}
+    runs = {"sync": written["sync"]["1f1b"]["runs"], "async": written["async"]["2bw+ef+m=4"]["runs"]}
+    assert (cell.method, stashing.method) == ("2bw+ef+m=4", "stash")  # both judged against the same sync runs
+    assert (cell.sync_lr, cell.target) == (stashing.sync_lr, stashing.target)
+    assert {r["config"]["micro_batches"] for r in written["async"]["stash"]["runs"]} == {1}
     for r in runs["async"]:
         config = r["config"]
         assert (config["staleness"], config["error_feedback"], config["micro_batches"]) == ("2bw", True, 4)

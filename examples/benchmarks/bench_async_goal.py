@@ -104,18 +104,18 @@ def micro_batch_of(family: str) -> int:
     return RunConfig(model=family).resolved().batch_size // SYNC_MICRO_BATCHES
 
 
-def train(family: str, optimizer: str, epochs: int, grid: Sequence[float], method: str, seeds: int,
-          logdir: Path, extra: Sequence[str]) -> MethodResult:
-    """``pipetrain compare`` for one method of a cell, as its command line runs it."""
+def train(family: str, optimizer: str, epochs: int, grid: Sequence[float], methods: Sequence[str], seeds: int,
+          logdir: Path, extra: Sequence[str]) -> dict[str, MethodResult]:
+    """``pipetrain compare`` for methods of a cell over one grid, as its command line runs it."""
     parser = argparse.ArgumentParser()
     add_arguments_compare(parser)
     args = parser.parse_args(["--model", family, "--optimizer", optimizer, "--epochs", str(epochs),
                               "--stages", str(STAGES), "--micro-batches", str(SYNC_MICRO_BATCHES),
                               "--async-micro-batches", "1", "--lr-grid", ",".join(f"{r:g}" for r in grid),
-                              "--seeds", str(seeds), "--methods", method, "--logdir", str(logdir),
+                              "--seeds", str(seeds), "--methods", ",".join(methods), "--logdir", str(logdir),
                               "--no-progress", *extra])
     results, _ = run_compare(args)
-    return results[method]
+    return results
 
 
 def best_accuracy(result: MethodResult) -> float:
@@ -146,14 +146,14 @@ def on_edge(result: MethodResult) -> bool:
 
 def table(cells: Sequence[Cell]) -> str:
     """The cells as a Markdown table, one row each."""
-    rows = ["| family | optimizer | epochs | 1f1b: best acc (lr) | target, reached at | method: best acc (lr) | "
-            "reached at | x 1f1b's epochs (seeds) | goal |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| family | optimizer | epochs | 1f1b: best acc (lr) | target, reached at | method | best acc (lr) | "
+            "reached at | x 1f1b's epochs (seeds) | goal |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         seeds = ", ".join(c.seed_ratios.values())
         sync_lr, method_lr = (f"{lr:g}{', edge' if edge else ''}"
                               for lr, edge in ((c.sync_lr, c.sync_on_edge), (c.method_lr, c.method_on_edge)))
         rows.append(f"| {c.family} | {c.optimizer} | {c.epochs} ({c.budget}x) | {c.sync_accuracy:.1f} ({sync_lr}) "
-                    f"| {c.target:.2f} at {c.sync_epoch} | {c.method_accuracy:.1f} ({method_lr}) | "
+                    f"| {c.target:.2f} at {c.sync_epoch} | {c.method} | {c.method_accuracy:.1f} ({method_lr}) | "
                     f"{'never' if c.method_epoch is None else c.method_epoch} | "
                     f"{'never' if c.ratio is None else f'{c.ratio:.2f}'} ({seeds}) | {'met' if c.met else 'missed'} |")
     return "\n".join(rows)
@@ -162,7 +162,8 @@ def table(cells: Sequence[Cell]) -> str:
 def main(argv: Sequence[str] | None = None) -> list[Cell]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="nesterov+sm",
-                        help="the asynchronous method (a compare method name with its suffixes, without +bs=N: the "
+                        help="the asynchronous method, or several comma-separated, each judged against the same "
+                             "synchronous runs (a compare method name with its suffixes, without +bs=N: the "
                              "synchronous pipeline's micro-batch is added, or with --same-batch its mini-batch kept; "
                              "+m=N only with --same-batch)")
     parser.add_argument("--same-batch", action="store_true",
@@ -198,19 +199,21 @@ def main(argv: Sequence[str] | None = None) -> list[Cell]:
         epochs = args.epochs or budget * README_EPOCHS[family]
         sync_grid, method_grid = (own_grid, own_grid) if own_grid else GRIDS[(family, optimizer, budget)]
         if args.same_batch:  # the same batch per update: the rates mean what they mean for sync
-            method, method_grid = args.method, sync_grid
+            methods, method_grid = args.method.split(","), sync_grid
         else:
-            method = f"{args.method}+bs={micro_batch_of(family)}"
+            methods = [f"{method}+bs={micro_batch_of(family)}" for method in args.method.split(",")]
         where = Path(args.logdir) / f"{family}-{optimizer}-{budget}x"
-        sync = train(family, optimizer, epochs, sync_grid, "1f1b", args.seeds, where / "sync", extra)
-        candidate = train(family, optimizer, epochs, method_grid, method, args.seeds, where / "async", extra)
-        cells.append(judge(family, optimizer, budget, epochs, sync, method, candidate))
+        sync = train(family, optimizer, epochs, sync_grid, ["1f1b"], args.seeds, where / "sync", extra)["1f1b"]
+        candidates = train(family, optimizer, epochs, method_grid, methods, args.seeds, where / "async", extra)
+        cells += [judge(family, optimizer, budget, epochs, sync, method, candidates[method]) for method in methods]
     fed = "the same mini-batches" if args.same_batch else "its micro-batches, one per update"
     print(f"\nasync fed {fed} against the synchronous pipeline, {STAGES} stages, {args.seeds} seeds, each method at "
           f"its best rate; the goal: the target (1f1b's peak mean accuracy - {100 * MARGIN:g} point) in at most "
           f"{MAX_RATIO}x 1f1b's epochs, ending within {MAX_GAP:g} point of its best accuracy\n")
-    print(table(cells))
-    print(f"\ngoal met in {sum(c.met for c in cells)} of {len(cells)} cells")
+    print(table(cells) + "\n")
+    for method in dict.fromkeys(c.method for c in cells):
+        mine = [c for c in cells if c.method == method]
+        print(f"{method}: goal met in {sum(c.met for c in mine)} of {len(mine)} cells")
     Path(args.logdir).mkdir(parents=True, exist_ok=True)
     (Path(args.logdir) / "goal.json").write_text(json.dumps(
         [{**asdict(c), "ratio": c.ratio, "met": c.met} for c in cells], indent=1))
