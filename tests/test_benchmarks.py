@@ -295,7 +295,7 @@ def test_hierarchical_allreduce_benchmark_counts_each_variants_bytes_and_prices_
 @pytest.mark.slow
 def test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline(tmp_path):
     # cnn1d only, 2 seeds, 1 epoch on 4,096 samples (the fewest that give a batch of 2,048 an update after its warm-up),
-    # validated on 512, two rows at a time in worker processes (--jobs 2, the way the study runs): the study's pipeline
+    # validated on 512, two runs at a time in worker processes (--jobs 2, the way the study runs): the study's pipeline
     # end to end (3 rows, 13 rates, 26 runs), not its result. Each row's best
     # rate is one of its grid's, chosen by the seeds' mean final accuracy as results.json records them; the printed
     # mean and gap follow from those numbers.

@@ -187,6 +187,8 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
     "python examples/benchmarks/large_batch_study.py --families lstm --jobs 3": Covered(
         "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
+    "python examples/benchmarks/large_batch_study.py --families transformer --jobs 2": Covered(
+        "tests/test_benchmarks.py::test_large_batch_study_prints_each_rows_best_rate_and_its_gap_to_the_baseline"),
     # results.md's time to target on real ranks: the table's measured columns, from torchrun's processes
     "torchrun --standalone --nproc-per-node 2 -m pipetrain.cli compare --model lstm --stages 2 --micro-batches 8 "
     "--async-micro-batches 1 --epochs 5 --seeds 3 --lr-grid 0.1,0.3 --methods 1f1b,1f1b+m=4,1f1b+m=2,nesterov+sm+bs=8 "
