@@ -161,6 +161,17 @@ COMMANDS: dict[str, Run | Covered | Within] = {
         "D = 1:", append="--delays 0,1 --epochs 1 --train-samples 128", slow=True),
     "python examples/benchmarks/bench_async_goal.py --seeds 5": Covered(
         "tests/test_async_goal.py::test_a_tiny_cell_is_judged_by_the_issues_rules"),
+    **{f"python examples/benchmarks/bench_async_goal.py --same-batch --method {rest}": Covered(
+        "tests/test_async_goal.py::test_same_batch_feeds_the_async_method_syncs_mini_batches_at_syncs_rates")
+       for rest in ("nesterov+m=8,nesterov+m=4,2bw+ef+m=4 --families transformer,lstm --optimizers sgd,adam,muon "
+                    "--budgets 1 --seeds 3",
+                    "nesterov+m=8,nesterov+m=4 --families vgg --optimizers sgd,adam,muon --budgets 1 --seeds 3",
+                    "nesterov+m=8 --families resnet --optimizers sgd,adam,muon --budgets 1 --seeds 3",
+                    "nesterov+m=8,nesterov+m=4 --families transformer,lstm --optimizers sgd,adam,muon --budgets 3 "
+                    "--seeds 3",
+                    "nesterov+m=8 --families vgg --optimizers sgd,adam,muon --budgets 3 --seeds 3",
+                    "nesterov+m=8 --families resnet --optimizers sgd,muon --budgets 3 --seeds 3",
+                    "nesterov+m=8 --families resnet --optimizers adam --budgets 3 --seeds 3 --lr-grid 0.01")},
     "python examples/benchmarks/bench_stage_delays.py": Run(
         "delays 3,2,1,0:", append="--delays 3,2,1,0 0,0,0,0 --epochs 1 --train-samples 256 --seeds 1", slow=True),
     "python examples/benchmarks/bench_precision.py": Run(
@@ -249,6 +260,9 @@ NOT_RUN: dict[str, str] = {
                     "muon --lr 0.01 --methods 1f1b,2bw+ef+m=4,stash+ef,nesterov@0.5+sm",
                     "muon --lr 0.01 --methods 2bw+ef+sm+m=4", "muon --lr 0.005 --methods 1f1b,2bw+ef+m=4",
                     "muon --lr 0.02 --methods 1f1b,2bw+ef+m=4", "adam --lr 0.006 --methods 1f1b,2bw+ef+m=4")},
+    "pipetrain compare --model transformer-lm --stages 4 --batch-size 32 --micro-batches 8 --epochs 3 --seeds 3 "
+    "--optimizer adam --lr-grid 0.003 --methods 1f1b,nesterov,nesterov+m=4":
+        "a long measurement; tests/test_compare.py runs the methods and +m=N",
     "torchrun --standalone --nproc-per-node 2 -m pipetrain.cli compare --model transformer --stages 2 "
     "--micro-batches 8 --async-micro-batches 1 --epochs 4 --seeds 3 --lr-grid 0.03,0.1 "
     "--methods 1f1b,1f1b+m=4,1f1b+m=2,nesterov+sm+bs=8 --no-progress":
