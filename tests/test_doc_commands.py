@@ -167,8 +167,10 @@ COMMANDS: dict[str, Run | Covered | Within] = {
                     "--budgets 1 --seeds 3",
                     "nesterov+m=8,nesterov+m=4 --families vgg --optimizers sgd,adam,muon --budgets 1 --seeds 3",
                     "nesterov+m=8 --families resnet --optimizers sgd,adam,muon --budgets 1 --seeds 3",
-                    "nesterov+m=8,nesterov+m=4 --families transformer,lstm --optimizers sgd,adam,muon --budgets 3 "
-                    "--seeds 3",
+                    "nesterov+m=8,nesterov+m=4 --families transformer --optimizers sgd,adam,muon --budgets 3 --seeds 3",
+                    "nesterov+m=8,nesterov+m=4 --families lstm --optimizers sgd --budgets 3 --seeds 3",
+                    "nesterov+m=8 --families lstm --optimizers adam --budgets 3 --seeds 3 --lr-grid 0.01",
+                    "nesterov+m=8 --families lstm --optimizers muon --budgets 3 --seeds 3",
                     "nesterov+m=8 --families vgg --optimizers sgd,adam,muon --budgets 3 --seeds 3",
                     "nesterov+m=8 --families resnet --optimizers sgd,muon --budgets 3 --seeds 3",
                     "nesterov+m=8 --families resnet --optimizers adam --budgets 3 --seeds 3 --lr-grid 0.01")},
