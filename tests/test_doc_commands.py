@@ -269,6 +269,12 @@ NOT_RUN: dict[str, str] = {
     "--micro-batches 8 --async-micro-batches 1 --epochs 4 --seeds 3 --lr-grid 0.03,0.1 "
     "--methods 1f1b,1f1b+m=4,1f1b+m=2,nesterov+sm+bs=8 --no-progress":
         "9 minutes here; the LSTM's line beside it runs under torchrun at a tiny size (COMMANDS)",
+    **{f"torchrun --standalone --nproc-per-node 2 -m pipetrain.cli compare --model {model} --stages 2 --micro-batches 8 "
+       f"--async-micro-batches 4 --epochs {epochs} --seeds 3 --lr-grid {grid} "
+       "--methods 1f1b,1f1b+m=4,1f1b+m=2,nesterov,nesterov+m=8 --no-progress":
+           f"{minutes} minutes here; the table above's LSTM line runs compare under torchrun at a tiny size (COMMANDS), "
+           "tests/test_compare.py runs nesterov and +m=N"
+       for model, epochs, grid, minutes in (("lstm", 5, "0.1,0.3", 4.6), ("transformer", 4, "0.03,0.1", 4.1))},
     **{f"torchrun --standalone --nproc-per-node 4 examples/lstm.py --stages 2 --data-parallel 2 --epochs 2 "
        f"--no-progress --schedule {flags}":
            "a measurement of a minute; tests/test_examples_torchrun.py trains this example under torchrun at 2 stages "
