@@ -129,9 +129,31 @@ def test_adam_option_trains_with_adam_and_its_default_rate():
     assert RunConfig(optimizer="nadam").resolved().lr == 1e-3  # NAdam is adaptive: Adam's rate
     nadam = optimizer_factory("nadam", 0.002, 0.9)([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(nadam, torch.optim.NAdam) and nadam.param_groups[0]["lr"] == 0.002
+    _nadam_steps_with_nesterov_momentum_at_adams_beta1_from_the_first_step()
     # SpecTrain predicts with Adam's smoothed update: an async run trains end to end
     summary = run(tiny(optimizer="adam", lr=None, staleness="spectrain", epochs=1))
     assert summary.steps == 6 and all(torch.isfinite(torch.tensor(summary.step_losses)))
+
+
+def _nadam_steps_with_nesterov_momentum_at_adams_beta1_from_the_first_step():
+    # Dozat's NAdam with a constant mu = beta1, by hand in float64 over four steps of fixed gradients:
+    # m and v as Adam's; the step is lr * (beta1 m_t / (1 - beta1^(t+1)) + (1 - beta1) g / (1 - beta1^t))
+    # / (sqrt(v_t / (1 - beta2^t)) + eps).
+    lr, beta1, beta2, eps = 0.002, 0.9, 0.999, 1e-8
+    grads = torch.tensor([[1.0, -2.0], [0.5, 3.0], [-1.5, 0.25], [2.0, 1.0]], dtype=torch.float64)
+    param = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = optimizer_factory("nadam", lr, beta1)([param])
+    expected, m, v = (torch.zeros(2, dtype=torch.float64) for _ in range(3))
+    for t, g in enumerate(grads, start=1):
+        param.grad = g.clone()
+        opt.step()
+        m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+        denom = (v / (1 - beta2 ** t)).sqrt() + eps
+        expected -= lr * (beta1 * m / (1 - beta1 ** (t + 1)) + (1 - beta1) * g / (1 - beta1 ** t)) / denom
+        # torch keeps the step count as a float32 tensor and computes mu and its products from it in float32, so
+        # the step's coefficients carry float32 rounding (~6e-8 each, a few per step, four steps): rtol 1e-6. The
+        # default schedule (momentum_decay 4e-3) ends 28% away here.
+        torch.testing.assert_close(param.detach(), expected, rtol=1e-6, atol=0)
 
 
 def test_muon_option_steps_matrices_with_muon_and_the_rest_with_adamw_at_a_share_of_one_rate():

@@ -10,6 +10,7 @@ changes cannot drift here; an entry point that wants another one (the demo's mic
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, Callable, Collection, Sequence
 
@@ -116,7 +117,8 @@ class RunConfig:
     profile: bool = _setting(PIPELINE_DEFAULTS["profile"])
     epochs: int | None = _flag(None, "default: the model family's DEFAULT_HPARAMS", type=int)
     batch_size: int | None = _flag(None, "global mini-batch size", type=int)
-    optimizer: str = _flag("sgd", "sgd (momentum 0.9), nag (the same with Nesterov momentum), adam, nadam, lars "
+    optimizer: str = _flag("sgd", "sgd (momentum 0.9), nag (the same with Nesterov momentum), adam, nadam (Adam with "
+                           "Nesterov momentum at its beta1 from the first step, without NAdam's warm-up), lars "
                            "(You et al. 2017: momentum 0.9, trust coefficient 0.001, weight decay 5e-4), lamb "
                            "(You et al. 2019: weight decay 0.01) or muon (torch's Muon for every 2-D parameter, "
                            "AdamW at lr x 0.05 for the others: pipetrain.optim.muon_with_adamw)", choices=OPTIMIZERS)
@@ -260,7 +262,10 @@ def optimizer_factory(name: str, lr: float, momentum: float,
     if name == "adam":
         return lambda params: torch.optim.Adam(params, lr=lr)
     if name == "nadam":  # the synchronous control for the nesterov staleness policy under Adam
-        return lambda params: torch.optim.NAdam(params, lr=lr)
+        # Nesterov momentum at Adam's beta1 from the first step. torch's default momentum schedule (momentum_decay
+        # 4e-3) starts it at beta1/2 and nears beta1 only after ~10^4 steps: over a few hundred updates that is
+        # Adam at half the momentum, not the same Adam looking ahead.
+        return lambda params: torch.optim.NAdam(params, lr=lr, momentum_decay=math.inf)
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nag")
 
 
