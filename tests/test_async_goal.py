@@ -97,17 +97,22 @@ def test_same_batch_feeds_the_async_method_syncs_mini_batches_at_syncs_rates(tmp
 
 
 def test_the_nesterov_control_trains_sync_with_the_nesterov_form_of_the_cells_optimizer(tmp_path):
-    """--sync-nesterov: sync takes nag for an SGD cell, the async method the cell's own SGD-momentum."""
-    (cell,) = bench().main([
-        "--same-batch", "--sync-nesterov", "--method", "nesterov+m=4", "--families", "vgg", "--optimizers", "sgd",
-        "--budgets", "1", "--seeds", "1", "--epochs", "1", "--lr-grid", "0.01", "--train-samples", "64",
+    """--sync-nesterov: sync takes nag for an SGD cell and nadam for an Adam cell, the async method the cell's own
+    optimizer (its suffixes, here stage_momentum, applied to the async runs only)."""
+    cells = bench().main([
+        "--same-batch", "--sync-nesterov", "--method", "nesterov+sm+m=4", "--families", "vgg", "--optimizers",
+        "sgd,adam", "--budgets", "1", "--seeds", "1", "--epochs", "1", "--lr-grid", "0.01", "--train-samples", "64",
         "--val-samples", "32", "--width", "4", "--logdir", str(tmp_path)])
-    where = tmp_path / "vgg-sgd-1x"
-    sync = json.loads((where / "sync" / "results.json").read_text())["1f1b"]["runs"]
-    ours = json.loads((where / "async" / "results.json").read_text())["nesterov+m=4"]["runs"]
-    assert {r["config"]["optimizer"] for r in sync} == {"nag"} and {r["config"]["optimizer"] for r in ours} == {"sgd"}
-    assert (cell.optimizer, cell.sync_optimizer) == ("sgd", "nag")
-    assert "| vgg | sgd (1f1b: nag) |" in bench().table([cell])
+    for cell, optimizer, control in zip(cells, ("sgd", "adam"), ("nag", "nadam")):
+        where = tmp_path / f"vgg-{optimizer}-1x"
+        sync = json.loads((where / "sync" / "results.json").read_text())["1f1b"]["runs"]
+        ours = json.loads((where / "async" / "results.json").read_text())["nesterov+sm+m=4"]["runs"]
+        assert {r["config"]["optimizer"] for r in sync} == {control}
+        assert {r["config"]["optimizer"] for r in ours} == {optimizer}
+        assert {r["config"]["stage_momentum"] for r in sync} == {False}
+        assert {r["config"]["stage_momentum"] for r in ours} == {True}
+        assert (cell.optimizer, cell.sync_optimizer) == (optimizer, control)
+        assert f"| vgg | {optimizer} (1f1b: {control}) |" in bench().table([cell])
 
 
 def test_a_best_rate_is_on_the_edge_only_at_its_grids_ends():

@@ -174,10 +174,14 @@ COMMANDS: dict[str, Run | Covered | Within] = {
                     "nesterov+m=8 --families vgg --optimizers sgd,adam,muon --budgets 3 --seeds 3",
                     "nesterov+m=8 --families resnet --optimizers sgd,muon --budgets 3 --seeds 3",
                     "nesterov+m=8 --families resnet --optimizers adam --budgets 3 --seeds 3 --lr-grid 0.01")},
-    **{"python examples/benchmarks/bench_async_goal.py --same-batch --sync-nesterov --method nesterov+m=8 --families "
-       f"{families} --optimizers sgd --budgets 1 --seeds 3": Covered(
+    **{f"python examples/benchmarks/bench_async_goal.py --same-batch --sync-nesterov --method {method} --families "
+       f"{families} --optimizers {optimizers} --budgets 1 --seeds 3": Covered(
            "tests/test_async_goal.py::test_the_nesterov_control_trains_sync_with_the_nesterov_form_of_the_cells_optimizer")
-       for families in ("transformer,lstm,vgg", "resnet")},
+       for method, families, optimizers in (
+           ("nesterov+m=8", "transformer,lstm,vgg", "sgd"), ("nesterov+m=8", "resnet", "sgd"),
+           ("nesterov+sm+m=8", "transformer,vgg", "sgd"), ("nesterov+sm+m=8", "lstm", "sgd"),
+           ("nesterov+sm+m=8", "resnet", "sgd"), ("nesterov+m=8", "transformer,lstm", "adam"),
+           ("nesterov+m=8", "vgg,resnet", "adam"))},
     "python examples/benchmarks/bench_stage_delays.py": Run(
         "delays 3,2,1,0:", append="--delays 3,2,1,0 0,0,0,0 --epochs 1 --train-samples 256 --seeds 1", slow=True),
     "python examples/benchmarks/bench_precision.py": Run(
@@ -288,6 +292,15 @@ NOT_RUN: dict[str, str] = {
     "pipetrain compare --model lstm --stages 4 --async-micro-batches 1 --epochs 4 --train-samples 1024 --no-progress "
     "--val-samples 512 --seeds 2 --lr-grid 0.03,0.1 --methods 1f1b,spectrain,nesterov --logdir runs/ttt":
         "6.5 minutes here; tests/test_time_to_target.py runs compare with these columns at a tiny size",
+    # results.md, the same-batch goal's two cells nearest the line on 10 seeds
+    "pipetrain compare --model lstm --stages 4 --micro-batches 8 --epochs 5 --seeds 10 --lr-grid 0.1 --optimizer nag "
+    "--methods 1f1b": COMPARE_TINY,
+    "pipetrain compare --model lstm --stages 4 --micro-batches 8 --epochs 5 --seeds 10 --lr-grid 0.1 "
+    "--methods nesterov,nesterov+sm,nesterov+sc": COMPARE_TINY,
+    "pipetrain compare --model transformer --stages 4 --micro-batches 8 --epochs 4 --seeds 10 --lr-grid 0.003 "
+    "--optimizer nadam --methods 1f1b": COMPARE_TINY,
+    "pipetrain compare --model transformer --stages 4 --micro-batches 8 --epochs 4 --seeds 10 --lr-grid 0.003 "
+    "--optimizer adam --methods nesterov,nesterov+sm": COMPARE_TINY,
     "pipetrain compare --model lstm --stages 4 --async-micro-batches 1 --epochs 5 --seeds 2 --lr-grid 0.03,0.1 "
     "--methods $M": "a long measurement; tests/test_delay_corrections.py checks each rule, tests/test_compare.py the "
                     "suffixes",
