@@ -175,13 +175,17 @@ COMMANDS: dict[str, Run | Covered | Within] = {
                     "nesterov+m=8 --families resnet --optimizers sgd,muon --budgets 3 --seeds 3",
                     "nesterov+m=8 --families resnet --optimizers adam --budgets 3 --seeds 3 --lr-grid 0.01")},
     **{f"python examples/benchmarks/bench_async_goal.py --same-batch --sync-nesterov --method {method} --families "
-       f"{families} --optimizers {optimizers} --budgets 1 --seeds 3": Covered(
+       f"{families} --optimizers {optimizers} --budgets {budget} --seeds 3{grid}": Covered(
            "tests/test_async_goal.py::test_the_nesterov_control_trains_sync_with_the_nesterov_form_of_the_cells_optimizer")
-       for method, families, optimizers in (
-           ("nesterov+m=8", "transformer,lstm,vgg", "sgd"), ("nesterov+m=8", "resnet", "sgd"),
-           ("nesterov+sm+m=8", "transformer,vgg", "sgd"), ("nesterov+sm+m=8", "lstm", "sgd"),
-           ("nesterov+sm+m=8", "resnet", "sgd"), ("nesterov+m=8", "transformer,lstm", "adam"),
-           ("nesterov+m=8", "vgg,resnet", "adam"))},
+       for method, families, optimizers, budget, grid in (
+           ("nesterov+m=8", "transformer,lstm,vgg", "sgd", 1, ""), ("nesterov+m=8", "resnet", "sgd", 1, ""),
+           ("nesterov+sm+m=8", "transformer,vgg", "sgd", 1, ""), ("nesterov+sm+m=8", "lstm", "sgd", 1, ""),
+           ("nesterov+sm+m=8", "resnet", "sgd", 1, ""), ("nesterov+m=8", "transformer,lstm", "adam", 1, ""),
+           ("nesterov+m=8", "vgg,resnet", "adam", 1, ""),
+           ("nesterov+m=8,nesterov+sm+m=8", "transformer,lstm,vgg", "sgd", 3, ""),
+           ("nesterov+sm+m=8", "resnet", "sgd", 3, ""),
+           ("nesterov+m=8", "transformer", "adam", 3, " --lr-grid 0.003"),
+           ("nesterov+m=8", "lstm", "adam", 3, " --lr-grid 0.01"))},
     "python examples/benchmarks/bench_stage_delays.py": Run(
         "delays 3,2,1,0:", append="--delays 3,2,1,0 0,0,0,0 --epochs 1 --train-samples 256 --seeds 1", slow=True),
     "python examples/benchmarks/bench_precision.py": Run(
