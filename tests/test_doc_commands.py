@@ -173,7 +173,9 @@ COMMANDS: dict[str, Run | Covered | Within] = {
                     "nesterov+m=8 --families lstm --optimizers muon --budgets 3 --seeds 3",
                     "nesterov+m=8 --families vgg --optimizers sgd,adam,muon --budgets 3 --seeds 3",
                     "nesterov+m=8 --families resnet --optimizers sgd,muon --budgets 3 --seeds 3",
-                    "nesterov+m=8 --families resnet --optimizers adam --budgets 3 --seeds 3 --lr-grid 0.01")},
+                    "nesterov+m=8 --families resnet --optimizers adam --budgets 3 --seeds 3 --lr-grid 0.01",
+                    "nesterov+sm+m=8 --families lstm --optimizers muon --budgets 3 --seeds 3",
+                    "nesterov+sm+m=8 --families resnet --optimizers muon --budgets 3 --seeds 3")},
     **{f"python examples/benchmarks/bench_async_goal.py --same-batch --sync-nesterov --method {method} --families "
        f"{families} --optimizers {optimizers} --budgets {budget} --seeds 3{grid}": Covered(
            "tests/test_async_goal.py::test_the_nesterov_control_trains_sync_with_the_nesterov_form_of_the_cells_optimizer")
