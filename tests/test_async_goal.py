@@ -103,7 +103,7 @@ def test_the_nesterov_control_trains_sync_with_the_nesterov_form_of_the_cells_op
         "--same-batch", "--sync-nesterov", "--method", "nesterov+sm+m=4", "--families", "vgg", "--optimizers",
         "sgd,adam", "--budgets", "1", "--seeds", "1", "--epochs", "1", "--lr-grid", "0.01", "--train-samples", "64",
         "--val-samples", "32", "--width", "4", "--logdir", str(tmp_path)])
-    for cell, optimizer, control in zip(cells, ("sgd", "adam"), ("nag", "nadam")):
+    for cell, optimizer, control in zip(cells, ("sgd", "adam"), ("nag", "nadam"), strict=True):
         where = tmp_path / f"vgg-{optimizer}-1x"
         sync = json.loads((where / "sync" / "results.json").read_text())["1f1b"]["runs"]
         ours = json.loads((where / "async" / "results.json").read_text())["nesterov+sm+m=4"]["runs"]

@@ -129,13 +129,12 @@ def test_adam_option_trains_with_adam_and_its_default_rate():
     assert RunConfig(optimizer="nadam").resolved().lr == 1e-3  # NAdam is adaptive: Adam's rate
     nadam = optimizer_factory("nadam", 0.002, 0.9)([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(nadam, torch.optim.NAdam) and nadam.param_groups[0]["lr"] == 0.002
-    _nadam_steps_with_nesterov_momentum_at_adams_beta1_from_the_first_step()
     # SpecTrain predicts with Adam's smoothed update: an async run trains end to end
     summary = run(tiny(optimizer="adam", lr=None, staleness="spectrain", epochs=1))
     assert summary.steps == 6 and all(torch.isfinite(torch.tensor(summary.step_losses)))
 
 
-def _nadam_steps_with_nesterov_momentum_at_adams_beta1_from_the_first_step():
+def test_nadam_steps_with_nesterov_momentum_at_adams_beta1_from_the_first_step():
     # Dozat's NAdam with a constant mu = beta1, by hand in float64 over four steps of fixed gradients:
     # m and v as Adam's; the step is lr * (beta1 m_t / (1 - beta1^(t+1)) + (1 - beta1) g / (1 - beta1^t))
     # / (sqrt(v_t / (1 - beta2^t)) + eps).
