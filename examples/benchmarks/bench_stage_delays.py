@@ -12,7 +12,11 @@ The momentum follows the chosen delays by stage_momentum's rule: ``--matched-to`
 (``--delays 0,0,0,0 --matched-to 3,2,1,0``: the pipeline's momentum windows without its delays),
 ``--window-powers`` grows the windows by other powers of 1 + D, ``--plain-momentum`` keeps the optimizer's.
 ``--batch-size`` trains on smaller mini-batches (one per update, as async-1f1b at m = 1 with smaller micro-batches):
-the same delays in updates then lag fewer samples behind.
+the same delays in updates then lag fewer samples behind. ``--hessian-correction s`` adds s times the Hessian of the
+micro-batch's loss times the displacement from the delayed, predicted weights to where synchronous Nesterov momentum
+would take its gradient now (live weights less lr * beta_k * buffer, every stage's), computed exactly by double
+backward: the Taylor correction of the delayed gradient that DC-ASGD approximates with g*g per parameter, here
+exact and with the terms across stages.
 
 docs/results.md (delay-matched momentum) quotes it.
 """
@@ -27,6 +31,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pipetrain
 from pipetrain.apps.datasets import load_dataset
@@ -74,14 +79,27 @@ def stage_optimizer(model: nn.Module, stage_names: list[set[str]], delays: list[
     return optimizer
 
 
+def hessian_corrected(loss: torch.Tensor, params: list[torch.Tensor], displacements: list[torch.Tensor],
+                      scale: float) -> list[torch.Tensor]:
+    """The gradient of ``loss`` at ``params`` plus ``scale`` times its Hessian times ``displacements`` (one tensor per
+    parameter), both by autograd (the Hessian-vector product by double backward): a second-order Taylor step of the
+    gradient towards ``params + displacements``."""
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    products = torch.autograd.grad(grads, params, grad_outputs=displacements)
+    return [(g + scale * h).detach() for g, h in zip(grads, products)]
+
+
 class DelayedMirror:
     """Trains ``model`` with stage k's gradients computed on its version D_k updates old, predicted by the
     nesterov look-ahead, and applied to the live weights. The momentum is matched to ``matched_to`` (default:
-    the delays) with the window power ``power``."""
+    the delays) with the window power ``power``; ``hessian_correction`` scales the second-order correction (module
+    doc; 0: none)."""
 
     def __init__(self, model: nn.Module, stage_names: list[set[str]], delays: list[int], lr: float,
-                 stage_momentum: bool = True, matched_to: list[float] | None = None, power: float = 2.0):
+                 stage_momentum: bool = True, matched_to: list[float] | None = None, power: float = 2.0,
+                 hessian_correction: float = 0.0):
         self.delays = delays
+        self.hessian_correction = hessian_correction
         self.shadow = copy.deepcopy(model)  # runs each micro-batch on the delayed versions
         self.optimizer = stage_optimizer(model, stage_names, delays if matched_to is None else matched_to, lr,
                                          stage_momentum, power)
@@ -112,17 +130,35 @@ class DelayedMirror:
                     w = w - group["lr"] * sum(gamma ** j for j in range(1, delay + 2)) * buffers[i]
                 s.copy_(w)
         self.shadow.zero_grad()
-        loss = F.cross_entropy(self.shadow(x), y)
-        loss.backward()
-        for p, s in zip(self.params, self.shadow_params):
-            p.grad = s.grad.clone()
+        if not self.hessian_correction:
+            loss = F.cross_entropy(self.shadow(x), y)
+            loss.backward()
+            grads = [s.grad.clone() for s in self.shadow_params]
+        else:
+            with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention kernels have no double backward
+                loss = F.cross_entropy(self.shadow(x), y)
+            grads = hessian_corrected(loss, self.shadow_params, self._to_nesterov_point(), self.hessian_correction)
+        for p, g in zip(self.params, grads):
+            p.grad = g
         self.optimizer.step()
         return loss.item()
+
+    def _to_nesterov_point(self) -> list[torch.Tensor]:
+        """Per parameter: from the weights the micro-batch ran on to where synchronous Nesterov momentum would take
+        the gradient now (the live weights less lr * beta_k * buffer; zero for a stage on time)."""
+        with torch.no_grad():
+            out = []
+            for p, s in zip(self.params, self.shadow_params):
+                group = self.optimizer.param_groups[self.stage[id(p)]]
+                buffer = self.optimizer.state.get(p, {}).get("momentum_buffer")
+                target = p.detach() if buffer is None else p.detach() - group["lr"] * group["momentum"] * buffer
+                out.append(target - s.detach())
+            return out
 
 
 def delayed_training(model_name: str, delays: list[int], lr: float, epochs: int, seed: int,
                      samples: int | None, stage_momentum: bool, matched_to: list[float] | None = None,
-                     power: float = 2.0, batch: int = BATCH) -> list[float]:
+                     power: float = 2.0, batch: int = BATCH, hessian_correction: float = 0.0) -> list[float]:
     """Validation accuracy (%) per epoch of the zoo model trained by DelayedMirror on MNIST-1D, mini-batches of
     ``batch``."""
     train, val = load_dataset("mnist1d", split="train"), load_dataset("mnist1d", split="val")
@@ -131,7 +167,7 @@ def delayed_training(model_name: str, delays: list[int], lr: float, epochs: int,
     torch.manual_seed(seed)
     model = build_model(model_name, num_classes=10)
     names = stage_parameter_names(model, x[:batch], len(delays))
-    mirror = DelayedMirror(model, names, delays, lr, stage_momentum, matched_to, power)
+    mirror = DelayedMirror(model, names, delays, lr, stage_momentum, matched_to, power, hessian_correction)
     order = torch.Generator().manual_seed(seed)
     accuracy = []
     for _ in range(epochs):
@@ -167,17 +203,23 @@ def main(argv: Iterable[str] | None = None) -> None:
                              "0,0,0,0: the pipeline's momentum windows without its delays)")
     parser.add_argument("--window-powers", nargs="+", type=float, default=[2.0],
                         help="beta_k = 1 - 0.1 / (1 + D_k)^power for each power (2: stage_momentum's rule)")
+    parser.add_argument("--hessian-correction", type=float, default=0.0,
+                        help="add this times the Hessian-vector product towards the Nesterov point to each delayed "
+                             "gradient (double backward; 0: off)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     momentum = "momentum 0.9" if args.plain_momentum else "delay-matched momentum"
     if args.matched_to:
         momentum += f" (matched to delays {','.join(map(str, args.matched_to))})"
+    if args.hessian_correction:
+        momentum += f", Hessian correction x{args.hessian_correction:g}"
     print(f"{args.model} / MNIST-1D, SGD lr {args.lr}, {momentum}, nesterov look-ahead, batch {args.batch_size}, "
           f"{args.seeds} seeds: mean validation accuracy % by epoch, and the mean of the seeds' best")
     for delays in args.delays:
         for power in args.window_powers:
             curves = [delayed_training(args.model, delays, args.lr, args.epochs, seed, args.train_samples,
-                                       not args.plain_momentum, args.matched_to, power, args.batch_size)
+                                       not args.plain_momentum, args.matched_to, power, args.batch_size,
+                                       args.hessian_correction)
                       for seed in range(args.seeds)]
             mean = [statistics.mean(c[e] for c in curves) for e in range(args.epochs)]
             best = [max(c) for c in curves]
