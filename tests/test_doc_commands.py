@@ -187,9 +187,13 @@ COMMANDS: dict[str, Run | Covered | Within] = {
            ("nesterov+m=8,nesterov+sm+m=8", "transformer,lstm,vgg", "sgd", 3, ""),
            ("nesterov+sm+m=8", "resnet", "sgd", 3, ""),
            ("nesterov+m=8", "transformer", "adam", 3, " --lr-grid 0.003"),
-           ("nesterov+m=8", "lstm", "adam", 3, " --lr-grid 0.01"))},
+           ("nesterov+m=8", "lstm", "adam", 3, " --lr-grid 0.01"),
+           ("nesterov+m=8", "vgg", "adam", 3, " --lr-grid 0.001,0.003"),
+           ("nesterov+m=8", "resnet", "adam", 3, " --lr-grid 0.01"))},
     "python examples/benchmarks/bench_stage_delays.py": Run(
         "delays 3,2,1,0:", append="--delays 3,2,1,0 0,0,0,0 --epochs 1 --train-samples 256 --seeds 1", slow=True),
+    "python examples/benchmarks/bench_stage_delays.py --delays 3,2,1,0 --hessian-correction 0.5": Run(
+        "Hessian correction x0.5", append="--epochs 1 --train-samples 256 --seeds 1", slow=True),
     "python examples/benchmarks/bench_precision.py": Run(
         "bytes ratio fp32 / bf16", append="--rounds 1 --width 8", slow=True),
     "python examples/benchmarks/bench_comm_bytes.py": Run(
@@ -329,6 +333,10 @@ NOT_RUN: dict[str, str] = {
         STAGE_DELAYS + "; tests/test_stage_delays.py checks the mirror",
     "python examples/benchmarks/bench_stage_delays.py --delays 3,2,1,0 --window-powers 1 3 4": STAGE_DELAYS,
     "python examples/benchmarks/bench_stage_delays.py --delays 0,0,0,0 --matched-to 3,2,1,0": STAGE_DELAYS,
+    "python examples/benchmarks/bench_stage_delays.py --model lstm --lr 0.1 --epochs 5 --delays 3,2,1,0 "
+    "--hessian-correction 0.5": STAGE_DELAYS + "; the Hessian correction's path runs in COMMANDS",
+    "python examples/benchmarks/bench_stage_delays.py --delays 1,1,1,1 3,3,3,3": STAGE_DELAYS,
+    "python examples/benchmarks/bench_stage_delays.py --lr 0.01 --delays 0,0,0,0 3,2,1,0": STAGE_DELAYS,
     "python examples/benchmarks/bench_stage_delays.py --batch-size 8 --lr 0.00375 --delays 0,0,0,0 3,2,1,0":
         STAGE_DELAYS,
     "python examples/benchmarks/bench_stage_delays.py --batch-size 8 --lr 0.0125 --delays 0,0,0,0 3,2,1,0":
