@@ -189,7 +189,7 @@ COMMANDS: dict[str, Run | Covered | Within] = {
            ("nesterov+m=8", "transformer", "adam", 3, " --lr-grid 0.003"),
            ("nesterov+m=8", "lstm", "adam", 3, " --lr-grid 0.01"),
            ("nesterov+m=8", "vgg", "adam", 3, " --lr-grid 0.001,0.003"),
-           ("nesterov+m=8", "resnet", "adam", 3, " --lr-grid 0.01"))},
+           ("nesterov+m=8", "resnet", "adam", 3, " --lr-grid 0.01"), ("nesterov+m=8", "resnet", "sgd", 3, ""))},
     "python examples/benchmarks/bench_stage_delays.py": Run(
         "delays 3,2,1,0:", append="--delays 3,2,1,0 0,0,0,0 --epochs 1 --train-samples 256 --seeds 1", slow=True),
     "python examples/benchmarks/bench_stage_delays.py --delays 3,2,1,0 --hessian-correction 0.5": Run(
