@@ -116,7 +116,8 @@ def wrap(model: nn.Module, example_inputs: Any, *,
         dynamic_shapes: boundary shapes may depend on values (a header per message).
         receive_ahead: distributed engine: post each receive one computation early.
         timeout: seconds a rank waits for another before it stops with an error naming it (with compile, at least
-            10 minutes while a peer may still be compiling: pipetrain.comm.compile_grace).
+            10 minutes while a peer may still be compiling: pipetrain.comm.compile_grace; under torchrun, at least
+            10 minutes at the rendezvous, where ranks arrive after start-up work of their own: comm.world).
     Hybrid mode:
         allreduce: "hybrid" (per bucket, flat or hierarchical as ``cluster`` prices them), "flat",
             "hierarchical" or "per-tensor". cluster: a preset or Cluster JSON. bucket_mb: bucket size.

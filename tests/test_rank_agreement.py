@@ -350,3 +350,42 @@ def test_the_rendezvous_pipetrain_makes_gives_up_after_the_timeout_naming_the_ad
     line = next(line for line in done.stdout.splitlines() if "Failure" in line or "Error" in line)
     assert line.startswith("PeerFailure: rank 1: the rendezvous at 127.0.0.1:"), line
     assert "(MASTER_ADDR:MASTER_PORT) of 2 ranks did not complete" in line and "no answer" in line, line
+
+
+LATE_STARTER = """
+import os, sys, time
+from pathlib import Path
+import torch
+import pipetrain
+arrived = Path(sys.argv[1])
+if os.environ["RANK"] == "0":
+    arrived.touch()  # rank 0 starts waiting at the rendezvous now
+else:
+    while not arrived.exists():
+        time.sleep(0.05)
+    time.sleep(3)  # start-up work of its own: rank 1 arrives at least 3 s after rank 0 began to wait
+torch.manual_seed(0)
+pipe = pipetrain.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), torch.randn(2, 4),
+                      stages=2, micro_batches=2, timeout=1, profile=False, loss_fn=torch.nn.functional.cross_entropy,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+loss = pipe.step(torch.randn(4, 4), torch.tensor([0, 1, 0, 1]))
+if os.environ["RANK"] == "0":
+    print(f"trained: loss {loss:.4f}", flush=True)
+pipe.close()
+"""
+
+
+def test_under_torchrun_a_rank_that_starts_late_is_waited_for_at_the_rendezvous(tmp_path):
+    # wrap(timeout=1) and a rank that reaches wrap() at least 3 s after the other began to wait there (a sleep is a
+    # lower bound on any machine, however loaded): under torchrun the rendezvous waits for start-up work (its
+    # agent stops the job if a worker dies), so both train; with the 1 s timeout there, rank 0 would stop.
+    import subprocess
+    import sys
+    script = tmp_path / "late_starter.py"
+    script.write_text(LATE_STARTER)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script),
+                           str(tmp_path / "arrived")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained: loss" in done.stdout

@@ -44,15 +44,31 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+# Ranks reach wrap() after start-up work of their own (importing torch, reading data, building the model), which a
+# loaded machine or a large model spreads over minutes: at the rendezvous, wrap's ``timeout`` (a bound for a peer that
+# died or hangs in steady state) would call a slow starter dead. Under torchrun a dead worker cannot keep the others
+# waiting: its agent stops every worker of the job. So there the rendezvous waits this long at least (as long as
+# NCCL's default collective timeout). Launched otherwise, nothing would stop a rank waiting for a dead peer, and the
+# timeout stands as given.
+STARTUP_SECONDS = 600.0
+
+
+def rendezvous_seconds(timeout_seconds: float) -> float:
+    """How long the rendezvous of the default process group waits for every rank to arrive (see STARTUP_SECONDS)."""
+    return max(timeout_seconds, STARTUP_SECONDS) if "TORCHELASTIC_RUN_ID" in os.environ else timeout_seconds
+
+
 def ensure_process_group(timeout_seconds: float) -> None:
-    """Join the default process group torchrun described (gloo on CPU, NCCL on GPU), within ``timeout_seconds``."""
+    """Join the default process group torchrun described (gloo on CPU, NCCL on GPU); the ranks wait for each other
+    there ``rendezvous_seconds(timeout_seconds)``. pipetrain's own process groups, which carry every collective of
+    its pipelines, keep ``timeout_seconds``."""
     if dist.is_initialized():
         return
     if not launched_by_torchrun():
         raise RuntimeError("engine='distributed' needs torchrun (or an initialised torch.distributed process "
                            "group); run `torchrun --nproc-per-node N script.py` or use engine='local'")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = timedelta(seconds=timeout_seconds)
+    timeout = timedelta(seconds=rendezvous_seconds(timeout_seconds))
     # NCCL binds each rank to one GPU: set it before the first collective, and name it to the group
     # (device_id) so that communicators are created eagerly on that device instead of guessed later.
     device = None
@@ -64,7 +80,7 @@ def ensure_process_group(timeout_seconds: float) -> None:
     with peers_answer(f"the rendezvous at {address} (MASTER_ADDR:MASTER_PORT) of {size} ranks",
                       "check that every rank got the same MASTER_ADDR and MASTER_PORT and that nothing else "
                       "listens there, or raise wrap(..., timeout=...) if the ranks start far apart"):
-        store = _within(timeout_seconds, address, lambda: _rendezvous_store(rank, size, timeout))
+        store = _within(timeout.total_seconds(), address, lambda: _rendezvous_store(rank, size, timeout))
         # torch._dynamo imported while a gloo group exists keeps that group's worker threads alive after it is
         # destroyed (torch 2.14), and they abort the interpreter's teardown. Every training process imports it
         # anyway (torch.optim's constructors do); here it comes first, so the default group still ends at exit.
